@@ -1,0 +1,4 @@
+from mimo_sft.cli import main
+
+if __name__ == "__main__":
+    main()

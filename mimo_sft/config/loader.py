@@ -1,0 +1,254 @@
+"""Load an ExperimentConfig from YAML plus command-line flags (flags win).
+
+Unknown keys, unknown flags and wrong types raise ``UserError`` naming the key or flag and
+suggesting the closest valid one. ``--component`` flags, when given, replace the YAML's
+``parallel.components`` as a whole: the flags then describe the complete layout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import typing
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import yaml
+
+from mimo_sft.config.schema import SECTIONS, ExperimentConfig
+from mimo_sft.errors import UserError
+from mimo_sft.parallel.components import parse_component
+
+
+@dataclass(frozen=True)
+class FlagSpec:
+    flag: str
+    section: str
+    name: str
+    type: Any  # int, float, str, bool
+    optional: bool
+    help: str
+    choices: tuple | None
+    negatable: bool
+
+
+def _base_type(tp) -> tuple[Any, bool]:
+    origin = typing.get_origin(tp)
+    if origin is typing.Union:
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return args[0], True
+    return tp, False
+
+
+def _section_classes() -> dict[str, type]:
+    hints = typing.get_type_hints(ExperimentConfig)
+    return {name: hints[name] for name in SECTIONS}
+
+
+def flag_table() -> dict[str, FlagSpec]:
+    """Every flag that overrides a config key, generated from the schema's field metadata."""
+    table: dict[str, FlagSpec] = {}
+    for section, cls in _section_classes().items():
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            flag = f.metadata.get("flag")
+            if not flag:
+                continue
+            tp, optional = _base_type(hints[f.name])
+            table[flag] = FlagSpec(
+                flag, section, f.name, tp, optional, f.metadata.get("help", ""), f.metadata.get("choices"),
+                bool(f.metadata.get("negatable")) or tp is bool,
+            )
+    return table
+
+
+EXTRA_FLAGS = {
+    "--config": "YAML experiment config; flags override its keys",
+    "--component": "NAME=k=v,... module rank group (repeatable); keys tp, pp, cp, dp, etp, rank_offset",
+}
+
+
+def _suggest(word: str, choices) -> str:
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+def _coerce(value: Any, tp: Any, optional: bool, where: str, choices: tuple | None = None) -> Any:
+    if value is None:
+        if optional:
+            return None
+        raise UserError(f"{where}: must not be empty")
+    try:
+        if tp is bool:
+            if isinstance(value, bool):
+                out = value
+            elif isinstance(value, str) and value.lower() in ("1", "true", "yes", "on"):
+                out = True
+            elif isinstance(value, str) and value.lower() in ("0", "false", "no", "off"):
+                out = False
+            else:
+                raise ValueError
+        elif tp is int:
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                raise ValueError
+            out = int(value) if not isinstance(value, str) else int(value.strip())
+        elif tp is float:
+            if isinstance(value, bool):
+                raise ValueError
+            out = float(value)
+        elif tp is str:
+            if isinstance(value, (dict, list, bool)):
+                raise ValueError
+            out = str(value)
+        elif tp is dict:
+            if not isinstance(value, dict):
+                raise ValueError
+            out = value
+        else:  # pragma: no cover - schema uses only the types above
+            out = value
+    except (TypeError, ValueError):
+        name = getattr(tp, "__name__", str(tp))
+        raise UserError(f"{where}: expected {'a' if name != 'int' else 'an'} {name}, got {value!r}") from None
+    if choices and out not in choices:
+        raise UserError(f"{where}: {out!r} is not one of {', '.join(map(str, choices))}{_suggest(str(out), choices)}")
+    return out
+
+
+def parse_flags(args: list[str]) -> tuple[Optional[str], list[str], dict[tuple[str, str], Any]]:
+    """Split ``args`` into (config path, component strings, {(section, key): value})."""
+    table = flag_table()
+    negations = {"--no-" + f[2:]: spec for f, spec in table.items() if spec.negatable}
+    config_path: Optional[str] = None
+    components: list[str] = []
+    overrides: dict[tuple[str, str], Any] = {}
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--"):
+            raise UserError(f"unexpected argument {arg!r}; every setting is a --flag (see --help)")
+        name, eq, inline = arg.partition("=")
+
+        def take_value() -> str:
+            nonlocal i
+            if eq:
+                return inline
+            if i + 1 >= len(args) or (args[i + 1].startswith("--") and not _is_number(args[i + 1])):
+                raise UserError(f"{name} needs a value")
+            i += 1
+            return args[i]
+
+        if name == "--config":
+            config_path = take_value()
+        elif name == "--component":
+            components.append(take_value())
+        elif name in table:
+            spec = table[name]
+            if spec.type is bool and not eq:
+                value: Any = True
+            else:
+                value = take_value()
+            overrides[(spec.section, spec.name)] = _coerce(value, spec.type, spec.optional, name, spec.choices)
+        elif name in negations and not eq:
+            spec = negations[name]
+            overrides[(spec.section, spec.name)] = False
+        else:
+            known = list(table) + list(negations) + list(EXTRA_FLAGS)
+            raise UserError(f"unknown flag {name}{_suggest(name, known)}; run with --help for the list")
+        i += 1
+    return config_path, components, overrides
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+        return True
+    except ValueError:
+        return False
+
+
+def _build_section(cls: type, raw: Any, section: str) -> Any:
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise UserError(f"{section}: expected a mapping of keys, got {type(raw).__name__}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    problems = []
+    kwargs = {}
+    for key, value in raw.items():
+        if key not in fields:
+            problems.append(f"unknown key '{section}.{key}'{_suggest(str(key), fields)}")
+            continue
+        tp, optional = _base_type(hints[key])
+        try:
+            kwargs[key] = _coerce(value, tp, optional, f"{section}.{key}", fields[key].metadata.get("choices"))
+        except UserError as e:
+            problems.append(str(e))
+    if problems:
+        raise UserError(problems[0], problems=problems)
+    return cls(**kwargs)
+
+
+def config_from_dict(raw: dict, *, source: str = "config") -> ExperimentConfig:
+    if not isinstance(raw, dict):
+        raise UserError(f"{source}: the top level must be a mapping with sections {', '.join(SECTIONS)}")
+    problems: list[str] = []
+    sections = {}
+    classes = _section_classes()
+    for key in raw:
+        if key not in classes:
+            problems.append(f"{source}: unknown section '{key}'{_suggest(str(key), SECTIONS)}; sections: {', '.join(SECTIONS)}")
+    for name, cls in classes.items():
+        try:
+            sections[name] = _build_section(cls, raw.get(name), name)
+        except UserError as e:
+            problems.extend(f"{source}: {p}" for p in e.problems)
+    if problems:
+        raise UserError(problems[0], problems=problems)
+    return ExperimentConfig(**sections)
+
+
+def load_yaml(path: str) -> dict:
+    if not os.path.isfile(path):
+        raise UserError(f"--config {path}: file not found")
+    try:
+        with open(path) as fh:
+            data = yaml.safe_load(fh)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        at = f" at line {mark.line + 1}" if mark else ""
+        raise UserError(f"--config {path}: not valid YAML{at}; fix the syntax") from None
+    return data or {}
+
+
+def load_config(args: list[str]) -> ExperimentConfig:
+    """Resolve YAML (``--config``) plus flag overrides into a typed ExperimentConfig."""
+    config_path, components, overrides = parse_flags(args)
+    raw: dict = load_yaml(config_path) if config_path else {}
+    if not isinstance(raw, dict):
+        raise UserError(f"--config {config_path}: the top level must be a mapping of sections")
+    raw = {k: (dict(v) if isinstance(v, dict) else v) for k, v in raw.items()}
+    for (section, key), value in overrides.items():
+        raw.setdefault(section, {})
+        if not isinstance(raw[section], dict):
+            raw[section] = {}
+        raw[section][key] = value
+    if components:
+        specs = {}
+        for text in components:
+            spec = parse_component(text)
+            if spec.name in specs:
+                raise UserError(f"--component: module '{spec.name}' is given twice; give each module once")
+            specs[spec.name] = spec.to_dict()
+        raw.setdefault("parallel", {})
+        raw["parallel"]["components"] = specs
+    return config_from_dict(raw, source=config_path or "flags")
+
+
+def config_to_dict(cfg: ExperimentConfig) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def dump_config(cfg: ExperimentConfig) -> str:
+    return yaml.safe_dump(config_to_dict(cfg), sort_keys=False)

@@ -1,0 +1,126 @@
+"""Every setting of an experiment, as typed dataclasses.
+
+Each field's ``metadata`` may carry ``flag`` (the command-line flag that overrides it) and ``help``.
+The flag table in ``config.flags`` is generated from these, so a setting, its YAML key and its flag
+are declared once. YAML mirrors the sections: ``model:``, ``data:``, ``parallel:``, ``reorder:``,
+``train:``, ``optimizer:``, ``checkpoint:``, ``logging:``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from mimo_sft.parallel.components import ComponentSpec
+
+
+def opt(default, flag: str | None = None, help: str = "", choices: tuple | None = None, **kw):
+    """A dataclass field with its flag and help text attached."""
+    meta = {"flag": flag, "help": help, "choices": choices, **kw}
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda d=default: type(d)(d), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class ModelConfig:
+    hf_model: Optional[str] = opt(None, "--hf-model", "Hugging Face Qwen-VL checkpoint folder (config.json, safetensors, processor files)")
+    family: str = opt("auto", "--model-family", "model family; 'auto' reads config.json", choices=("auto", "qwen2_5_vl"))
+    allow_random_init: bool = opt(False, "--allow-random-init", "build the architecture from --hf-model's config without loading weights")
+    pretrained_checkpoint: Optional[str] = opt(None, "--pretrained-checkpoint", "start from the weights of a mimo-sft checkpoint (fresh optimizer and step 0)")
+    freeze_vision: bool = opt(False, "--freeze-vision", "do not train the vision tower")
+    freeze_projector: bool = opt(False, "--freeze-projector", "do not train the patch merger (projector)")
+    freeze_language: bool = opt(False, "--freeze-language", "do not train the language model")
+    dtype: str = opt("fp32", "--dtype", "parameter and compute dtype", choices=("fp32", "bf16"))
+
+
+@dataclass
+class DataConfig:
+    dataset_path: Optional[str] = opt(None, "--dataset-path", "parquet/json/jsonl file or folder, a save_to_disk folder, or a hub name")
+    split: str = opt("train", "--dataset-split", "dataset split to read")
+    schema: str = opt("auto", "--dataset-schema", "column layout of the dataset", choices=("auto", "messages", "sharegpt"))
+    messages_column: str = opt("messages", "--messages-column", "column with chat messages (messages schema)")
+    images_column: str = opt("images", "--images-column", "column with the sample's images")
+    conversations_column: str = opt("conversations", "--conversations-column", "column with ShareGPT/LLaVA turns")
+    image_root: Optional[str] = opt(None, "--image-root", "folder that relative image paths are resolved against (default: the dataset's folder)")
+    min_pixels: Optional[int] = opt(None, "--min-pixels", "smallest image area after resizing (default: the processor's)")
+    max_pixels: Optional[int] = opt(None, "--max-pixels", "largest image area after resizing (default: the processor's)")
+    seq_length: int = opt(1024, "--seq-length", "tokens per sample after padding/truncation")
+    pad_to_seq_length: bool = opt(True, "--pad-to-seq-length", "pad every sample to --seq-length (required by reordering)", negatable=True)
+    dataloader_type: str = opt("single", "--dataloader-type", "'single' reads in order, 'cyclic' reshuffles each epoch", choices=("single", "cyclic"))
+    drop_last: bool = opt(True, "--drop-last", "drop the incomplete last global batch of an epoch", negatable=True)
+    num_workers: int = opt(0, "--num-workers", "DataLoader worker processes per rank")
+    on_truncation: str = opt("drop", "--on-truncation", "what to do with a sample whose image tokens do not fit in --seq-length", choices=("drop", "error"))
+
+
+@dataclass
+class ParallelConfig:
+    components: dict = opt({}, None, "module name -> {tp, pp, cp, dp, etp, rank_offset}; flag: --component NAME=k=v,...")
+    world_size: Optional[int] = opt(None, "--world-size", "total ranks (default: implied by the components)")
+    scalable_dp: bool = opt(False, "--scalable-dp", "every data rank reads only its canonical-grid shard of each micro-batch")
+
+    def specs(self) -> list[ComponentSpec]:
+        from mimo_sft.parallel.components import component_from_mapping
+
+        return [component_from_mapping(n, v, where=f"parallel.components.{n}") for n, v in self.components.items()]
+
+
+@dataclass
+class ReorderConfig:
+    enabled: bool = opt(False, "--intra-microbatch-reorder", "balance each micro-batch's vision load across DP ranks")
+    encoder_cost_weight: float = opt(1.0, "--reorder-encoder-cost-weight", "cost per vision patch")
+    language_cost_weight: float = opt(0.0, "--reorder-language-cost-weight", "cost per real language token (0: vision only)")
+    overlap: bool = opt(True, "--overlap-intra-microbatch-reorder", "exchange the next window on a background thread", negatable=True)
+    window_size: int = opt(1, "--reorder-window-size", "micro-batches balanced together in one exchange")
+
+
+@dataclass
+class TrainConfig:
+    micro_batch_size: int = opt(4, "--micro-batch-size", "samples in one global MIMO micro-batch (all DP ranks together)")
+    global_batch_size: int = opt(8, "--global-batch-size", "samples per optimizer step; a multiple of --micro-batch-size")
+    train_iters: int = opt(10, "--train-iters", "optimizer steps")
+    seed: int = opt(1234, "--seed", "seed for init, data order and dropout")
+
+
+@dataclass
+class OptimizerConfig:
+    lr: float = opt(1e-5, "--lr", "peak learning rate")
+    min_lr: float = opt(0.0, "--min-lr", "learning rate at the end of cosine decay")
+    lr_warmup_iters: int = opt(0, "--lr-warmup-iters", "linear warmup steps")
+    lr_decay_style: str = opt("cosine", "--lr-decay-style", "decay after warmup", choices=("cosine", "linear", "constant"))
+    weight_decay: float = opt(0.0, "--weight-decay", "AdamW weight decay")
+    adam_beta1: float = opt(0.9, "--adam-beta1", "Adam beta1")
+    adam_beta2: float = opt(0.95, "--adam-beta2", "Adam beta2")
+    adam_eps: float = opt(1e-8, "--adam-eps", "Adam epsilon")
+    clip_grad: float = opt(1.0, "--clip-grad", "global gradient-norm clip (0 disables)")
+    use_distributed_optimizer: bool = opt(False, "--use-distributed-optimizer", "shard optimizer state across DP ranks")
+
+
+@dataclass
+class CheckpointConfig:
+    save: Optional[str] = opt(None, "--save", "checkpoint folder (default: OUTPUT_DIR/checkpoints)")
+    save_interval: Optional[int] = opt(None, "--save-interval", "save every N steps (and at the end)")
+    load_checkpoint: Optional[str] = opt(None, "--load-checkpoint", "resume model, optimizer, scheduler, RNG and data position from this folder")
+    export_hf: Optional[str] = opt(None, "--export-hf", "write the final weights as a Hugging Face folder here")
+
+
+@dataclass
+class LoggingConfig:
+    output_dir: str = opt("runs/mimo-sft", "--output-dir", "metrics.jsonl, TensorBoard events, resolved config, checkpoints")
+    log_interval: int = opt(1, "--log-interval", "print a progress line every N steps")
+    tensorboard: bool = opt(True, "--tensorboard", "write TensorBoard event files", negatable=True)
+
+
+@dataclass
+class ExperimentConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    reorder: ReorderConfig = field(default_factory=ReorderConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+
+SECTIONS = ("model", "data", "parallel", "reorder", "train", "optimizer", "checkpoint", "logging")
