@@ -1,0 +1,57 @@
+#!/usr/bin/env python
+"""Write a tiny random Qwen2.5-VL checkpoint (config, safetensors, image-only processor).
+
+    python scripts/make_tiny_qwen_vl.py OUT_DIR [--seed N] [--text-hidden 64] ...
+
+The logic lives in ``mimo_sft.data.tiny_checkpoint``; this is only the command line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from mimo_sft.errors import UserError  # noqa: E402
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("out_dir")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--vision-hidden", type=int, default=32)
+    p.add_argument("--vision-depth", type=int, default=2)
+    p.add_argument("--vision-heads", type=int, default=2)
+    p.add_argument("--text-hidden", type=int, default=64)
+    p.add_argument("--text-layers", type=int, default=2)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--intermediate", type=int, default=128)
+    p.add_argument("--tie-embeddings", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--patch-size", type=int, default=14)
+    p.add_argument("--merge-size", type=int, default=2)
+    p.add_argument("--min-pixels", type=int, default=None, help="default: 4 merged tokens' worth")
+    p.add_argument("--max-pixels", type=int, default=None, help="default: 64 merged tokens' worth")
+    p.add_argument("--tokenizer-vocab", type=int, default=1024)
+    a = p.parse_args(argv)
+    from mimo_sft.data.tiny_checkpoint import write_tiny_checkpoint
+
+    try:
+        out = write_tiny_checkpoint(
+            a.out_dir, seed=a.seed, vision_hidden=a.vision_hidden, vision_depth=a.vision_depth,
+            vision_heads=a.vision_heads, text_hidden=a.text_hidden, text_layers=a.text_layers,
+            heads=a.heads, kv_heads=a.kv_heads, intermediate=a.intermediate,
+            tie_embeddings=a.tie_embeddings, patch_size=a.patch_size, merge_size=a.merge_size,
+            min_pixels=a.min_pixels, max_pixels=a.max_pixels, tokenizer_vocab=a.tokenizer_vocab,
+        )
+    except UserError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(f"wrote tiny Qwen2.5-VL checkpoint to {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
