@@ -1,0 +1,63 @@
+"""Intra-microbatch reordering: balance per-sample vision load across a module's DP ranks.
+
+Pure planning (:mod:`.planning`) and byte packing (:mod:`.serialize`) import no collectives;
+:mod:`.exchange` runs the one all-gather + one ragged all-to-all per window; :mod:`.buffer` wraps
+the data iterator (optionally overlapping the next window's exchange on a background thread).
+"""
+
+from mimo_sft.data.reorder.buffer import ReorderingBuffer, check_overlap_allowed
+from mimo_sft.data.reorder.exchange import exchange_window, reorder_local, window_plan_info
+from mimo_sft.data.reorder.planning import (
+    balanced_assignment,
+    balanced_groups,
+    balanced_index_order,
+    batch_costs,
+    load_spread,
+    lower_bound_max_load,
+    lpt_equal_count,
+    make_cost_fn,
+    make_patch_count_fn,
+    optimal_max_load,
+    patch_counts,
+    rank_loads,
+    sample_cost,
+    window_routes,
+)
+from mimo_sft.data.reorder.serialize import (
+    deserialize_records,
+    merge_samples,
+    permute_batch,
+    record_meta,
+    record_nbytes,
+    serialize_records,
+    split_samples,
+)
+
+__all__ = [
+    "ReorderingBuffer",
+    "balanced_assignment",
+    "balanced_groups",
+    "balanced_index_order",
+    "batch_costs",
+    "check_overlap_allowed",
+    "deserialize_records",
+    "exchange_window",
+    "load_spread",
+    "lower_bound_max_load",
+    "lpt_equal_count",
+    "make_cost_fn",
+    "make_patch_count_fn",
+    "merge_samples",
+    "optimal_max_load",
+    "patch_counts",
+    "permute_batch",
+    "rank_loads",
+    "record_meta",
+    "record_nbytes",
+    "reorder_local",
+    "sample_cost",
+    "serialize_records",
+    "split_samples",
+    "window_plan_info",
+    "window_routes",
+]

@@ -1,0 +1,349 @@
+"""Cost model and balanced assignment for intra-microbatch reordering (pure: no collectives).
+
+Every function here is a deterministic function of its arguments. That is the whole trick that
+lets the vision and language modules agree on one assignment without talking to each other: both
+compute the same per-sample costs from fields they both hold (``input_ids``, ``attention_mask``),
+all-gather them within their own DP group, and run the same planner over the canonical grid
+(``G = lcm`` of the module DP sizes). A module of DP size ``d`` owns ``G / d`` consecutive canonical
+groups, so modules of different DP sizes read the same global order at different granularities.
+
+Nothing here imports ``torch.distributed`` or megatron, so it is unit-tested without processes.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Mapping, Sequence
+
+import torch
+
+#: Relative slack below which a swap is not counted as an improvement. Guards the refinement loop
+#: against float round-off ping-pong; costs are usually integers, where it never matters.
+_IMPROVE_EPS = 1e-12
+
+
+# ---------------------------------------------------------------------------------------------
+# cost model
+# ---------------------------------------------------------------------------------------------
+def _check_weights(encoder_cost_weight: float, language_cost_weight: float) -> None:
+    if encoder_cost_weight < 0 or language_cost_weight < 0:
+        raise ValueError(
+            f"reorder cost weights must be >= 0, got encoder={encoder_cost_weight}, "
+            f"language={language_cost_weight}"
+        )
+    if encoder_cost_weight == 0 and language_cost_weight == 0:
+        raise ValueError("at least one reorder cost weight must be positive")
+
+
+def patch_counts(input_ids: torch.Tensor, *, image_token_id: int, merge_size: int) -> torch.Tensor:
+    """Vision patches per sample, from ``input_ids`` alone.
+
+    Each image placeholder token stands for ``merge_size**2`` patches, so the count is identical on
+    ranks that hold pixels and on language-only ranks that never see them.
+    ``input_ids`` is ``[S]`` (one sample) or ``[B, S]``; returns an int64 tensor of shape ``[]`` / ``[B]``.
+    """
+    return (input_ids == image_token_id).sum(dim=-1) * (merge_size * merge_size)
+
+
+def batch_costs(
+    fields: Mapping[str, torch.Tensor],
+    *,
+    encoder_cost_weight: float,
+    language_cost_weight: float = 0.0,
+    image_token_id: int,
+    merge_size: int,
+) -> list[float]:
+    """Per-sample cost of every sample in a micro-batch (vectorised :func:`sample_cost`)."""
+    _check_weights(encoder_cost_weight, language_cost_weight)
+    input_ids = fields["input_ids"]
+    if input_ids.dim() == 1:
+        input_ids = input_ids.unsqueeze(0)
+    cost = encoder_cost_weight * patch_counts(
+        input_ids, image_token_id=image_token_id, merge_size=merge_size
+    ).to(torch.float64)
+    if language_cost_weight:
+        mask = fields.get("attention_mask")
+        if mask is None:
+            raise ValueError("language_cost_weight > 0 needs attention_mask on every rank")
+        if mask.dim() == 1:
+            mask = mask.unsqueeze(0)
+        cost = cost + language_cost_weight * mask.to(torch.float64).sum(dim=-1)
+    return [float(c) for c in cost.tolist()]
+
+
+def sample_cost(
+    flat_or_fields: Mapping[str, torch.Tensor],
+    *,
+    encoder_cost_weight: float,
+    language_cost_weight: float = 0.0,
+    image_token_id: int,
+    merge_size: int,
+) -> float:
+    """Cost of ONE sample: ``encoder_weight * patches + language_weight * real tokens``.
+
+    ``flat_or_fields`` holds that sample's ``input_ids`` (``[S]`` or ``[1, S]``) and, when the
+    language weight is positive, its ``attention_mask``. Only fields every module holds are read.
+    """
+    costs = batch_costs(
+        flat_or_fields,
+        encoder_cost_weight=encoder_cost_weight,
+        language_cost_weight=language_cost_weight,
+        image_token_id=image_token_id,
+        merge_size=merge_size,
+    )
+    if len(costs) != 1:
+        raise ValueError(f"sample_cost expects one sample, got {len(costs)}; use batch_costs")
+    return costs[0]
+
+
+def make_cost_fn(
+    *,
+    encoder_cost_weight: float = 1.0,
+    language_cost_weight: float = 0.0,
+    image_token_id: int,
+    merge_size: int,
+) -> Callable[[Mapping[str, torch.Tensor]], list[float]]:
+    """A ``cost_fn(batch) -> list[float]`` for :class:`ReorderingBuffer`, weights validated once."""
+    _check_weights(encoder_cost_weight, language_cost_weight)
+
+    def cost_fn(batch: Mapping[str, torch.Tensor]) -> list[float]:
+        return batch_costs(
+            batch,
+            encoder_cost_weight=encoder_cost_weight,
+            language_cost_weight=language_cost_weight,
+            image_token_id=image_token_id,
+            merge_size=merge_size,
+        )
+
+    return cost_fn
+
+
+def make_patch_count_fn(
+    *, image_token_id: int, merge_size: int
+) -> Callable[[Mapping[str, torch.Tensor]], list[float]]:
+    """A ``load_fn(batch)`` giving per-sample vision patches (for the vision-load statistics)."""
+
+    def load_fn(batch: Mapping[str, torch.Tensor]) -> list[float]:
+        ids = batch["input_ids"]
+        return [float(c) for c in patch_counts(ids, image_token_id=image_token_id, merge_size=merge_size).tolist()]
+
+    return load_fn
+
+
+# ---------------------------------------------------------------------------------------------
+# balancing
+# ---------------------------------------------------------------------------------------------
+def _check_grid(n_items: int, n_groups: int) -> int:
+    if n_groups <= 0:
+        raise ValueError(f"n_groups must be positive, got {n_groups}")
+    if n_items % n_groups:
+        raise ValueError(f"{n_items} samples cannot be split into {n_groups} equal canonical groups")
+    return n_items // n_groups
+
+
+def lpt_equal_count(costs: Sequence[float], n_groups: int) -> list[list[int]]:
+    """Plain equal-count LPT: heaviest item first onto the lightest group that still has room.
+
+    Ties go to the lower item index and the lower group index, so the result is deterministic.
+    Kept public as the baseline the benchmark compares against.
+    """
+    per = _check_grid(len(costs), n_groups)
+    items = sorted(range(len(costs)), key=lambda i: (-costs[i], i))
+    groups: list[list[int]] = [[] for _ in range(n_groups)]
+    loads = [0.0] * n_groups
+    for i in items:
+        g = min((g for g in range(n_groups) if len(groups[g]) < per), key=lambda g: (loads[g], g))
+        groups[g].append(i)
+        loads[g] += costs[i]
+    return groups
+
+
+def _refine_by_swaps(costs: Sequence[float], groups: list[list[int]], max_rounds: int) -> None:
+    """Swap one item of the heaviest group with one lighter item elsewhere while that helps.
+
+    Each accepted swap moves ``d > 0`` from the heaviest group ``h`` to a group ``g`` with
+    ``L_g + d < L_h``, so ``sum(L**2)`` strictly drops and the loop terminates; ``max_rounds`` is
+    only a backstop. Among improving swaps the one that leaves the pair's larger load smallest is
+    taken, ties by (group, slot in h, slot in g) order: deterministic for equal inputs.
+    """
+    loads = [sum(costs[i] for i in grp) for grp in groups]
+    scale = max(1.0, max((abs(c) for c in costs), default=1.0))
+    for _ in range(max_rounds):
+        h = max(range(len(groups)), key=lambda g: (loads[g], -g))
+        best = None  # (new pair max, g, a, b)
+        for g in range(len(groups)):
+            if g == h:
+                continue
+            gap = loads[h] - loads[g]
+            if gap <= _IMPROVE_EPS * scale:
+                continue
+            for a, i in enumerate(groups[h]):
+                ci = costs[i]
+                for b, j in enumerate(groups[g]):
+                    d = ci - costs[j]
+                    if d <= 0 or d >= gap - _IMPROVE_EPS * scale:
+                        continue
+                    key = (max(loads[h] - d, loads[g] + d), g, a, b)
+                    if best is None or key < best:
+                        best = key
+        if best is None:
+            return
+        _, g, a, b = best
+        i, j = groups[h][a], groups[g][b]
+        groups[h][a], groups[g][b] = j, i
+        d = costs[i] - costs[j]
+        loads[h] -= d
+        loads[g] += d
+
+
+def balanced_groups(costs: Sequence[float], n_groups: int, *, refine: bool = True) -> list[list[int]]:
+    """Equal-count groups of item indices with a small heaviest group (each group sorted by index).
+
+    LPT gives a good start; swap refinement then removes most of its gap to the optimum on bimodal
+    image costs (see ``scripts/bench_reorder.py``). Sorting inside each group keeps the sender's
+    original relative order, which makes a no-op reorder an identity permutation.
+    """
+    groups = lpt_equal_count(costs, n_groups)
+    if refine and n_groups > 1:
+        _refine_by_swaps(costs, groups, max_rounds=4 * len(costs) * len(costs) + 16)
+    for grp in groups:
+        grp.sort()
+    per = len(costs) // n_groups
+    assert all(len(grp) == per for grp in groups), "equal-count invariant broken"
+    return groups
+
+
+def balanced_index_order(costs: Sequence[float], n_groups: int) -> list[int]:
+    """A permutation of ``range(len(costs))`` laid out group by group, ``len/n_groups`` per group.
+
+    Canonical group ``g`` is ``order[g*per:(g+1)*per]``. Groups are ordered by their smallest
+    original index, so that with balanced input the order stays close to the identity.
+    """
+    groups = balanced_groups(costs, n_groups)
+    groups.sort(key=lambda grp: grp[0] if grp else -1)
+    order = [i for grp in groups for i in grp]
+    if sorted(order) != list(range(len(costs))):
+        raise AssertionError(f"balanced_index_order produced a non-permutation: {order}")
+    return order
+
+
+def balanced_assignment(costs: Sequence[float], n_groups: int, dp_size: int) -> list[tuple[int, int]]:
+    """``(owner_rank, canonical_pos)`` for every global sample index of one micro-batch.
+
+    Rank ``r`` of a module of size ``dp_size`` owns canonical groups ``[r*G/d, (r+1)*G/d)``, i.e.
+    positions ``[r*n/d, (r+1)*n/d)`` of :func:`balanced_index_order`; ``canonical_pos`` is the
+    sample's index inside that rank's slice.
+    """
+    if dp_size <= 0 or n_groups % dp_size:
+        raise ValueError(f"dp_size {dp_size} must divide the canonical grid {n_groups}")
+    order = balanced_index_order(costs, n_groups)
+    per_rank = len(costs) // dp_size
+    out: list[tuple[int, int] | None] = [None] * len(costs)
+    for k, idx in enumerate(order):
+        out[idx] = (k // per_rank, k % per_rank)
+    assert all(o is not None for o in out)
+    return out  # type: ignore[return-value]
+
+
+def window_routes(
+    window_costs: Sequence[Sequence[float]], n_groups: int, dp_size: int
+) -> list[list[tuple[int, int]]]:
+    """Assignments for a window of micro-batches, one per slot: samples never change slot.
+
+    Balancing each slot on its own keeps every micro-batch's sample set (and so its loss
+    normalisation and the sampler's resume arithmetic) exactly what it was without reordering.
+    """
+    return [balanced_assignment(c, n_groups, dp_size) for c in window_costs]
+
+
+# ---------------------------------------------------------------------------------------------
+# statistics
+# ---------------------------------------------------------------------------------------------
+def rank_loads(
+    costs: Sequence[float], n_groups: int, dp_size: int, order: Sequence[int] | None = None
+) -> list[float]:
+    """Per-rank load of a module of size ``dp_size`` when the micro-batch is laid out as ``order``.
+
+    ``order=None`` is the layout before reordering (rank r holds global positions
+    ``[r*n/d, (r+1)*n/d)``); pass :func:`balanced_index_order` for the layout after.
+    """
+    n = len(costs)
+    if dp_size <= 0 or n % dp_size:
+        raise ValueError(f"{n} samples cannot be split over dp {dp_size}")
+    if n_groups % dp_size:
+        raise ValueError(f"dp_size {dp_size} must divide the canonical grid {n_groups}")
+    order = list(range(n)) if order is None else list(order)
+    if sorted(order) != list(range(n)):
+        raise ValueError("order must be a permutation of the sample indices")
+    per = n // dp_size
+    return [float(sum(costs[i] for i in order[r * per : (r + 1) * per])) for r in range(dp_size)]
+
+
+def load_spread(loads: Sequence[float]) -> dict[str, float]:
+    """``max_over_mean`` (1.0 = perfect) and ``max_minus_min`` of per-rank loads."""
+    if not loads:
+        raise ValueError("no loads")
+    mean = sum(loads) / len(loads)
+    top = max(loads)
+    return {
+        "max_over_mean": (top / mean) if mean > 0 else 1.0,
+        "max_minus_min": top - min(loads),
+        "max": top,
+        "mean": mean,
+    }
+
+
+def lower_bound_max_load(costs: Sequence[float], n_groups: int) -> float:
+    """A lower bound on the heaviest equal-count group, for cases too big for the exact solver.
+
+    max of: the average; the largest item plus the ``per-1`` smallest others (its group must hold
+    ``per`` items); the ``per`` smallest items overall.
+    """
+    per = _check_grid(len(costs), n_groups)
+    srt = sorted(costs)
+    top = srt[-1]
+    return max(sum(costs) / n_groups, top + sum(srt[: per - 1]), sum(srt[:per]))
+
+
+def optimal_max_load(costs: Sequence[float], n_groups: int) -> float:
+    """Exact minimum heaviest-group load under equal counts (branch and bound; small inputs only).
+
+    Used by tests and the benchmark as the yardstick. Items are placed largest first; empty groups
+    are interchangeable, so an item opens at most one new group.
+    """
+    per = _check_grid(len(costs), n_groups)
+    items = sorted(costs, reverse=True)
+    groups = balanced_groups(costs, n_groups)
+    best = [max(sum(costs[i] for i in g) for g in groups)]
+    bound = lower_bound_max_load(costs, n_groups)
+    loads = [0.0] * n_groups
+    counts = [0] * n_groups
+    suffix = [0.0] * (len(items) + 1)
+    for k in range(len(items) - 1, -1, -1):
+        suffix[k] = suffix[k + 1] + items[k]
+
+    def rec(k: int, cur_max: float) -> None:
+        if best[0] <= bound + 1e-12:
+            return
+        if k == len(items):
+            best[0] = min(best[0], cur_max)
+            return
+        # remaining mass must fit under best in the free slots' groups
+        seen = set()
+        for g in range(n_groups):
+            if counts[g] >= per:
+                continue
+            state = (loads[g], counts[g])
+            if state in seen:  # identical groups: symmetric branches
+                continue
+            seen.add(state)
+            new = loads[g] + items[k]
+            if max(cur_max, new) >= best[0] - 1e-12:
+                continue
+            loads[g] += items[k]
+            counts[g] += 1
+            rec(k + 1, max(cur_max, new))
+            loads[g] -= items[k]
+            counts[g] -= 1
+
+    rec(0, 0.0)
+    return best[0]
