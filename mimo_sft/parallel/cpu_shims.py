@@ -38,3 +38,325 @@ def ensure_megatron_importable() -> None:
     stub.paged_stash_pop_kernel = _needs_triton
     stub.__all__ = ["GLOBAL_BLOCK_SIZE", "paged_stash_copy_kernel", "paged_stash_pop_kernel"]
     sys.modules[_PAGED_STASH_OPS] = stub
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU shims: megatron-core 0.19.2 call sites that assume CUDA, bridged for gloo on CPU.
+# ---------------------------------------------------------------------------------------------
+
+import contextlib  # noqa: E402
+import functools  # noqa: E402
+import importlib  # noqa: E402
+
+import torch  # noqa: E402
+
+_SHIMS_APPLIED = False
+
+# Modules whose literal ``device="cuda"`` allocations (and ``torch.cuda.*`` lookups) are
+# redirected to the CPU by replacing their module-level ``torch`` name with a proxy. Each entry
+# names the call sites it serves.
+_CUDA_LITERAL_MODULES = {
+    # get_default_causal_mask / get_sliding_window_causal_mask: torch.ones(..., device="cuda")
+    "megatron.core.transformer.utils": "default causal mask",
+    # found_inf / _dummy_overflow_buf / _scale_one / _scale / mixed-precision flag tensors
+    "megatron.core.optimizer.optimizer": "optimizer state tensors",
+    # get_grad_norm_fp32 / clip_grad_by_total_norm_fp32 / count_zeros_fp32: device='cuda'
+    "megatron.core.optimizer.clip_grads": "grad-norm and clipping buffers",
+    # distributed optimizer: gather buffers (torch.cuda.current_device(), .cuda())
+    "megatron.core.optimizer.distrib_optimizer": "distributed optimizer buffers",
+    # MimoOptimizer: norm_sq / found_inf / success / loss-scale / module_counts on "cuda"
+    "megatron.core.models.mimo.optimizer": "MIMO optimizer reductions",
+    # forward_backward_*: total_num_tokens = torch.zeros([], device="cuda")
+    "megatron.core.pipeline_parallel.schedules": "schedules' token counter",
+    # NCCL warm-up tensor (device="cuda"), torch.cuda.current_stream() waits
+    "megatron.core.distributed.param_and_grad_buffer": "grad buffer",
+    # torch.cuda.Stream(device=torch.cuda.current_device()) for overlapped grad reduce
+    "megatron.core.distributed.distributed_data_parallel": "DDP communication stream",
+    # GlobalMemoryBuffer.get_tensor, l2-norm helpers (device="cuda"), param-hash .cuda()
+    "megatron.core.utils": "global memory buffer and utils",
+}
+
+# Modules that create process groups with backend='nccl' hard-coded; their module-level ``dist``
+# is replaced by a proxy whose group constructors force gloo.
+_NCCL_GROUP_MODULES = {
+    # BridgeCommunicator._get_or_create_broadcast_pg / _get_or_create_bridge_pg
+    "megatron.core.pipeline_parallel.bridge_communicator": "bridge communicator groups",
+    # ColocatedBridgeCommunicator.__init__: gather_pg for fan-in / fan-out
+    "megatron.core.models.mimo.comm.colocated_communicator": "colocated communicator groups",
+}
+
+
+def _cpu_device(device):
+    """Map a CUDA device spec ("cuda", "cuda:0", 0, torch.device("cuda")) to the CPU."""
+    if device is None:
+        return None
+    if isinstance(device, int):
+        return torch.device("cpu")
+    if isinstance(device, str) and device.startswith("cuda"):
+        return torch.device("cpu")
+    if isinstance(device, torch.device) and device.type == "cuda":
+        return torch.device("cpu")
+    return device
+
+
+class _NullStream:
+    """Stands in for a CUDA stream: every wait/record/synchronize is a no-op on the CPU."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, *a, **k):
+        return None
+
+    def wait_event(self, *a, **k):
+        return None
+
+    def record_event(self, *a, **k):
+        return None
+
+    def synchronize(self):
+        return None
+
+    def query(self):
+        return True
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+class _CpuCudaNamespace(types.ModuleType):
+    """``torch.cuda`` as seen by the proxied megatron modules: device/stream calls go to the CPU."""
+
+    def __init__(self):
+        super().__init__("torch.cuda")
+
+    def __getattr__(self, name):
+        return getattr(torch.cuda, name)
+
+    @staticmethod
+    def current_device():
+        return torch.device("cpu")
+
+    @staticmethod
+    def current_stream(*a, **k):
+        return _NullStream()
+
+    Stream = _NullStream
+
+    @staticmethod
+    def stream(*a, **k):
+        return contextlib.nullcontext()
+
+    @staticmethod
+    def synchronize(*a, **k):
+        return None
+
+    @staticmethod
+    def empty_cache():
+        return None
+
+
+def _device_redirect(fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        if "device" in kwargs:
+            kwargs["device"] = _cpu_device(kwargs["device"])
+        return fn(*args, **kwargs)
+
+    return wrapper
+
+
+_FACTORIES = ("zeros", "ones", "empty", "full", "tensor", "arange", "randn", "rand", "randint",
+              "zeros_like", "ones_like", "empty_like", "full_like", "as_tensor", "eye", "linspace")
+
+
+class _CpuTorchProxy(types.ModuleType):
+    """A module-level ``torch`` for one megatron module: factories ignore ``device="cuda"``."""
+
+    def __init__(self):
+        super().__init__("torch")
+        self.cuda = _CpuCudaNamespace()
+        for name in _FACTORIES:
+            setattr(self, name, _device_redirect(getattr(torch, name)))
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+
+def _gloo_new_group(fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        if kwargs.get("backend") == "nccl":
+            kwargs["backend"] = "gloo"
+        return fn(*args, **kwargs)
+
+    return wrapper
+
+
+class _GlooDistProxy(types.ModuleType):
+    """A module-level ``torch.distributed`` whose group constructors turn 'nccl' into 'gloo'."""
+
+    def __init__(self):
+        import torch.distributed as dist
+
+        super().__init__("torch.distributed")
+        self._dist = dist
+        self.new_group = _gloo_new_group(dist.new_group)
+        self.new_subgroups_by_enumeration = _gloo_new_group(dist.new_subgroups_by_enumeration)
+
+    def __getattr__(self, name):
+        return getattr(self._dist, name)
+
+
+_CUDA_TYPE_NAMES = {torch.float32: "torch.cuda.FloatTensor", torch.float16: "torch.cuda.HalfTensor",
+                    torch.bfloat16: "torch.cuda.BFloat16Tensor"}
+
+
+@contextlib.contextmanager
+def _cuda_type_names():
+    """Inside, ``t.type()`` of a CPU float tensor reports the CUDA type name megatron asserts on.
+
+    Scoped to the wrapped megatron functions only (see ``_patch_type_assertions``); the training
+    thread is the only caller of those functions, so no other code observes the patch.
+    """
+    original = torch.Tensor.type
+
+    def type_(self, dtype=None, non_blocking=False, **kwargs):
+        if dtype is None and not kwargs and self.device.type == "cpu" and self.dtype in _CUDA_TYPE_NAMES:
+            return _CUDA_TYPE_NAMES[self.dtype]
+        return original(self, dtype, non_blocking, **kwargs) if dtype is not None else original(self)
+
+    torch.Tensor.type = type_
+    try:
+        yield
+    finally:
+        torch.Tensor.type = original
+
+
+def _with_cuda_type_names(fn):
+    if getattr(fn, "_mimo_cpu_shim", False):
+        return fn
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with _cuda_type_names():
+            return fn(*args, **kwargs)
+
+    wrapper._mimo_cpu_shim = True
+    return wrapper
+
+
+def _patch_type_assertions() -> None:
+    """Gap 4: ``param.grad.type() == 'torch.cuda.FloatTensor'`` checks."""
+    clip = importlib.import_module("megatron.core.optimizer.clip_grads")
+    opt = importlib.import_module("megatron.core.optimizer.optimizer")
+    dist_opt = importlib.import_module("megatron.core.optimizer.distrib_optimizer")
+    mimo_opt = importlib.import_module("megatron.core.models.mimo.optimizer")
+    # clip_grads.clip_grad_by_total_norm_fp32 asserts param.grad.type() == 'torch.cuda.FloatTensor';
+    # it is imported by name into optimizer.py and models/mimo/optimizer.py, so patch all three.
+    wrapped = _with_cuda_type_names(clip.clip_grad_by_total_norm_fp32)
+    for mod in (clip, opt, mimo_opt):
+        mod.clip_grad_by_total_norm_fp32 = wrapped
+    # Float16OptimizerWithFloat16Params.__init__: fp32 params must be 'torch.cuda.FloatTensor'.
+    cls = opt.Float16OptimizerWithFloat16Params
+    cls.__init__ = _with_cuda_type_names(cls.__init__)
+    # DistributedOptimizer._build_model_and_main_param_groups: same check on model params.
+    dcls = dist_opt.DistributedOptimizer
+    inner = dcls.__dict__["_build_model_and_main_param_groups"].__func__
+    dcls._build_model_and_main_param_groups = classmethod(_with_cuda_type_names(inner))
+
+
+def _patch_cuda_namespace() -> None:
+    """Gaps 2 and 5, everywhere megatron calls them (tensor_parallel layers and mappings, attention,
+    mRoPE ``MultimodalRotaryEmbedding``, bridge communicator, MIMO ``_empty_encoder_output``,
+    p2p communication, grad buffer): ``torch.cuda.current_device()`` gives the CPU device and
+    ``torch.cuda.current_stream()`` a no-op stream. Without CUDA both would raise, so nothing
+    that worked before changes.
+    """
+    if getattr(torch.cuda.current_device, "_mimo_cpu_shim", False):
+        return
+
+    def current_device():
+        return torch.device("cpu")
+
+    def current_stream(*a, **k):
+        return _NullStream()
+
+    current_device._mimo_cpu_shim = True
+    torch.cuda.current_device = current_device
+    torch.cuda.current_stream = current_stream
+
+
+def _patch_tensor_cuda() -> None:
+    """Gap 3 (``.cuda()`` calls): ``Tensor.cuda()`` returns the tensor itself when CUDA is absent.
+
+    Call sites: utils.check_param_hashes_across_dp_replicas (``torch.stack(...).cuda()``),
+    MegatronOptimizer state loading (``p.data.cuda()``, ``v.cuda()``), distrib_optimizer's
+    gloo send buffers (``send_tensor.cuda()``). Without CUDA these would raise.
+    """
+    if getattr(torch.Tensor.cuda, "_mimo_cpu_shim", False):
+        return
+
+    def cuda(self, *a, **k):
+        return self
+
+    cuda._mimo_cpu_shim = True
+    torch.Tensor.cuda = cuda
+
+
+def _patch_module_globals() -> None:
+    """Gaps 3 and 6: module-scoped ``torch`` / ``dist`` proxies (see the two tables above)."""
+    for name in _CUDA_LITERAL_MODULES:
+        mod = importlib.import_module(name)
+        if not isinstance(mod.__dict__.get("torch"), _CpuTorchProxy):
+            mod.torch = _CpuTorchProxy()
+    for name in _NCCL_GROUP_MODULES:
+        mod = importlib.import_module(name)
+        if not isinstance(mod.__dict__.get("dist"), _GlooDistProxy):
+            mod.dist = _GlooDistProxy()
+
+
+def _init_memory_buffer_and_rng() -> None:
+    """Gaps 1 and 7.
+
+    * Attention's ``get_global_memory_buffer()`` (core attention baddbmm scratch) asserts the
+      buffer exists; megatron only creates it in ``initialize_model_parallel``, which mimo-sft
+      never calls (groups come from HyperCommGrids).
+    * Layers fork ``get_cuda_rng_tracker()`` for initialisation and dropout; the default tracker
+      stores CUDA RNG states. The inference tracker's fork is a null context (CPU RNG), and its
+      ``add`` is a no-op, so ``model_parallel_cuda_manual_seed`` stays harmless.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import random as mrandom
+
+    if getattr(parallel_state, "_GLOBAL_MEMORY_BUFFER", None) is None:
+        parallel_state._set_global_memory_buffer()
+    tracker = getattr(mrandom, "_CUDA_RNG_STATE_TRACKER", None)
+    if tracker is None or not getattr(tracker, "is_inference_rng_tracker", False):
+        mrandom.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+
+
+def apply_cpu_shims() -> bool:
+    """Bridge megatron-core's CUDA-only call sites for CPU + gloo. Idempotent.
+
+    Does nothing (returns False) when CUDA is available, so GPU runs execute megatron unchanged.
+    Call after ``init_distributed()`` and before building models, DDP, optimizers or schedules.
+    """
+    global _SHIMS_APPLIED
+    if torch.cuda.is_available():
+        return False
+    ensure_megatron_importable()
+    _patch_cuda_namespace()
+    _patch_tensor_cuda()
+    _patch_module_globals()
+    _patch_type_assertions()
+    _init_memory_buffer_and_rng()
+    _SHIMS_APPLIED = True
+    return True
+
+
+def cpu_shims_applied() -> bool:
+    return _SHIMS_APPLIED
