@@ -198,18 +198,27 @@ def _refine_by_swaps(costs: Sequence[float], groups: list[list[int]], max_rounds
 def balanced_groups(costs: Sequence[float], n_groups: int, *, refine: bool = True) -> list[list[int]]:
     """Equal-count groups of item indices with a small heaviest group (each group sorted by index).
 
-    LPT gives a good start; swap refinement then removes most of its gap to the optimum on bimodal
-    image costs (see ``scripts/bench_reorder.py``). Sorting inside each group keeps the sender's
-    original relative order, which makes a no-op reorder an identity permutation.
+    Two deterministic starts are refined by swaps: the LPT layout and the layout as read (identity).
+    The lighter heaviest group wins; on a tie the as-read start wins, because it moves fewer
+    samples (an already balanced micro-batch is not shuffled for nothing). The second start also
+    lets the refinement escape some LPT dead ends. Sorting inside each group keeps the sender's
+    relative order.
     """
-    groups = lpt_equal_count(costs, n_groups)
-    if refine and n_groups > 1:
-        _refine_by_swaps(costs, groups, max_rounds=4 * len(costs) * len(costs) + 16)
-    for grp in groups:
+    per = _check_grid(len(costs), n_groups)
+    lpt = lpt_equal_count(costs, n_groups)
+    if not refine or n_groups == 1:
+        candidates = [lpt]
+    else:
+        ident = [list(range(g * per, (g + 1) * per)) for g in range(n_groups)]
+        rounds = 4 * len(costs) * len(costs) + 16
+        for start in (ident, lpt):
+            _refine_by_swaps(costs, start, max_rounds=rounds)
+        candidates = [ident, lpt]
+    best = min(candidates, key=lambda grp: max(sum(costs[i] for i in g) for g in grp))
+    for grp in best:
         grp.sort()
-    per = len(costs) // n_groups
-    assert all(len(grp) == per for grp in groups), "equal-count invariant broken"
-    return groups
+    assert all(len(grp) == per for grp in best), "equal-count invariant broken"
+    return best
 
 
 def balanced_index_order(costs: Sequence[float], n_groups: int) -> list[int]:
