@@ -127,10 +127,10 @@ class Layout:
         """One row per module for the ``validate`` table."""
         rows = []
         for s in self.components:
-            groups = [
-                f"{self.canonical_groups(s.name, r).start}-{self.canonical_groups(s.name, r).stop - 1}"
-                for r in range(s.dp)
-            ]
+            groups = []
+            for r in range(s.dp):
+                g = self.canonical_groups(s.name, r)
+                groups.append(str(g.start) if len(g) == 1 else f"{g.start}-{g.stop - 1}")
             rows.append(
                 {
                     "module": s.name,

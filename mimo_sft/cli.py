@@ -1,0 +1,182 @@
+"""The ``mimo-sft`` command line: thin parsing, a call into the package, an exit code.
+
+``finetune``, ``validate`` and ``plan`` share one flag table generated from the config schema
+(``config.loader.flag_table``), so a flag means the same thing everywhere. User mistakes arrive as
+``UserError`` and are printed as one line with exit status 2; anything else is a bug and keeps its
+traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from mimo_sft.errors import UserError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="Fine-tune Qwen-VL models on megatron-core's MIMO model.")
+FLAG_COMMAND = {"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []}
+
+
+def _fail(err: UserError, console: Console | None = None) -> None:
+    msg = str(err)
+    print(f"error: {msg}", file=sys.stderr)
+    raise typer.Exit(err.exit_code)
+
+
+def _print_flag_help(command: str, extra: dict[str, str] | None = None) -> None:
+    from mimo_sft.config.loader import EXTRA_FLAGS, flag_table
+
+    console = Console()
+    console.print(f"Usage: mimo-sft {command} [--config FILE] [--component NAME=k=v,...]... [FLAGS]\n")
+    table = Table(show_header=True, header_style="bold", box=None)
+    table.add_column("flag", no_wrap=True)
+    table.add_column("config key", no_wrap=True)
+    table.add_column("meaning")
+    for flag, text in {**EXTRA_FLAGS, **(extra or {})}.items():
+        table.add_row(flag, "", text)
+    for flag, spec in flag_table().items():
+        shown = flag + (f" / --no-{flag[2:]}" if spec.negatable and spec.type is bool else "")
+        if spec.type is not bool:
+            shown += " " + ("{" + ",".join(spec.choices) + "}" if spec.choices else spec.type.__name__.upper())
+        table.add_row(shown, f"{spec.section}.{spec.name}", spec.help)
+    console.print(table)
+
+
+def _wants_help(args: list[str]) -> bool:
+    return "--help" in args or "-h" in args
+
+
+@app.command(context_settings=FLAG_COMMAND)
+def validate(ctx: typer.Context) -> None:
+    """Dry run: load the config exactly as finetune does, run every check, print layout and verdict."""
+    from mimo_sft.config.checks import check_config
+    from mimo_sft.config.loader import dump_config, load_config
+    from mimo_sft.config.report import print_report
+
+    args = list(ctx.args)
+    if _wants_help(args):
+        _print_flag_help("validate", {"--json": "print the verdict and problems as one JSON object",
+                                      "--quiet": "do not print the resolved config"})
+        return
+    as_json = "--json" in args
+    quiet = "--quiet" in args
+    args = [a for a in args if a not in ("--json", "--quiet")]
+    try:
+        cfg = load_config(args)
+    except UserError as e:
+        if as_json:
+            print(json.dumps({"ok": False, "problems": e.problems}))
+            raise typer.Exit(2)
+        for p in e.problems[1:]:
+            print(f"error: {p}", file=sys.stderr)
+        _fail(e)
+    result = check_config(cfg)
+    if as_json:
+        layout = result.layout
+        print(json.dumps({
+            "ok": result.ok,
+            "problems": [str(p) for p in result.problems],
+            "notes": [str(p) for p in result.notes],
+            "world_size": layout.world_size if layout else None,
+            "canonical_grid": layout.canonical_grid if layout else None,
+            "colocated": layout.colocated if layout else None,
+            "modules": layout.rank_rows(cfg.train.micro_batch_size) if layout else [],
+        }))
+    else:
+        print_report(cfg, result, Console(), show_config=not quiet, config_text=dump_config(cfg))
+    if not result.ok:
+        raise typer.Exit(2)
+
+
+@app.command(context_settings=FLAG_COMMAND)
+def finetune(ctx: typer.Context) -> None:
+    """Fine-tune under torchrun: torchrun --nproc-per-node N -m mimo_sft finetune [flags]."""
+    args = list(ctx.args)
+    if _wants_help(args):
+        _print_flag_help("finetune")
+        return
+    from mimo_sft.train.run import finetune as run_finetune
+
+    try:
+        code = run_finetune(args)
+    except UserError as e:
+        _fail(e)
+    raise typer.Exit(code or 0)
+
+
+@app.command("check-model")
+def check_model(
+    hf_model: str = typer.Option(..., "--hf-model", help="Hugging Face Qwen-VL folder to verify"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
+    tolerance: float = typer.Option(1e-5, "--tolerance", help="largest acceptable relative logit difference"),
+) -> None:
+    """Run the checkpoint through transformers and through mimo-sft's megatron model; compare logits."""
+    from mimo_sft.model.check import check_model as run_check
+
+    try:
+        report = run_check(hf_model, tolerance=tolerance)
+    except UserError as e:
+        _fail(e)
+    if as_json:
+        print(json.dumps(report))
+    else:
+        console = Console()
+        verdict = "[bold green]OK[/bold green]" if report["ok"] else "[bold red]MISMATCH[/bold red]"
+        console.print(f"{verdict} {hf_model}: max relative logit difference {report['max_rel_logit_diff']:.3e}, "
+                      f"loss difference {report['loss_diff']:.3e} (tolerance {tolerance:g})")
+    if not report["ok"]:
+        raise typer.Exit(1)
+
+
+@app.command()
+def export(
+    checkpoint: str = typer.Option(..., "--checkpoint", help="a mimo-sft checkpoint folder (or its parent with 'latest')"),
+    out: str = typer.Option(..., "--out", help="folder to write the Hugging Face checkpoint into"),
+    hf_model: Optional[str] = typer.Option(None, "--hf-model", help="source HF folder (default: the one recorded in the checkpoint)"),
+) -> None:
+    """Write a fine-tuned checkpoint as a Hugging Face folder that transformers loads."""
+    from mimo_sft.train.export import export_checkpoint
+
+    try:
+        path = export_checkpoint(checkpoint, out, hf_model=hf_model)
+    except UserError as e:
+        _fail(e)
+    Console().print(f"wrote Hugging Face checkpoint to {path}")
+
+
+PLAN_FLAGS = {"--steps": "micro-batches to simulate (default 50)", "--out": "folder for the PNG",
+              "--json": "print the figures as one JSON object",
+              "--compare-window": "comma-separated window sizes to compare, e.g. 1,2,4",
+              "--compare-cost-weights": "comma-separated language cost weights to compare, e.g. 0,0.5"}
+
+
+@app.command(context_settings=FLAG_COMMAND)
+def plan(ctx: typer.Context) -> None:
+    """Show, before any GPU time, what reordering will do to each rank's load on your data."""
+    args = list(ctx.args)
+    if _wants_help(args):
+        _print_flag_help("plan", PLAN_FLAGS)
+        return
+    from mimo_sft.plan import run_plan
+
+    try:
+        code = run_plan(args)
+    except UserError as e:
+        _fail(e)
+    raise typer.Exit(code or 0)
+
+
+def main() -> None:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,45 @@
+"""Human output of ``validate``: the layout table, notes, problems and a verdict (rich)."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.table import Table
+
+from mimo_sft.config.checks import CheckResult
+from mimo_sft.config.schema import ExperimentConfig
+
+
+def print_report(cfg: ExperimentConfig, result: CheckResult, console: Console, *, show_config: bool = True,
+                 config_text: str | None = None) -> None:
+    layout = result.layout
+    if show_config and config_text:
+        console.print("[bold]Resolved config[/bold]")
+        console.print(config_text.rstrip(), highlight=False, markup=False)
+        console.print()
+    if layout is not None and layout.components:
+        mbs = cfg.train.micro_batch_size
+        mode = "colocated" if layout.colocated else "non-colocated"
+        title = (f"Layout: {layout.world_size} ranks, {mode}, canonical grid {layout.canonical_grid}, "
+                 f"micro-batch {mbs}, global batch {cfg.train.global_batch_size}")
+        table = Table(title=title, title_justify="left")
+        for col in ("module", "ranks", "tp", "pp", "cp", "dp", "canonical groups per DP rank", "samples/rank/micro-batch"):
+            table.add_column(col, justify="left" if col in ("module", "ranks", "canonical groups per DP rank") else "right")
+        for row in layout.rank_rows(mbs):
+            groups = row["canonical_groups"]
+            shown = ", ".join(groups[:8]) + (f", ... ({len(groups)} ranks)" if len(groups) > 8 else "")
+            table.add_row(row["module"], row["ranks"], str(row["tp"]), str(row["pp"]), str(row["cp"]), str(row["dp"]),
+                          shown, "-" if row["samples_per_rank"] is None else str(row["samples_per_rank"]))
+        console.print(table)
+        r = cfg.reorder
+        data_mode = "scalable DP (each rank reads its shard)" if cfg.parallel.scalable_dp else "every rank reads the whole micro-batch"
+        reorder = (f"on (window {r.window_size}, {'overlapped' if r.overlap else 'synchronous'}, cost weights "
+                   f"encoder {r.encoder_cost_weight} / language {r.language_cost_weight})") if r.enabled else "off"
+        console.print(f"data: {data_mode}; reordering: {reorder}")
+    for note in result.notes:
+        console.print(f"[yellow]note[/yellow] {note}", highlight=False, soft_wrap=True)
+    if result.ok:
+        console.print("[bold green]VALID[/bold green]: this layout and config pass every check.")
+    else:
+        console.print(f"[bold red]INVALID[/bold red]: {len(result.problems)} problem(s):")
+        for p in result.problems:
+            console.print(f"  x {p}", highlight=False, markup=False, soft_wrap=True)

@@ -1,0 +1,167 @@
+"""The one place that creates process groups: HyperCommGrids and every group built from them.
+
+``torch.distributed.new_group`` is collective over the whole world, so every rank must create every
+module's groups in the same order, whether or not it belongs to them. ``build_parallel_state``
+walks the layout's modules in its fixed order (``language`` first, then encoders by name) and for
+each creates, in this order:
+
+1. base grid ``[tp, cp, dp, pp]`` groups: tp, cp, dp, pp, dp-cp, tp-pp, tp-cp, tp-cp-dp-pp,
+   tp-dp-cp;
+2. the ``expert`` view ``[expt_tp, ep, expt_dp, pp]`` groups megatron's MIMO optimizer asks for;
+3. embedding groups (first + last pipeline stage) and position-embedding groups (first stage);
+4. per-module gloo DP groups for metadata all-gathers (reorder costs, data checks), and, when
+   reordering overlaps, a second DP group for the background exchange.
+
+Then one world-wide gloo group for control messages. Nothing else in mimo-sft calls
+``new_group``; megatron's own bridge communicators create their groups inside megatron.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from mimo_sft.parallel.cpu_shims import ensure_megatron_importable
+from mimo_sft.parallel.layout import Layout, rank_of
+
+ensure_megatron_importable()
+
+from megatron.core.hyper_comm_grid import HyperCommGrid  # noqa: E402
+from megatron.core.process_groups_config import ProcessGroupCollection  # noqa: E402
+
+EXPERT_VIEW = "expert"  # megatron.core.models.mimo.optimizer._EXPERT_VIEW
+BASE_GROUPS = (["tp"], ["cp"], ["dp"], ["pp"], ["dp", "cp"], ["tp", "pp"], ["tp", "cp"],
+               ["tp", "cp", "dp", "pp"], ["tp", "dp", "cp"])
+EXPERT_GROUPS = (["expt_tp"], ["ep"], ["expt_dp"], ["expt_tp", "ep"], ["expt_tp", "ep", "pp"])
+
+
+@dataclass
+class ModuleGroups:
+    """Everything one module needs on this rank (groups are None where this rank is not a member)."""
+
+    name: str
+    grid: HyperCommGrid
+    pg_collection: Optional[ProcessGroupCollection]
+    dp_gloo: Optional[dist.ProcessGroup]
+    reorder_side: Optional[dist.ProcessGroup]
+    member: bool
+
+
+@dataclass
+class ParallelState:
+    layout: Layout
+    rank: int
+    modules: dict[str, ModuleGroups] = field(default_factory=dict)
+    world_gloo: Optional[dist.ProcessGroup] = None
+
+    @property
+    def grids(self) -> dict[str, HyperCommGrid]:
+        return {n: m.grid for n, m in self.modules.items()}
+
+    def mine(self) -> list[str]:
+        return [n for n, m in self.modules.items() if m.member]
+
+
+def default_backend() -> str:
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def init_distributed(timeout_s: float = 600.0) -> tuple[int, int]:
+    """Initialise torch.distributed from torchrun's environment (NCCL with CUDA, gloo without)."""
+    import datetime
+
+    if not dist.is_initialized():
+        backend = default_backend()
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+    return dist.get_rank(), dist.get_world_size()
+
+
+def _enum_groups(ranks_list: list[list[int]], backend: Optional[str] = None) -> Optional[dist.ProcessGroup]:
+    """Create one group per rank list (collectively); return the one this rank is in."""
+    pg, _ = dist.new_subgroups_by_enumeration(ranks_list, backend=backend)
+    return pg
+
+
+def _embedding_rank_lists(spec) -> tuple[list[list[int]], list[list[int]]]:
+    embd, pos = [], []
+    for dp in range(spec.dp):
+        for cp in range(spec.cp):
+            for tp in range(spec.tp):
+                first = rank_of(spec, tp=tp, cp=cp, dp=dp, pp=0)
+                last = rank_of(spec, tp=tp, cp=cp, dp=dp, pp=spec.pp - 1)
+                embd.append(sorted({first, last}))
+                pos.append([first])
+    return embd, pos
+
+
+def _dp_rank_lists(spec) -> list[list[int]]:
+    out = []
+    for pp in range(spec.pp):
+        for cp in range(spec.cp):
+            for tp in range(spec.tp):
+                out.append([rank_of(spec, tp=tp, cp=cp, dp=dp, pp=pp) for dp in range(spec.dp)])
+    return out
+
+
+def build_grid(spec) -> HyperCommGrid:
+    """A module's HyperCommGrid with its expert view registered (no groups yet; not collective)."""
+    grid = HyperCommGrid(shape=[spec.tp, spec.cp, spec.dp, spec.pp], dim_names=["tp", "cp", "dp", "pp"],
+                         rank_offset=spec.rank_offset, backend=default_backend())
+    expt_dp = spec.tp * spec.cp * spec.dp // spec.etp
+    grid.register_view(EXPERT_VIEW, shape=[spec.etp, 1, expt_dp, spec.pp],
+                       dim_names=["expt_tp", "ep", "expt_dp", "pp"], shared_dims=["pp"])
+    return grid
+
+
+def build_parallel_state(layout: Layout, *, reorder_side_group: bool = False) -> ParallelState:
+    """Create every grid and process group of ``layout`` on this rank (collective on all ranks)."""
+    assert dist.is_initialized(), "init_distributed() first"
+    rank = dist.get_rank()
+    assert dist.get_world_size() == layout.world_size, (
+        f"world size {dist.get_world_size()} != layout {layout.world_size}")
+    os.environ.setdefault("WORLD_SIZE", str(layout.world_size))
+    state = ParallelState(layout=layout, rank=rank)
+    for spec in layout.components:
+        grid = build_grid(spec)
+        for dims in BASE_GROUPS:
+            grid.create_pg(dims)
+        for dims in EXPERT_GROUPS:
+            grid.create_pg(dims, view=EXPERT_VIEW)
+        embd_lists, pos_lists = _embedding_rank_lists(spec)
+        embd = _enum_groups(embd_lists)
+        pos_embd = _enum_groups(pos_lists)
+        dp_lists = _dp_rank_lists(spec)
+        dp_gloo = _enum_groups(dp_lists, backend="gloo")
+        side = _enum_groups(dp_lists) if reorder_side_group else None
+        member = rank in spec.ranks
+        pgc = None
+        if member:
+            pgc = ProcessGroupCollection()
+            pgc.tp = grid.get_pg("tp")
+            pgc.cp = grid.get_pg("cp")
+            pgc.dp = grid.get_pg("dp")
+            pgc.pp = grid.get_pg("pp")
+            pgc.dp_cp = grid.get_pg(["dp", "cp"])
+            pgc.mp = grid.get_pg(["tp", "pp"])
+            pgc.tp_cp = grid.get_pg(["tp", "cp"])
+            pgc.tp_dp_cp = grid.get_pg(["tp", "dp", "cp"])
+            pgc.intra_dp_cp = pgc.dp_cp
+            pgc.intra_dist_opt = grid.get_pg(["tp", "cp", "dp", "pp"])
+            pgc.embd = embd
+            pgc.pos_embd = pos_embd
+            pgc.expt_tp = grid.get_pg("expt_tp", view=EXPERT_VIEW)
+            pgc.ep = grid.get_pg("ep", view=EXPERT_VIEW)
+            pgc.expt_dp = grid.get_pg("expt_dp", view=EXPERT_VIEW)
+            pgc.intra_expt_dp = pgc.expt_dp
+            pgc.tp_ep = grid.get_pg(["expt_tp", "ep"], view=EXPERT_VIEW)
+            pgc.tp_ep_pp = grid.get_pg(["expt_tp", "ep", "pp"], view=EXPERT_VIEW)
+        state.modules[spec.name] = ModuleGroups(spec.name, grid, pgc, dp_gloo if member else None,
+                                                side if member else None, member)
+    state.world_gloo = dist.new_group(backend="gloo")
+    return state

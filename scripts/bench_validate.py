@@ -1,0 +1,46 @@
+"""Time `mimo-sft validate` on large layouts, as a user runs it (a fresh process each time).
+
+    .venv/bin/python scripts/bench_validate.py
+
+Prints a table: world size, layout, wall seconds (median of 3 runs of the whole CLI process).
+"""
+
+from __future__ import annotations
+
+import statistics
+import subprocess
+import sys
+import time
+
+LAYOUTS = [
+    (8, ["language=tp=1,dp=4,rank_offset=0", "images=dp=4,rank_offset=4"], 8),
+    (1024, ["language=tp=8,pp=4,dp=16,rank_offset=0", "images=tp=1,dp=16,pp=1,rank_offset=512"], 64),
+    (1024, ["language=tp=1,pp=1,dp=512,rank_offset=0", "images=tp=1,dp=512,rank_offset=512"], 512),
+    (1024, ["language=tp=8,pp=1,dp=128", "images=tp=1,dp=1024"], 1024),
+]
+
+
+def run(components, mbs, world):
+    args = [sys.executable, "-m", "mimo_sft", "validate", "--quiet", "--micro-batch-size", str(mbs),
+            "--global-batch-size", str(mbs * 2), "--scalable-dp"]
+    for c in components:
+        args += ["--component", c]
+    times = []
+    for _ in range(3):
+        t = time.perf_counter()
+        proc = subprocess.run(args, capture_output=True, text=True)
+        times.append(time.perf_counter() - t)
+    verdict = "VALID" if proc.returncode == 0 else "INVALID"
+    return statistics.median(times), verdict
+
+
+def main():
+    print(f"| world | layout | verdict | validate wall time (s, median of 3) |")
+    print(f"|---|---|---|---|")
+    for world, comps, mbs in LAYOUTS:
+        secs, verdict = run(comps, mbs, world)
+        print(f"| {world} | {' '.join(comps)} | {verdict} | {secs:.2f} |")
+
+
+if __name__ == "__main__":
+    main()

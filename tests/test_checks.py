@@ -1,0 +1,115 @@
+"""Every validate check: a good layout passes; each bad input is refused with its own message."""
+
+import json
+
+import pytest
+
+from mimo_sft.config.checks import CHECKS, check_config, require_valid
+from mimo_sft.config.loader import load_config
+from mimo_sft.errors import UserError
+
+GOOD = ["--component", "language=tp=1,pp=1,dp=2,rank_offset=0", "--component", "images=tp=1,dp=2,rank_offset=2",
+        "--micro-batch-size", "4", "--global-batch-size", "8", "--scalable-dp", "--intra-microbatch-reorder"]
+
+
+def problems(args, env=None, **kw):
+    cfg = load_config(args)
+    res = check_config(cfg, env=env or {}, **kw)
+    return [str(p) for p in res.problems], res
+
+
+def test_good_layout_passes():
+    probs, res = problems(GOOD)
+    assert probs == [] and res.ok and res.layout.canonical_grid == 2
+
+
+def test_checks_are_numbered_uniquely():
+    numbers = [n for n, _, _ in CHECKS]
+    assert numbers == sorted(set(numbers))
+
+
+def comp(*specs):
+    out = []
+    for s in specs:
+        out += ["--component", s]
+    return out
+
+
+CASES = [
+    ("non-positive dp", comp("language=dp=0", "images=dp=1,rank_offset=0"), "[01] language.dp=0 must be >= 1"),
+    ("non-positive mbs", GOOD + ["--micro-batch-size", "0"], "--micro-batch-size=0 must be >= 1"),
+    ("non-positive seq", GOOD + ["--seq-length", "0"], "--seq-length=0 must be >= 1"),
+    ("overlap", comp("language=dp=2", "images=dp=2,rank_offset=1"), "overlap at rank 1"),
+    ("gap", comp("language=dp=2", "images=dp=2,rank_offset=3"), "ranks 2 belong to no module"),
+    ("world size", GOOD + ["--world-size", "8"], "world size 8 does not match the 4 ranks"),
+    ("no language", comp("images=dp=2"), "no 'language' module"),
+    ("wrong modality", comp("language=dp=2", "audio=dp=2,rank_offset=2"), "module 'audio' is not a modality"),
+    ("tp power of two", comp("language=tp=3,dp=1", "images=dp=1,rank_offset=3"), "language.tp=3 is not a power of two"),
+    ("dp divisibility", comp("language=dp=3", "images=dp=2,rank_offset=3") + ["--micro-batch-size", "6",
+                                                                            "--global-batch-size", "6"],
+     "DP sizes 2 and 3 do not divide one another"),
+    ("mbs canonical", GOOD + ["--micro-batch-size", "3", "--global-batch-size", "6"], "not divisible by the canonical grid 2"),
+    ("gbs multiple", GOOD + ["--global-batch-size", "6"], "--global-batch-size=6 is not a multiple of --micro-batch-size=4"),
+    ("encoder pp", comp("language=dp=2", "images=dp=2,pp=2,rank_offset=2"), "images.pp=2: encoder pipeline parallelism"),
+    ("encoder tp", comp("language=dp=2", "images=dp=2,tp=2,rank_offset=2"), "images.tp=2"),
+    ("encoder dp > language dp", comp("language=dp=1", "images=dp=2,rank_offset=1"), "images.dp=2 > language.dp=1"),
+    ("reorder without scalable", [a for a in GOOD if a != "--scalable-dp"], "needs --scalable-dp"),
+    ("reorder without padding", GOOD + ["--no-pad-to-seq-length"], "needs --pad-to-seq-length"),
+    ("scalable drop_last", GOOD + ["--no-drop-last"], "--scalable-dp needs --drop-last"),
+    ("etp with scalable", comp("language=tp=2,etp=2,dp=2", "images=dp=2,rank_offset=4") + GOOD[4:],
+     "language.etp=2: expert tensor parallelism > 1 is rejected with --scalable-dp"),
+    ("negative weight", GOOD + ["--reorder-language-cost-weight", "-1"], "must be >= 0"),
+    ("both weights zero", GOOD + ["--reorder-encoder-cost-weight", "0"], "both reorder cost weights are 0"),
+    ("window", GOOD + ["--reorder-window-size", "0"], "--reorder-window-size=0 must be >= 1"),
+    ("colocated pp", comp("language=dp=2,pp=2", "images=dp=4") + ["--micro-batch-size", "4"],
+     "ColocatedBridgeCommunicator needs pp=1 and cp=1"),
+    ("colocated reorder", comp("language=dp=2", "images=dp=2") + GOOD[4:], "on a colocated layout is not supported"),
+    ("language cp", comp("language=dp=1,cp=2", "images=dp=1,rank_offset=2"), "language.cp=2"),
+]
+
+
+@pytest.mark.parametrize("name,args,needle", CASES, ids=[c[0] for c in CASES])
+def test_each_bad_input_is_refused(name, args, needle):
+    probs, res = problems(args)
+    assert not res.ok
+    assert any(needle in p for p in probs), probs
+    assert all("\n" not in p for p in probs)
+
+
+def test_overlap_refused_under_single_connection():
+    probs, _ = problems(GOOD, env={"CUDA_DEVICE_MAX_CONNECTIONS": "1"})
+    assert any("--no-overlap-intra-microbatch-reorder" in p for p in probs)
+    probs, _ = problems(GOOD + ["--no-overlap-intra-microbatch-reorder"], env={"CUDA_DEVICE_MAX_CONNECTIONS": "1"})
+    assert probs == []
+
+
+def test_load_with_pretrained_refused(tmp_path):
+    probs, _ = problems(GOOD + ["--load-checkpoint", str(tmp_path), "--pretrained-checkpoint", str(tmp_path)])
+    assert any("exclusive" in p for p in probs)
+
+
+def test_all_problems_reported_at_once():
+    probs, _ = problems(comp("language=tp=3,dp=2", "images=dp=4,pp=2,rank_offset=1") +
+                        ["--micro-batch-size", "6", "--global-batch-size", "8", "--intra-microbatch-reorder"])
+    assert len({p[:4] for p in probs}) >= 5
+
+
+def test_model_divisibility_from_config_json(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "qwen2_5_vl", "text_config": {"num_attention_heads": 4, "num_key_value_heads": 2,
+                                                    "num_hidden_layers": 3}}))
+    probs, _ = problems(comp("language=tp=4,dp=1", "images=dp=1,rank_offset=4") + ["--hf-model", str(tmp_path)])
+    assert any("does not divide the model's 2 key/value heads" in p for p in probs)
+    probs, _ = problems(comp("language=pp=2,dp=1", "images=dp=1,rank_offset=2") + ["--hf-model", str(tmp_path)])
+    assert any("does not divide the model's 3 layers" in p for p in probs)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llava"}))
+    probs, _ = problems(GOOD + ["--hf-model", str(tmp_path)])
+    assert any("'llava' is not supported; supported: qwen2_5_vl" in p for p in probs)
+
+
+def test_finetune_requires_model_and_data():
+    cfg = load_config(GOOD)
+    with pytest.raises(UserError) as e:
+        require_valid(cfg, env={}, for_run=True)
+    assert "--hf-model" in str(e.value) and "--dataset-path" in str(e.value)
+    assert check_config(cfg, env={}).ok  # validate only notes them

@@ -1,0 +1,64 @@
+"""`mimo-sft validate` through Typer's runner and as a real subprocess (exit codes, one-line errors)."""
+
+import glob
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+from mimo_sft.cli import app
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GOOD = ["--component", "language=tp=1,pp=1,dp=2,rank_offset=0", "--component", "images=tp=1,dp=2,rank_offset=2",
+        "--micro-batch-size", "4", "--global-batch-size", "8", "--scalable-dp", "--intra-microbatch-reorder"]
+runner = CliRunner()
+
+
+def test_issue_example_is_valid_with_table():
+    res = runner.invoke(app, ["validate", *GOOD])
+    assert res.exit_code == 0, res.output
+    assert "VALID" in res.output and "language" in res.output and "images" in res.output
+    assert "canonical grid 2" in res.output and "non-colocated" in res.output
+    assert "Resolved config" in res.output and "micro_batch_size: 4" in res.output
+
+
+def test_invalid_lists_every_problem_and_exits_2():
+    res = runner.invoke(app, ["validate", "--quiet", "--component", "language=tp=3,dp=2",
+                              "--component", "images=dp=4,pp=2,rank_offset=1", "--micro-batch-size", "6"])
+    assert res.exit_code == 2
+    assert res.output.count("  x [") >= 4
+    assert "Traceback" not in res.output
+
+
+def test_json_output():
+    res = runner.invoke(app, ["validate", "--json", *GOOD])
+    data = json.loads(res.output)
+    assert data["ok"] and data["world_size"] == 4 and data["canonical_grid"] == 2
+    assert [m["module"] for m in data["modules"]] == ["language", "images"]
+
+
+def test_world_size_override():
+    res = runner.invoke(app, ["validate", "--json", *GOOD, "--world-size", "6"])
+    assert res.exit_code == 2 and "world size 6" in json.loads(res.output)["problems"][0]
+
+
+def test_help_lists_flags():
+    res = runner.invoke(app, ["validate", "--help"])
+    assert res.exit_code == 0 and "--intra-microbatch-reorder" in res.output and "--component" in res.output
+
+
+@pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml"))))
+def test_every_shipped_config_validates(path):
+    res = runner.invoke(app, ["validate", "--quiet", "--config", path])
+    assert res.exit_code == 0, res.output
+
+
+def test_bad_flag_is_one_line_without_traceback_in_a_real_process():
+    proc = subprocess.run([sys.executable, "-m", "mimo_sft", "validate", "--micro-batch-sise", "4"],
+                          capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().count("\n") == 0 and "did you mean '--micro-batch-size'" in proc.stderr
+    assert "Traceback" not in proc.stderr + proc.stdout
