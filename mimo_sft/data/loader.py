@@ -1,0 +1,243 @@
+"""The entry points the training loop and the planner call: micro-batch iterator, metadata, stats.
+
+Why a DataLoader over *micro-batches*: the sampler already decides which indices form this rank's
+share of global micro-batch k, so each DataLoader item is one whole (rank-local) micro-batch. Worker
+processes then encode and collate in parallel while the stream order stays exactly the sampler's.
+
+Truncation policy: a sample whose image tokens would be cut by ``seq_length`` is never truncated.
+With ``on_truncation=drop`` it is replaced by the next dataset index that fits (a pure function of
+the dataset, so every module and rank makes the same choice without talking) and a counted warning
+is logged; with ``error`` a ``UserError`` names the sample.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from mimo_sft.data.preprocess import SamplePreprocessor, TruncatedImageError, collate
+from mimo_sft.data.sampler import CanonicalSampler
+from mimo_sft.data.sources import SFTSource, load_sft_dataset
+from mimo_sft.errors import UserError
+
+log = logging.getLogger("mimo_sft.data")
+
+_ERROR_KEY = "__user_error__"
+
+
+def model_token_info(model_dir: str | os.PathLike) -> dict:
+    """Special token ids and vision geometry from the checkpoint's config.json (no transformers)."""
+    path = Path(model_dir) / "config.json"
+    try:
+        cfg = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise UserError(f"model.hf_model: cannot read {path} ({err}); point --hf-model at a Qwen2.5-VL checkpoint folder") from None
+    vc = cfg.get("vision_config", {})
+    try:
+        return {
+            "image_token_id": int(cfg["image_token_id"]),
+            "video_token_id": int(cfg.get("video_token_id", -1)),
+            "vision_start_token_id": int(cfg["vision_start_token_id"]),
+            "vision_end_token_id": int(cfg["vision_end_token_id"]),
+            "spatial_merge_size": int(vc.get("spatial_merge_size", 2)),
+            "patch_size": int(vc.get("patch_size", 14)),
+            "temporal_patch_size": int(vc.get("temporal_patch_size", 2)),
+        }
+    except KeyError as err:
+        raise UserError(f"model.hf_model: {path} lacks {err}; is this a Qwen2.5-VL checkpoint?") from None
+
+
+class MicroBatchDataset(torch.utils.data.Dataset):
+    """Item = one rank-local micro-batch: ``ds[list_of_indices]`` -> design.md dict."""
+
+    def __init__(self, source: SFTSource, pre: SamplePreprocessor, *, need_pixels: bool, on_truncation: str = "drop",
+                 pad_to_seq_length: bool = True, keep_slice: tuple[int, int] | None = None):
+        self.source, self.pre = source, pre
+        self.need_pixels = need_pixels
+        self.on_truncation = on_truncation
+        self.pad_to_seq_length = pad_to_seq_length
+        self.keep_slice = keep_slice
+        self.dropped = 0
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+    def encode(self, idx: int) -> dict:
+        """Encode sample idx, replacing it by the next sample that fits if its images would be cut."""
+        n = len(self.source)
+        j = int(idx)
+        for _ in range(n):
+            try:
+                return self.pre.encode(*self.source[j], j, need_pixels=self.need_pixels)
+            except TruncatedImageError as err:
+                if self.on_truncation == "error":
+                    raise UserError(f"{err}; raise --seq-length, lower --max-pixels, or use --on-truncation drop") from None
+                self.dropped += 1
+                log.warning("dropped sample %d (image tokens end at %d > --seq-length %d), using sample %d instead; "
+                            "%d dropped so far in this process", j, err.needed, err.seq_length, (j + 1) % n, self.dropped)
+                j = (j + 1) % n
+        raise UserError(f"no sample of the dataset fits in --seq-length {self.pre.seq_length}; raise it or lower --max-pixels")
+
+    def __getitem__(self, indices) -> dict:
+        try:
+            samples = [self.encode(i) for i in indices]
+        except UserError as err:  # crosses worker processes as data, re-raised as one line
+            return {_ERROR_KEY: str(err)}
+        if self.keep_slice is not None:
+            samples = samples[self.keep_slice[0]: self.keep_slice[1]]
+        return collate(samples, pad_id=self.pre.pad_id, need_pixels=self.need_pixels, pixel_dim=self.pre.pixel_dim,
+                       seq_length=self.pre.seq_length if self.pad_to_seq_length else None)
+
+
+def _identity(x):
+    return x
+
+
+class MicroBatchIterator:
+    """Endless iterator of micro-batch dicts; ``UserError`` from any worker is raised here as one line."""
+
+    def __init__(self, loader, sampler: CanonicalSampler, dataset: MicroBatchDataset):
+        self.loader, self.sampler, self.dataset = loader, sampler, dataset
+        self._it = iter(loader)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict:
+        batch = next(self._it)
+        if _ERROR_KEY in batch:
+            raise UserError(batch[_ERROR_KEY])
+        return batch
+
+
+def build_preprocessor(data_cfg, model_dir) -> SamplePreprocessor:
+    return SamplePreprocessor(model_dir, seq_length=data_cfg.seq_length, min_pixels=data_cfg.min_pixels,
+                              max_pixels=data_cfg.max_pixels)
+
+
+def check_fits(source: SFTSource, pre: SamplePreprocessor, *, micro_batch_size: int, global_batch_size: int | None = None):
+    """User-facing size checks shared by the iterator and ``validate``."""
+    n = len(source)
+    need = max(micro_batch_size, global_batch_size or 0)
+    if n < need:
+        which = "--global-batch-size" if global_batch_size and global_batch_size >= micro_batch_size else "--micro-batch-size"
+        raise UserError(f"the dataset has {n} samples, fewer than one global batch ({which} {need}); "
+                        "add samples or lower the batch size")
+    one = pre.min_tokens_for_one_image()
+    if one > pre.seq_length:
+        raise UserError(f"--seq-length {pre.seq_length} is too short for one image at --max-pixels {pre.max_pixels} "
+                        f"({one} tokens with the chat template); raise --seq-length or lower --max-pixels")
+
+
+def build_microbatch_iterator(data_cfg, *, model_dir, micro_batch_size: int, canonical_grid: int, dp_size: int,
+                              dp_rank: int, need_pixels: bool, seed: int, consumed_samples: int = 0,
+                              scalable_dp: bool = True, global_batch_size: int | None = None,
+                              num_workers: int | None = None, source: SFTSource | None = None,
+                              preprocessor: SamplePreprocessor | None = None) -> MicroBatchIterator:
+    """This rank's endless stream of micro-batch dicts (design.md), starting after ``consumed_samples``.
+
+    ``need_pixels=False`` (language-only ranks) never decodes pixels. Without ``scalable_dp`` every
+    rank encodes the whole micro-batch and keeps its slice (same result, more I/O).
+    """
+    source = source if source is not None else load_sft_dataset(data_cfg)
+    pre = preprocessor if preprocessor is not None else build_preprocessor(data_cfg, model_dir)
+    if micro_batch_size % canonical_grid or canonical_grid % dp_size:
+        raise UserError(f"--micro-batch-size {micro_batch_size} must be a multiple of the canonical grid {canonical_grid} "
+                        f"(lcm of module DP sizes), which must be a multiple of DP size {dp_size}")
+    check_fits(source, pre, micro_batch_size=micro_batch_size, global_batch_size=global_batch_size)
+    sampler = CanonicalSampler(len(source), micro_batch_size=micro_batch_size, canonical_grid=canonical_grid,
+                               dp_size=dp_size, dp_rank=dp_rank, dataloader_type=data_cfg.dataloader_type,
+                               drop_last=data_cfg.drop_last, consumed_samples=consumed_samples, seed=seed,
+                               whole_micro_batch=not scalable_dp)
+    dataset = MicroBatchDataset(source, pre, need_pixels=need_pixels, on_truncation=data_cfg.on_truncation,
+                                pad_to_seq_length=data_cfg.pad_to_seq_length,
+                                keep_slice=None if scalable_dp else sampler.slice)
+    workers = data_cfg.num_workers if num_workers is None else num_workers
+    loader = torch.utils.data.DataLoader(
+        dataset, sampler=sampler, batch_size=None, collate_fn=_identity, num_workers=workers,
+        persistent_workers=workers > 0, prefetch_factor=2 if workers > 0 else None,
+    )
+    return MicroBatchIterator(loader, sampler, dataset)
+
+
+# --------------------------------------------------------------------------- metadata (planner)
+
+@dataclass
+class SampleMeta:
+    """What the planner needs per sample, computed without decoding pixels."""
+
+    index: int
+    image_patches: list[int]  # t*h*w per image (vision cost)
+    image_tokens: int  # placeholders in the text (= sum(patches) / merge**2)
+    n_tokens: int  # real tokens before truncation/padding
+    fits: bool  # every image token within seq_length
+
+
+class _MetaDataset(torch.utils.data.Dataset):
+    def __init__(self, source, pre, indices):
+        self.source, self.pre, self.indices = source, pre, indices
+
+    def __len__(self):
+        return len(self.indices)
+
+    def __getitem__(self, k):
+        i = int(self.indices[k])
+        try:
+            messages, refs = self.source[i]
+            grids = [s.grid for s in self.pre.image_specs(refs, i)]
+            ids, _ = self.pre.tokens(messages, grids, i)
+        except UserError as err:
+            return {_ERROR_KEY: str(err)}
+        is_img = (ids == self.pre.image_token_id).nonzero()
+        last = int(is_img[-1]) + 1 if len(is_img) else 0
+        merge2 = self.pre.merge_size ** 2
+        patches = [t * h * w for t, h, w in grids]
+        return SampleMeta(i, patches, sum(patches) // merge2, len(ids), last <= self.pre.seq_length)
+
+
+def sample_metadata(data_cfg, *, model_dir, indices=None, num_workers: int = 0, source: SFTSource | None = None,
+                    preprocessor: SamplePreprocessor | None = None) -> list[SampleMeta]:
+    """Per-sample image patch counts and real token counts, reading only image headers."""
+    source = source if source is not None else load_sft_dataset(data_cfg)
+    pre = preprocessor if preprocessor is not None else build_preprocessor(data_cfg, model_dir)
+    indices = list(range(len(source))) if indices is None else list(indices)
+    ds = _MetaDataset(source, pre, indices)
+    if num_workers <= 0:
+        items: Iterator = (ds[k] for k in range(len(ds)))
+    else:
+        items = iter(torch.utils.data.DataLoader(ds, batch_size=None, collate_fn=_identity, num_workers=num_workers))
+    out = []
+    for item in items:
+        if isinstance(item, dict):
+            raise UserError(item[_ERROR_KEY])
+        out.append(item)
+    return out
+
+
+def dataset_stats(data_cfg, *, model_dir, num_workers: int = 0, source: SFTSource | None = None,
+                  preprocessor: SamplePreprocessor | None = None) -> dict:
+    """Summary numbers for logs and ``validate``: sizes, image mix, token and patch spreads."""
+    pre = preprocessor if preprocessor is not None else build_preprocessor(data_cfg, model_dir)
+    metas = sample_metadata(data_cfg, model_dir=model_dir, num_workers=num_workers, source=source, preprocessor=pre)
+    counts = [len(m.image_patches) for m in metas]
+    patches = [p for m in metas for p in m.image_patches]
+    tokens = [m.n_tokens for m in metas]
+    return {
+        "samples": len(metas),
+        "images": len(patches),
+        "text_only": sum(c == 0 for c in counts),
+        "multi_image": sum(c > 1 for c in counts),
+        "patches_per_image_min": min(patches, default=0),
+        "patches_per_image_mean": (sum(patches) / len(patches)) if patches else 0.0,
+        "patches_per_image_max": max(patches, default=0),
+        "tokens_mean": sum(tokens) / len(tokens),
+        "tokens_max": max(tokens),
+        "too_long_for_images": sum(not m.fits for m in metas),
+        "truncated_text": sum(m.fits and m.n_tokens > pre.seq_length for m in metas),
+    }

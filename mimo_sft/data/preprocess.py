@@ -1,0 +1,293 @@
+"""Turn one canonical sample into model inputs, with or without decoding its pixels.
+
+Why it is written this way: language-only ranks must produce exactly the same ``input_ids``,
+``labels``, ``loss_mask``, ``attention_mask`` and ``position_ids`` as vision ranks while never
+decoding pixels. So there is ONE text path, driven by each image's grid, and the grid comes from
+the image *header* (size + EXIF orientation) through transformers' own ``smart_resize``. The pixel
+path only adds ``pixel_values`` and asserts the image processor produced the same grid.
+
+Text: the checkpoint's chat template is rendered by transformers (``render_jinja_template``) with
+``{% generation %}`` spans, each ``<|image_pad|>`` is expanded to ``t*h*w / merge**2`` copies, and
+the whole string is tokenized once (offsets map the assistant spans to tokens, as transformers does).
+Positions: transformers' ``Qwen2_5_VLModel.get_rope_index`` run on a small stand-in object.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+from mimo_sft.data.processor import load_processor
+from mimo_sft.data.sources import open_image_header
+from mimo_sft.errors import UserError
+
+log = logging.getLogger("mimo_sft.data")
+
+_SWAP_ORIENTATIONS = (5, 6, 7, 8)  # EXIF orientations that rotate by 90 degrees
+
+
+class _RopeIndex:
+    """Just enough of ``Qwen2_5_VLModel`` for its ``get_rope_index`` (reads only ``config``)."""
+
+    def __init__(self, config):
+        from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLModel
+
+        self.config = config
+        self._cls = Qwen2_5_VLModel
+
+    def get_vision_position_ids(self, *args, **kwargs):
+        return self._cls.get_vision_position_ids(self, *args, **kwargs)
+
+    def get_rope_index(self, *args, **kwargs):
+        return self._cls.get_rope_index(self, *args, **kwargs)
+
+    def __getstate__(self):
+        return {"config": self.config}
+
+    def __setstate__(self, state):
+        self.__init__(state["config"])
+
+
+class TruncatedImageError(Exception):
+    """A sample whose image tokens do not fit in ``seq_length`` (internal; the loader decides)."""
+
+    def __init__(self, idx: int, needed: int, seq_length: int):
+        super().__init__(f"sample {idx}: its image tokens end at token {needed} but --seq-length is {seq_length}")
+        self.idx, self.needed, self.seq_length = idx, needed, seq_length
+
+
+@dataclass
+class ImageSpec:
+    """What both paths need per image: its grid, and (pixel path) the reference to decode."""
+
+    grid: tuple[int, int, int]
+    ref: object
+
+
+class SamplePreprocessor:
+    """Chat template + placeholder expansion + masks + mRoPE positions for one checkpoint.
+
+    Picklable (DataLoader workers get a copy). ``min_pixels``/``max_pixels`` override the
+    processor's own limits (``--min-pixels`` / ``--max-pixels``).
+    """
+
+    def __init__(self, model_dir: str | os.PathLike, *, seq_length: int, min_pixels: int | None = None,
+                 max_pixels: int | None = None):
+        from transformers import AutoConfig
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+        from mimo_sft.data.processor import _pil_kwargs
+
+        processor = load_processor(model_dir)
+        self.tokenizer = processor.tokenizer
+        self.chat_template = processor.chat_template
+        ip = processor.image_processor
+        kw = _pil_kwargs(ip)
+        if min_pixels is not None:
+            kw["min_pixels"] = int(min_pixels)
+        if max_pixels is not None:
+            kw["max_pixels"] = int(max_pixels)
+        if kw["min_pixels"] > kw["max_pixels"]:
+            raise UserError(f"--min-pixels {kw['min_pixels']} is larger than --max-pixels {kw['max_pixels']}; lower one of them")
+        self.image_processor = Qwen2VLImageProcessorPil(**kw)
+        self.min_pixels, self.max_pixels = kw["min_pixels"], kw["max_pixels"]
+        self.patch_size, self.merge_size = int(ip.patch_size), int(ip.merge_size)
+        self.pixel_dim = 3 * int(ip.temporal_patch_size) * self.patch_size ** 2  # C*T*P*P
+        self.config = AutoConfig.from_pretrained(str(model_dir))
+        self.image_token_id = int(self.config.image_token_id)
+        self.image_token = self.tokenizer.convert_ids_to_tokens(self.image_token_id)
+        if self.tokenizer.convert_tokens_to_ids(processor.image_token) != self.image_token_id:
+            raise UserError(f"model.hf_model {model_dir}: config.json image_token_id {self.image_token_id} is not the "
+                            f"tokenizer's {processor.image_token}; the checkpoint's config and tokenizer disagree")
+        self.pad_id = int(self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None
+                          else self.tokenizer.convert_tokens_to_ids("<|endoftext|>"))
+        self.seq_length = int(seq_length)
+        self._rope = _RopeIndex(self.config)
+        self._special = dict(self.tokenizer.special_tokens_map)
+
+    # ------------------------------------------------------------------ images
+
+    def grid_for_size(self, height: int, width: int) -> tuple[int, int, int]:
+        """(t, h, w) in patches for an image of this size, by transformers' ``smart_resize``."""
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+        factor = self.patch_size * self.merge_size
+        try:
+            rh, rw = smart_resize(height, width, factor, min_pixels=self.min_pixels, max_pixels=self.max_pixels)
+        except ValueError as err:
+            raise UserError(f"image of {width}x{height} pixels cannot be used ({err}); crop or remove it") from None
+        return (1, rh // self.patch_size, rw // self.patch_size)
+
+    def image_specs(self, refs, idx: int) -> list[ImageSpec]:
+        """Grids from image headers only: no pixel is decoded."""
+        specs = []
+        for ref in refs:
+            img = open_image_header(ref, idx)
+            w, h = img.size
+            try:
+                orientation = img.getexif().get(0x0112)
+            except Exception:  # a broken EXIF block must not stop training; datasets ignores it too
+                orientation = None
+            if orientation in _SWAP_ORIENTATIONS:
+                w, h = h, w
+            specs.append(ImageSpec(self.grid_for_size(h, w), ref))
+        return specs
+
+    def pixels(self, specs: list[ImageSpec], idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decode, EXIF-transpose and patchify the images; the grids must match the header path."""
+        from PIL import ImageOps
+
+        images = []
+        for spec in specs:
+            img = open_image_header(spec.ref, idx)
+            try:
+                img.load()
+                img = ImageOps.exif_transpose(img)
+            except OSError as err:
+                raise UserError(f"sample {idx}: cannot decode image {spec.ref if not isinstance(spec.ref, bytes) else '(bytes)'} "
+                                f"({err}); fix or remove the image") from None
+            images.append(img.convert("RGB"))
+        out = self.image_processor(images=images, return_tensors="pt")
+        grid = out["image_grid_thw"].to(torch.int64)
+        expected = torch.tensor([s.grid for s in specs], dtype=torch.int64)
+        assert torch.equal(grid, expected), f"sample {idx}: pixel grid {grid.tolist()} != header grid {expected.tolist()}"
+        return out["pixel_values"].to(torch.float32), grid
+
+    # ------------------------------------------------------------------ text
+
+    def render(self, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
+        from transformers.utils.chat_template_utils import render_jinja_template
+
+        rendered, spans = render_jinja_template(
+            conversations=[messages], chat_template=self.chat_template, return_assistant_tokens_mask=True,
+            add_generation_prompt=False, **self._special,
+        )
+        return rendered[0], list(spans[0])
+
+    def tokens(self, messages: list[dict], grids: list[tuple[int, int, int]], idx: int):
+        """(ids, assistant_mask) of the full (untruncated) sample with placeholders expanded."""
+        text, spans = self.render(messages)
+        tok = self.image_token
+        pieces = text.split(tok)
+        if len(pieces) - 1 != len(grids):
+            raise UserError(f"sample {idx}: the chat text has {len(pieces) - 1} '{tok}' placeholder(s) for "
+                            f"{len(grids)} image(s); remove literal '{tok}' from the text or fix the images column")
+        merge2 = self.merge_size ** 2
+        out, shift_at = [pieces[0]], []  # shift_at: (original char position, extra chars inserted there)
+        pos = len(pieces[0])
+        for g, piece in zip(grids, pieces[1:]):
+            n = (g[0] * g[1] * g[2]) // merge2
+            out.append(tok * n)
+            out.append(piece)
+            shift_at.append((pos, (n - 1) * len(tok)))
+            pos += len(tok) + len(piece)
+        expanded = "".join(out)
+
+        def moved(p: int) -> int:
+            return p + sum(extra for at, extra in shift_at if at < p)
+
+        enc = self.tokenizer._tokenizer.encode(expanded, add_special_tokens=False)
+        ids = torch.tensor(enc.ids, dtype=torch.int64)
+        mask = torch.zeros(len(ids), dtype=torch.bool)
+        for a, b in spans:  # same rule as transformers' apply_chat_template(return_assistant_tokens_mask)
+            start, end = enc.char_to_token(moved(a)), enc.char_to_token(moved(b) - 1)
+            if start is None:
+                break
+            mask[start: (end + 1 if end is not None else len(ids))] = True
+        return ids, mask
+
+    def position_ids(self, ids: torch.Tensor, mm: torch.Tensor, grids: list) -> torch.Tensor:
+        grid_thw = torch.tensor(grids, dtype=torch.int64) if grids else None
+        pos, _ = self._rope.get_rope_index(ids[None], mm[None], image_grid_thw=grid_thw)
+        return pos[:, 0]
+
+    # ------------------------------------------------------------------ one sample
+
+    def encode(self, messages, refs, idx: int, *, need_pixels: bool) -> dict:
+        """Unpadded per-sample tensors; raises ``TruncatedImageError`` if an image would be cut."""
+        specs = self.image_specs(refs, idx)
+        grids = [s.grid for s in specs]
+        ids, amask = self.tokens(messages, grids, idx)
+        n_real = len(ids)
+        is_img = ids == self.image_token_id
+        S = self.seq_length
+        if n_real > S:
+            if bool(is_img[S:].any()):
+                last = int(is_img.nonzero()[-1]) + 1
+                raise TruncatedImageError(idx, last, S)
+        n = min(n_real, S)
+        # labels[t] is the target of position t = ids[t+1]; supervised where that token is the assistant's
+        nxt = torch.full((n,), self.pad_id, dtype=torch.int64)
+        nxt_mask = torch.zeros(n, dtype=torch.bool)
+        m = min(n, n_real - 1)
+        nxt[:m] = ids[1:m + 1]
+        nxt_mask[:m] = amask[1:m + 1]
+        labels = torch.where(nxt_mask, nxt, torch.full_like(nxt, self.pad_id))
+        ids, mm = ids[:n], is_img[:n].to(torch.int64)
+        sample = {
+            "input_ids": ids,
+            "labels": labels,
+            "loss_mask": nxt_mask.to(torch.float32),
+            "position_ids": self.position_ids(ids, mm, grids),
+            "mm_token_type_ids": mm,
+            "grids": grids,
+            "sample_id": int(idx),
+            "n_tokens": n_real,
+        }
+        if need_pixels and specs:
+            sample["pixel_values"], sample["image_grid_thw"] = self.pixels(specs, idx)
+        return sample
+
+    def min_tokens_for_one_image(self) -> int:
+        """Tokens of the smallest conversation holding one image at ``max_pixels`` (seq_length check)."""
+        factor = self.patch_size * self.merge_size
+        side = int((self.max_pixels ** 0.5) // factor) * factor
+        grid = self.grid_for_size(side, side)
+        msgs = [{"role": "user", "content": [{"type": "image"}]}, {"role": "assistant", "content": [{"type": "text", "text": "x"}]}]
+        ids, _ = self.tokens(msgs, [grid], -1)
+        return len(ids)
+
+
+def collate(samples: list[dict], *, pad_id: int, seq_length: int | None, need_pixels: bool,
+            pixel_dim: int = 0) -> dict:
+    """Right-pad per-sample tensors into the design.md micro-batch dict (CPU tensors)."""
+    B = len(samples)
+    S = seq_length if seq_length is not None else max(len(s["input_ids"]) for s in samples)
+    input_ids = torch.full((B, S), pad_id, dtype=torch.int64)
+    labels = torch.full((B, S), pad_id, dtype=torch.int64)
+    loss_mask = torch.zeros((B, S), dtype=torch.float32)
+    attention_mask = torch.zeros((B, S), dtype=torch.bool)
+    position_ids = torch.zeros((3, B, S), dtype=torch.int64)
+    mm = torch.zeros((B, S), dtype=torch.int64)
+    for b, s in enumerate(samples):
+        n = len(s["input_ids"])
+        input_ids[b, :n] = s["input_ids"]
+        labels[b, :n] = s["labels"]
+        loss_mask[b, :n] = s["loss_mask"]
+        attention_mask[b, :n] = True
+        position_ids[:, b, :n] = s["position_ids"]
+        mm[b, :n] = s["mm_token_type_ids"]
+    batch = {
+        "input_ids": input_ids,
+        "labels": labels,
+        "loss_mask": loss_mask,
+        "attention_mask": attention_mask,
+        "position_ids": position_ids,
+        "mm_token_type_ids": mm,
+        "image_counts": torch.tensor([len(s["grids"]) for s in samples], dtype=torch.int64),
+        "sample_ids": torch.tensor([s["sample_id"] for s in samples], dtype=torch.int64),
+    }
+    if need_pixels:
+        pv = [s["pixel_values"] for s in samples if "pixel_values" in s]
+        grids = [s["image_grid_thw"] for s in samples if "image_grid_thw" in s]
+        if pv:
+            batch["pixel_values"] = torch.cat(pv, 0)
+            batch["image_grid_thw"] = torch.cat(grids, 0)
+        else:
+            # a text-only micro-batch on an encoder rank: empty tensors of the right width
+            batch["pixel_values"] = torch.zeros((0, pixel_dim), dtype=torch.float32)
+            batch["image_grid_thw"] = torch.zeros((0, 3), dtype=torch.int64)
+    return batch

@@ -1,0 +1,97 @@
+"""Canonical-grid sampler: which dataset indices this DP rank reads for each global micro-batch.
+
+Why: modules with different DP sizes (vision DP 2, language DP 4, ...) must agree on which samples
+form global micro-batch k and in which order, without talking to each other. Global micro-batch k
+is ``micro_batch_size`` consecutive positions of the epoch order; DP rank r of a module with DP size
+d takes positions ``[r*MBS/d, (r+1)*MBS/d)``, i.e. canonical groups ``[r*G/d, (r+1)*G/d)`` with
+``G = lcm(all module DP sizes)``. The order is a pure function of (dataset length, seed, epoch), so
+resuming from ``consumed_samples`` continues the exact stream, across epoch boundaries too.
+
+Epochs: ``single`` reads 0..N-1 every epoch; ``cyclic`` reshuffles each epoch with seed + epoch.
+``drop_last=True`` drops the incomplete last micro-batch of an epoch; ``drop_last=False`` fills it
+with the first positions of the same epoch's order (every rank must see a full micro-batch).
+The stream is endless; the training loop stops after its iterations.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+
+
+class CanonicalSampler:
+    """Yields, per global micro-batch, this rank's list of dataset indices (canonical order)."""
+
+    def __init__(self, total_samples: int, *, micro_batch_size: int, canonical_grid: int, dp_size: int,
+                 dp_rank: int, dataloader_type: str = "single", drop_last: bool = True,
+                 consumed_samples: int = 0, seed: int = 0, whole_micro_batch: bool = False):
+        assert total_samples > 0, "empty dataset"
+        assert micro_batch_size % canonical_grid == 0, (
+            f"micro_batch_size {micro_batch_size} must be a multiple of the canonical grid {canonical_grid}")
+        assert canonical_grid % dp_size == 0, f"canonical grid {canonical_grid} must be a multiple of dp size {dp_size}"
+        assert 0 <= dp_rank < dp_size, f"dp_rank {dp_rank} outside [0, {dp_size})"
+        assert dataloader_type in ("single", "cyclic"), dataloader_type
+        assert total_samples >= micro_batch_size, "dataset smaller than one micro-batch"
+        assert consumed_samples % micro_batch_size == 0, (
+            f"consumed_samples {consumed_samples} is not a multiple of micro_batch_size {micro_batch_size}")
+        self.total = total_samples
+        self.mbs = micro_batch_size
+        self.grid = canonical_grid
+        self.dp_size, self.dp_rank = dp_size, dp_rank
+        self.type = dataloader_type
+        self.drop_last = drop_last
+        self.consumed = consumed_samples
+        self.seed = seed
+        #: True: yield the whole micro-batch (non-scalable DP reads everything and slices later)
+        self.whole = whole_micro_batch
+        per = micro_batch_size // dp_size
+        self.slice = (dp_rank * per, (dp_rank + 1) * per)
+
+    @property
+    def micro_batches_per_epoch(self) -> int:
+        return self.total // self.mbs if self.drop_last else -(-self.total // self.mbs)
+
+    @property
+    def samples_per_epoch(self) -> int:
+        return self.micro_batches_per_epoch * self.mbs
+
+    def epoch_order(self, epoch: int) -> torch.Tensor:
+        """Dataset indices of one epoch's positions (deterministic in seed + epoch)."""
+        if self.type == "single":
+            order = torch.arange(self.total)
+        else:
+            g = torch.Generator()
+            g.manual_seed(int(self.seed) + int(epoch))
+            order = torch.randperm(self.total, generator=g)
+        n = self.samples_per_epoch
+        if n > self.total:  # drop_last=False: wrap to fill the last micro-batch
+            order = torch.cat([order, order[: n - self.total]])
+        return order[:n]
+
+    def global_micro_batch(self, k: int) -> list[int]:
+        """All ``micro_batch_size`` indices of global micro-batch k (counted from the stream start)."""
+        per_epoch = self.micro_batches_per_epoch
+        epoch, j = divmod(k, per_epoch)
+        return self.epoch_order(epoch)[j * self.mbs: (j + 1) * self.mbs].tolist()
+
+    def rank_indices(self, k: int) -> list[int]:
+        full = self.global_micro_batch(k)
+        return full if self.whole else full[self.slice[0]: self.slice[1]]
+
+    def canonical_groups(self) -> range:
+        """Canonical groups this rank reads: ``[r*G/d, (r+1)*G/d)``."""
+        per = self.grid // self.dp_size
+        return range(self.dp_rank * per, (self.dp_rank + 1) * per)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        k = self.consumed // self.mbs
+        cached_epoch, order = None, None
+        per_epoch = self.micro_batches_per_epoch
+        while True:
+            epoch, j = divmod(k, per_epoch)
+            if epoch != cached_epoch:
+                cached_epoch, order = epoch, self.epoch_order(epoch)
+            full = order[j * self.mbs: (j + 1) * self.mbs].tolist()
+            yield full if self.whole else full[self.slice[0]: self.slice[1]]
+            k += 1
