@@ -1,0 +1,188 @@
+"""Assemble megatron-core's ``MimoModel`` for this rank's modules from a local HF checkpoint folder.
+
+``build_mimo_model`` is collective: every rank of the layout calls it (MimoModel builds its bridge
+communicators on all ranks). Each rank builds only the modules it runs (``MimoModel`` reads the
+grids from ``parallel_state.grids``) and reads only its own slices of the safetensors shards.
+
+Limits enforced here with a ``UserError`` (``validate`` should refuse them earlier):
+* the ``images`` encoder runs with tp = pp = cp = 1 (it is transformers' module, not megatron's);
+* ``language`` tp must divide the attention heads and the KV heads, pp must divide the layers,
+  cp must be 1.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from mimo_sft.errors import UserError
+from mimo_sft.model.family import IMAGES, ModelInfo, get_family
+from mimo_sft.model.hf_checkpoint import HFCheckpoint, read_config_json
+from mimo_sft.parallel.cpu_shims import apply_cpu_shims, ensure_megatron_importable
+from mimo_sft.parallel.layout import LANGUAGE
+
+ensure_megatron_importable()
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+DEFAULT_MAX_SEQ_LEN = 32768
+
+
+def _check_layout(layout, hf_cfg, adapter, hf_dir: str) -> None:
+    names = [s.name for s in layout.components]
+    if LANGUAGE not in names:
+        raise UserError("the layout has no 'language' module; add --component language=dp=N")
+    unknown = [n for n in names if n not in (LANGUAGE, IMAGES)]
+    if unknown:
+        raise UserError(f"module(s) {', '.join(unknown)} are not part of a {adapter.name} model; "
+                        f"use the module names 'language' and 'images'")
+    t = hf_cfg.text_config
+    lang = layout.spec(LANGUAGE)
+    if t.num_attention_heads % lang.tp or t.num_key_value_heads % lang.tp:
+        raise UserError(f"language tp={lang.tp} must divide the attention heads ({t.num_attention_heads}) and KV heads "
+                        f"({t.num_key_value_heads}) of {hf_dir}; choose a language tp that divides both")
+    if t.num_hidden_layers % lang.pp:
+        raise UserError(f"language pp={lang.pp} must divide the {t.num_hidden_layers} layers of {hf_dir}; choose another pp")
+    if lang.cp != 1:
+        raise UserError(f"language cp={lang.cp} is not supported; use cp=1")
+    if IMAGES in names:
+        img = layout.spec(IMAGES)
+        if img.tp != 1 or img.pp != 1 or img.cp != 1:
+            raise UserError(f"images tp={img.tp}, pp={img.pp}, cp={img.cp}: the vision encoder runs without model "
+                            f"parallelism; use images tp=1,pp=1,cp=1 and scale it with dp")
+
+
+def _freeze(model, adapter, model_cfg) -> None:
+    if model_cfg is None:
+        return
+    if model_cfg.freeze_language and model.language_model is not None:
+        for p in model.language_model.parameters():
+            p.requires_grad_(False)
+    if IMAGES in model.modality_submodules:
+        for enc in model.modality_submodules[IMAGES].encoders.values():
+            for name, p in enc.named_parameters():
+                projector = adapter.projector_param(name)
+                if (projector and model_cfg.freeze_projector) or (not projector and model_cfg.freeze_vision):
+                    p.requires_grad_(False)
+
+
+def build_mimo_model(hf_dir: str, *, layout, parallel_state, model_cfg=None, random_init: Optional[bool] = None,
+                     config_overrides: Optional[dict] = None, max_seq_len: int = DEFAULT_MAX_SEQ_LEN,
+                     attn_implementation: str = "sdpa"):
+    """Build ``MimoModel`` (this rank's modules) with weights from ``hf_dir``; returns ``(model, ModelInfo)``.
+
+    ``model_cfg`` is a ``config.schema.ModelConfig`` (family, dtype, freeze flags, allow_random_init);
+    ``random_init`` overrides ``model_cfg.allow_random_init``. ``config_overrides`` is applied to the
+    language ``TransformerConfig`` (and the encoder's DDP config), e.g. ``calculate_per_token_loss``.
+    """
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.mimo import MimoModel, MimoModelConfig
+    from megatron.core.models.mimo.submodules.vision import VisionModalitySubmodules
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    apply_cpu_shims()
+    raw = read_config_json(hf_dir)
+    adapter = get_family(raw, hf_dir=hf_dir, requested=getattr(model_cfg, "family", "auto"))
+    hf_cfg = adapter.load_hf_config(hf_dir, raw)
+    if random_init is None:
+        random_init = bool(getattr(model_cfg, "allow_random_init", False))
+    dtype = DTYPES[getattr(model_cfg, "dtype", "fp32") or "fp32"]
+    overrides = dict(config_overrides or {})
+    _check_layout(layout, hf_cfg, adapter, hf_dir)
+    ckpt = None
+    if not random_init:
+        ckpt = HFCheckpoint(hf_dir)
+        adapter.check_weights(ckpt, hf_cfg)
+
+    lang = layout.spec(LANGUAGE)
+    info: ModelInfo = adapter.info(hf_cfg, tp=lang.tp)
+    info.hf_dir = hf_dir
+    info.prefix_style = ckpt.prefix_style if ckpt is not None else "legacy"
+    info.modules_on_rank = parallel_state.mine()
+    lang_cfg = adapter.language_transformer_config(hf_cfg, tp=lang.tp, pp=lang.pp, dtype=dtype,
+                                                   random_init=random_init, overrides=overrides)
+    info.language_config = lang_cfg
+    lang_groups = parallel_state.modules[LANGUAGE]
+    pp_rank = lang_groups.pg_collection.pp.rank() if lang_groups.member else 0
+    pre, post = pp_rank == 0, pp_rank == lang.pp - 1
+    lm_params = dict(config=lang_cfg, transformer_layer_spec=adapter.layer_spec(hf_cfg), pre_process=pre,
+                     post_process=post, pg_collection=lang_groups.pg_collection,
+                     **adapter.language_model_params(hf_cfg, padded_vocab=info.padded_vocab_size, max_seq_len=max_seq_len))
+    modality_specs = {}
+    if IMAGES in layout.names:
+        info.vision_config = adapter.vision_transformer_config(hf_cfg, dtype=dtype, overrides=overrides)
+        enc_spec = ModuleSpec(module=adapter.encoder_class(),
+                              params=adapter.encoder_params(hf_cfg, attn_implementation=attn_implementation))
+        modality_specs[IMAGES] = ModuleSpec(module=VisionModalitySubmodules,
+                                            params={"pg_collection": parallel_state.modules[IMAGES].pg_collection},
+                                            submodules={"encoders": {adapter.encoder_name: enc_spec}})
+    mimo_cfg = MimoModelConfig(language_model_spec=ModuleSpec(module=GPTModel, params=lm_params),
+                               modality_submodules_spec=modality_specs, special_token_ids=dict(info.special_token_ids),
+                               module_to_grid_map=parallel_state.grids)
+    model = MimoModel(mimo_cfg)
+
+    from mimo_sft.model.decoder_weights import copy_into
+
+    if model.language_model is not None:
+        model.language_model.to(dtype)
+        if ckpt is not None:
+            offset = get_transformer_layer_offset(lang_cfg, None, pp_rank)
+            tensors = adapter.load_language(ckpt, hf_cfg, tp_rank=lang_groups.pg_collection.tp.rank(), tp=lang.tp,
+                                            layer_offset=offset, num_local_layers=len(model.language_model.decoder.layers),
+                                            pre_process=pre, post_process=post, padded_vocab=info.padded_vocab_size)
+            copy_into(model.language_model, tensors, where=f"{hf_dir} language")
+    if IMAGES in model.modality_submodules:
+        for enc in model.modality_submodules[IMAGES].encoders.values():
+            enc.to(dtype)
+            if ckpt is not None:
+                copy_into(enc, adapter.load_encoder(ckpt, hf_cfg), where=f"{hf_dir} vision")
+    _freeze(model, adapter, model_cfg)
+    return model, info
+
+
+# ---- single process (export, check-model, tests) --------------------------------------------------
+_SINGLE_STATE = None
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def ensure_single_process_group() -> None:
+    """Start a 1-rank gloo process group on a free local port unless one is already running."""
+    if dist.is_initialized():
+        return
+    port = _free_port()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+
+
+def single_process_parallel_state():
+    """The colocated 1-rank layout ``language=dp=1`` + ``images=dp=1`` (built once per process)."""
+    global _SINGLE_STATE
+    from mimo_sft.parallel.components import parse_component
+    from mimo_sft.parallel.groups import build_parallel_state
+    from mimo_sft.parallel.layout import Layout
+
+    ensure_single_process_group()
+    if dist.get_world_size() != 1:
+        raise RuntimeError("single_process_parallel_state() needs a 1-rank process group")
+    if _SINGLE_STATE is None:
+        os.environ.setdefault("WORLD_SIZE", "1")
+        layout = Layout.from_specs([parse_component("language=dp=1"), parse_component("images=dp=1")])
+        _SINGLE_STATE = build_parallel_state(layout)
+    return _SINGLE_STATE
+
+
+def build_single_process_model(hf_dir: str, *, random_init: bool = False, model_cfg=None,
+                               config_overrides: Optional[dict] = None, attn_implementation: str = "sdpa"):
+    """``build_mimo_model`` on a 1-rank colocated layout (TP=1, both modules); for export and checks."""
+    state = single_process_parallel_state()
+    return build_mimo_model(hf_dir, layout=state.layout, parallel_state=state, model_cfg=model_cfg,
+                            random_init=random_init, config_overrides=config_overrides,
+                            attn_implementation=attn_implementation)

@@ -1,0 +1,156 @@
+"""Model families: the adapter protocol, the registry keyed by HF ``model_type``, and ``ModelInfo``.
+
+Everything family-specific (how config.json maps onto megatron configs, which vision module to wrap,
+how weights are named and laid out) lives in one adapter file per family, registered here. The
+builder, export and check-model code only talks to ``FamilyAdapter``, so adding Qwen3-VL dense is a
+new ``qwen3_vl.py`` with an adapter class and one ``register`` call, not a rewrite.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+from mimo_sft.errors import UserError
+
+IMAGES = "images"  # MIMO modality name for the vision encoder (matches the --component name)
+
+
+@dataclass
+class ModelInfo:
+    """What the rest of mimo-sft needs to know about the built model.
+
+    ``language_config`` is the megatron ``TransformerConfig`` of the language model (DDP, schedules,
+    ``finalize_model_grads`` use it); ``vision_config`` is a ``TransformerConfig`` describing the
+    encoder's parallel layout and dtype, for wrapping the encoder in megatron DDP.
+    """
+
+    family: str
+    model_type: str
+    hf_dir: Optional[str]
+    image_token_id: int
+    video_token_id: Optional[int]
+    vision_start_token_id: Optional[int]
+    vision_end_token_id: Optional[int]
+    special_token_ids: dict
+    spatial_merge_size: int
+    patch_size: int
+    temporal_patch_size: int
+    vocab_size: int
+    padded_vocab_size: int
+    hidden_size: int
+    num_layers: int
+    tie_word_embeddings: bool
+    encoder_name: str
+    language_config: Any = None
+    vision_config: Any = None
+    hf_config: Any = None
+    prefix_style: str = "legacy"
+    modules_on_rank: list = field(default_factory=list)
+
+    def modality_inputs(self, batch: dict) -> Optional[dict]:
+        """MimoModel's ``modality_inputs`` from a design.md micro-batch (None when it has no pixels)."""
+        return modality_inputs_from_batch(batch, encoder_name=self.encoder_name)
+
+
+def modality_inputs_from_batch(batch: dict, encoder_name: str = "qwen_vit") -> Optional[dict]:
+    """``{"images": {encoder_name: {"pixel_values", "image_grid_thw"}}}`` or None without images.
+
+    Returns None when the batch has no ``pixel_values`` (language-only ranks, text-only batches),
+    which MimoModel treats as "no image embeddings".
+    """
+    pv = batch.get("pixel_values")
+    thw = batch.get("image_grid_thw")
+    if pv is None or thw is None or pv.shape[0] == 0 or thw.shape[0] == 0:
+        return None
+    return {IMAGES: {encoder_name: {"pixel_values": pv, "image_grid_thw": thw}}}
+
+
+class FamilyAdapter:
+    """One model family. Subclasses implement every method; see ``qwen2_5_vl.py``."""
+
+    name: str = ""
+    model_types: tuple = ()
+    encoder_name: str = "qwen_vit"
+
+    def load_hf_config(self, hf_dir: str, raw: dict):
+        """The transformers config object for ``hf_dir`` (UserError on an unreadable config)."""
+        raise NotImplementedError
+
+    def info(self, hf_cfg, *, tp: int) -> ModelInfo:
+        raise NotImplementedError
+
+    def language_transformer_config(self, hf_cfg, *, tp: int, pp: int, dtype: torch.dtype,
+                                    random_init: bool, overrides: dict):
+        raise NotImplementedError
+
+    def vision_transformer_config(self, hf_cfg, *, dtype: torch.dtype, overrides: dict):
+        raise NotImplementedError
+
+    def language_model_params(self, hf_cfg, *, padded_vocab: int, max_seq_len: int) -> dict:
+        """Extra ``GPTModel`` constructor arguments (position embedding, rotary base, ...)."""
+        raise NotImplementedError
+
+    def layer_spec(self, hf_cfg):
+        raise NotImplementedError
+
+    def encoder_class(self) -> type:
+        raise NotImplementedError
+
+    def encoder_params(self, hf_cfg, *, attn_implementation: str) -> dict:
+        raise NotImplementedError
+
+    def check_weights(self, ckpt, hf_cfg) -> None:
+        """Raise UserError naming the first tensor the config implies that is missing or mis-shaped."""
+        raise NotImplementedError
+
+    def load_language(self, ckpt, hf_cfg, *, tp_rank: int, tp: int, layer_offset: int, num_local_layers: int,
+                      pre_process: bool, post_process: bool, padded_vocab: int) -> dict:
+        raise NotImplementedError
+
+    def load_encoder(self, ckpt, hf_cfg) -> dict:
+        raise NotImplementedError
+
+    def export(self, language_sd: dict, encoder_sd: dict, hf_cfg, *, prefix_style: str) -> dict:
+        """Full TP=1 megatron states (no prefixes) -> HF tensors named in ``prefix_style``."""
+        raise NotImplementedError
+
+    def projector_param(self, name: str) -> bool:
+        """True for encoder parameters that belong to the projector (frozen by --freeze-projector)."""
+        raise NotImplementedError
+
+
+_REGISTRY: dict[str, FamilyAdapter] = {}
+
+
+def register(adapter: FamilyAdapter) -> FamilyAdapter:
+    for mt in adapter.model_types:
+        _REGISTRY[mt] = adapter
+    return adapter
+
+
+def supported_families() -> list[str]:
+    _ensure_builtin()
+    return sorted({a.name for a in _REGISTRY.values()})
+
+
+def _ensure_builtin() -> None:
+    if not _REGISTRY:
+        import mimo_sft.model.qwen2_5_vl  # noqa: F401  (registers itself)
+
+
+def get_family(raw_config: dict, *, hf_dir: str, requested: str = "auto") -> FamilyAdapter:
+    """The adapter for a config.json, by its ``model_type`` (UserError listing the supported ones)."""
+    _ensure_builtin()
+    model_type = raw_config.get("model_type")
+    supported = ", ".join(sorted(_REGISTRY))
+    if model_type not in _REGISTRY:
+        raise UserError(f"{hf_dir}/config.json: model_type {model_type!r} is not supported; "
+                        f"supported model types: {supported}")
+    adapter = _REGISTRY[model_type]
+    if requested not in (None, "auto") and requested != adapter.name:
+        raise UserError(f"--model-family {requested} does not match {hf_dir}/config.json (model_type {model_type!r} "
+                        f"is family {adapter.name}); pass --model-family auto or {adapter.name}")
+    return adapter

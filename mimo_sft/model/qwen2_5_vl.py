@@ -1,0 +1,205 @@
+"""Qwen2.5-VL: HF config -> megatron configs, vision encoder, weight conversion both ways.
+
+Language: megatron ``GPTModel`` (local spec) with mRoPE (``mrope_section`` in HF's order, not
+interleaved, ``rotary_base=rope_theta``), RMSNorm with the checkpoint's eps, gated SiLU MLP, qkv bias,
+GQA. Vision: transformers' own ``Qwen2_5_VisionTransformerPretrainedModel`` (a plain ``nn.Module``
+that loads HF weights as they are), returning the patch merger's output ``[merged_tokens, hidden]``
+in per-sample order -- never ``[S, B, H]``, which MimoModel would flatten across samples.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from mimo_sft.errors import UserError
+from mimo_sft.model.decoder_weights import (DecoderNames, DecoderShape, expected_hf_shapes, export_decoder,
+                                            load_decoder_shard, pad_vocab)
+from mimo_sft.model.family import IMAGES, FamilyAdapter, ModelInfo, register
+
+try:  # transformers is a hard dependency; the import is here so the error names the family
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
+except ImportError as _err:  # pragma: no cover
+    raise ImportError(f"Qwen2.5-VL support needs transformers>=5 ({_err})")
+
+
+class Qwen25VisionEncoder(Qwen2_5_VisionTransformerPretrainedModel):
+    """HF's Qwen2.5-VL vision tower + patch merger as a MIMO encoder.
+
+    ``forward(pixel_values, image_grid_thw)`` returns the merged tokens ``[sum_i t*h*w/merge**2,
+    out_hidden]`` (images in batch order), which MimoModel scatters onto the image placeholders.
+    Parameter names are exactly HF's (``patch_embed.*``, ``blocks.N.*``, ``merger.*``).
+    """
+
+    def forward(self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor) -> torch.Tensor:  # noqa: D401
+        out = super().forward(hidden_states=pixel_values.to(self.patch_embed.proj.weight.dtype), grid_thw=image_grid_thw)
+        return out.pooler_output
+
+
+class Qwen25VLAdapter(FamilyAdapter):
+    name = "qwen2_5_vl"
+    model_types = ("qwen2_5_vl",)
+    encoder_name = "qwen_vit"
+
+    # ---- config ------------------------------------------------------------------------------
+    def load_hf_config(self, hf_dir: str, raw: dict):
+        from transformers import Qwen2_5_VLConfig
+
+        try:
+            cfg = Qwen2_5_VLConfig.from_pretrained(hf_dir)
+        except Exception as err:
+            raise UserError(f"{hf_dir}/config.json is not a valid Qwen2.5-VL config ({err.__class__.__name__}: "
+                            f"{str(err).splitlines()[0] if str(err) else ''}); fix or restore config.json") from None
+        t = cfg.text_config
+        rope = getattr(t, "rope_parameters", None) or {}
+        if not rope.get("mrope_section"):
+            raise UserError(f"{hf_dir}/config.json has no mrope_section in rope_parameters/rope_scaling; "
+                            f"Qwen2.5-VL needs it (e.g. \"rope_scaling\": {{\"type\": \"mrope\", \"mrope_section\": [16, 24, 24]}})")
+        return cfg
+
+    def _shape(self, hf_cfg, padded_vocab: int) -> DecoderShape:
+        t = hf_cfg.text_config
+        head_dim = getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads
+        return DecoderShape(num_layers=t.num_hidden_layers, hidden=t.hidden_size, ffn=t.intermediate_size,
+                            heads=t.num_attention_heads, kv_heads=t.num_key_value_heads, head_dim=head_dim,
+                            vocab=t.vocab_size, padded_vocab=padded_vocab, tied=bool(hf_cfg.tie_word_embeddings))
+
+    @staticmethod
+    def _names(prefix_style: str) -> DecoderNames:
+        return DecoderNames(prefix="model.language_model." if prefix_style == "nested" else "model.", qkv_bias=True)
+
+    @staticmethod
+    def _vision_prefix(prefix_style: str) -> str:
+        return "model.visual." if prefix_style == "nested" else "visual."
+
+    def info(self, hf_cfg, *, tp: int) -> ModelInfo:
+        t, v = hf_cfg.text_config, hf_cfg.vision_config
+        return ModelInfo(
+            family=self.name, model_type=hf_cfg.model_type, hf_dir=None,
+            image_token_id=hf_cfg.image_token_id, video_token_id=getattr(hf_cfg, "video_token_id", None),
+            vision_start_token_id=getattr(hf_cfg, "vision_start_token_id", None),
+            vision_end_token_id=getattr(hf_cfg, "vision_end_token_id", None),
+            special_token_ids={IMAGES: hf_cfg.image_token_id},
+            spatial_merge_size=v.spatial_merge_size, patch_size=v.patch_size, temporal_patch_size=v.temporal_patch_size,
+            vocab_size=t.vocab_size, padded_vocab_size=pad_vocab(t.vocab_size, tp), hidden_size=t.hidden_size,
+            num_layers=t.num_hidden_layers, tie_word_embeddings=bool(hf_cfg.tie_word_embeddings),
+            encoder_name=self.encoder_name, hf_config=hf_cfg)
+
+    def language_transformer_config(self, hf_cfg, *, tp: int, pp: int, dtype: torch.dtype, random_init: bool,
+                                    overrides: dict):
+        from megatron.core.transformer.transformer_config import TransformerConfig
+
+        t = hf_cfg.text_config
+        s = self._shape(hf_cfg, pad_vocab(t.vocab_size, tp))
+        kwargs = dict(
+            num_layers=t.num_hidden_layers, hidden_size=t.hidden_size, ffn_hidden_size=t.intermediate_size,
+            num_attention_heads=t.num_attention_heads, num_query_groups=t.num_key_value_heads, kv_channels=s.head_dim,
+            normalization="RMSNorm", layernorm_epsilon=t.rms_norm_eps, gated_linear_unit=True, activation_func=F.silu,
+            add_bias_linear=False, add_qkv_bias=True, hidden_dropout=0.0, attention_dropout=float(t.attention_dropout or 0.0),
+            mrope_section=list(t.rope_parameters["mrope_section"]), rotary_interleaved=False,
+            init_method_std=t.initializer_range,
+            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, sequence_parallel=False,
+            params_dtype=dtype, bf16=dtype == torch.bfloat16, pipeline_dtype=dtype,
+            use_cpu_initialization=not torch.cuda.is_available(), perform_initialization=random_init,
+            apply_rope_fusion=False, bias_activation_fusion=False, masked_softmax_fusion=False,
+            bias_dropout_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
+            cross_entropy_loss_fusion=False,
+            # the multi-module schedules need variable sequence lengths, which config validation
+            # only accepts together with the alltoall dispatcher (a no-op for dense models)
+            variable_seq_lengths=True, moe_token_dispatcher_type="alltoall",
+        )
+        kwargs.update(overrides)
+        return TransformerConfig(**kwargs)
+
+    def vision_transformer_config(self, hf_cfg, *, dtype: torch.dtype, overrides: dict):
+        """A TransformerConfig for wrapping the (HF) encoder in megatron DDP: TP=PP=1, the dtype."""
+        from megatron.core.transformer.transformer_config import TransformerConfig
+
+        v = hf_cfg.vision_config
+        kwargs = dict(num_layers=v.depth, hidden_size=v.hidden_size, num_attention_heads=v.num_heads,
+                      ffn_hidden_size=v.intermediate_size, tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
+                      params_dtype=dtype, bf16=dtype == torch.bfloat16, pipeline_dtype=dtype,
+                      use_cpu_initialization=not torch.cuda.is_available(), gradient_accumulation_fusion=False,
+                      variable_seq_lengths=True, moe_token_dispatcher_type="alltoall")
+        kwargs.update({k: v_ for k, v_ in overrides.items()
+                       if k not in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "num_layers",
+                                    "hidden_size", "num_attention_heads", "ffn_hidden_size", "num_query_groups",
+                                    "kv_channels", "mrope_section")})
+        return TransformerConfig(**kwargs)
+
+    def language_model_params(self, hf_cfg, *, padded_vocab: int, max_seq_len: int) -> dict:
+        t = hf_cfg.text_config
+        return dict(vocab_size=padded_vocab, max_sequence_length=max_seq_len, position_embedding_type="mrope",
+                    rotary_base=int(t.rope_parameters.get("rope_theta", 1e6)),
+                    share_embeddings_and_output_weights=bool(hf_cfg.tie_word_embeddings), parallel_output=True)
+
+    def layer_spec(self, hf_cfg):
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+        return get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=False)
+
+    def encoder_class(self) -> type:
+        return Qwen25VisionEncoder
+
+    def encoder_params(self, hf_cfg, *, attn_implementation: str) -> dict:
+        import copy
+
+        vcfg = copy.deepcopy(hf_cfg.vision_config)
+        vcfg._attn_implementation = attn_implementation
+        return {"config": vcfg}
+
+    # ---- weights -----------------------------------------------------------------------------
+    def _vision_expected(self, hf_cfg, prefix: str) -> dict:
+        v = hf_cfg.vision_config
+        enc = Qwen25VisionEncoder._expected_shapes(v)
+        return {prefix + k: s for k, s in enc.items()}
+
+    def check_weights(self, ckpt, hf_cfg) -> None:
+        style = ckpt.prefix_style
+        s = self._shape(hf_cfg, hf_cfg.text_config.vocab_size)
+        expected = dict(expected_hf_shapes(self._names(style), s))
+        expected.update(self._vision_expected(hf_cfg, self._vision_prefix(style)))
+        for name, shape in expected.items():
+            ckpt.expect_shape(name, shape)
+
+    def load_language(self, ckpt, hf_cfg, *, tp_rank, tp, layer_offset, num_local_layers, pre_process,
+                      post_process, padded_vocab) -> dict:
+        return load_decoder_shard(ckpt, self._names(ckpt.prefix_style), self._shape(hf_cfg, padded_vocab),
+                                  tp_rank=tp_rank, tp=tp, layer_offset=layer_offset, num_local_layers=num_local_layers,
+                                  pre_process=pre_process, post_process=post_process)
+
+    def load_encoder(self, ckpt, hf_cfg) -> dict:
+        prefix = self._vision_prefix(ckpt.prefix_style)
+        return {k[len(prefix):]: ckpt.read(k) for k in ckpt.keys() if k.startswith(prefix)}
+
+    def export(self, language_sd, encoder_sd, hf_cfg, *, prefix_style: str) -> dict:
+        padded = language_sd["embedding.word_embeddings.weight"].shape[0]
+        out = export_decoder(language_sd, self._names(prefix_style), self._shape(hf_cfg, padded))
+        vp = self._vision_prefix(prefix_style)
+        out.update({vp + k: v.contiguous() for k, v in encoder_sd.items()})
+        return out
+
+    def projector_param(self, name: str) -> bool:
+        return name.startswith("merger.")
+
+
+def _expected_vision_shapes(v) -> dict:
+    """The HF vision tensors a Qwen2.5-VL vision config implies (name -> shape)."""
+    h, i, ctx = v.hidden_size, v.intermediate_size, v.hidden_size * v.spatial_merge_size ** 2
+    out = {"patch_embed.proj.weight": (h, v.in_channels, v.temporal_patch_size, v.patch_size, v.patch_size),
+           "merger.ln_q.weight": (h,), "merger.mlp.0.weight": (ctx, ctx), "merger.mlp.0.bias": (ctx,),
+           "merger.mlp.2.weight": (v.out_hidden_size, ctx), "merger.mlp.2.bias": (v.out_hidden_size,)}
+    for n in range(v.depth):
+        b = f"blocks.{n}."
+        out.update({b + "norm1.weight": (h,), b + "norm2.weight": (h,),
+                    b + "attn.qkv.weight": (3 * h, h), b + "attn.qkv.bias": (3 * h,),
+                    b + "attn.proj.weight": (h, h), b + "attn.proj.bias": (h,),
+                    b + "mlp.gate_proj.weight": (i, h), b + "mlp.gate_proj.bias": (i,),
+                    b + "mlp.up_proj.weight": (i, h), b + "mlp.up_proj.bias": (i,),
+                    b + "mlp.down_proj.weight": (h, i), b + "mlp.down_proj.bias": (h,)})
+    return out
+
+
+Qwen25VisionEncoder._expected_shapes = staticmethod(_expected_vision_shapes)
+
+register(Qwen25VLAdapter())
