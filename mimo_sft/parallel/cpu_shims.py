@@ -74,6 +74,8 @@ _CUDA_LITERAL_MODULES = {
     "megatron.core.distributed.distributed_data_parallel": "DDP communication stream",
     # GlobalMemoryBuffer.get_tensor, l2-norm helpers (device="cuda"), param-hash .cuda()
     "megatron.core.utils": "global memory buffer and utils",
+    # FileSystemWriterAsync.preload_tensors: torch.cuda.synchronize() after the host copy
+    "megatron.core.dist_checkpointing.strategies.filesystem_async": "checkpoint save preload",
 }
 
 # Modules that create process groups with backend='nccl' hard-coded; their module-level ``dist``
