@@ -10,6 +10,7 @@ image columns are cast to ``decode=False`` so the metadata-only path can read ju
 from __future__ import annotations
 
 import io
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -88,19 +89,21 @@ class SFTSource:
         self.base_dir = base_dir
         self.image_root = image_root
         self.dataset_path = dataset_path
+        self._text = ds.select_columns([text_column])
+        self._images = ds.select_columns([images_column]).with_format("arrow") if images_column else None
 
     def __len__(self) -> int:
         return len(self.ds)
 
     def __getitem__(self, idx: int) -> tuple[list[dict], list[Any]]:
-        row = self.ds[int(idx)].to_pylist()[0]
+        text = self._text[int(idx)][self.text_column]
         if self.schema == "messages":
-            messages = _canonical_messages(row[self.text_column], idx, self.text_column)
+            messages = _canonical_messages(text, idx, self.text_column)
         else:
-            messages = _sharegpt_messages(row[self.text_column], idx, self.text_column)
+            messages = _sharegpt_messages(text, idx, self.text_column)
         refs = []
         if self.images_column is not None:
-            raw = row[self.images_column]
+            raw = self._images[int(idx)].column(0).to_pylist()[0]
             if raw is None:
                 raw = []
             elif not isinstance(raw, (list, tuple)):
@@ -123,6 +126,11 @@ class SFTSource:
                 raise UserError(f"sample {idx} of {self.dataset_path}: image entry has neither bytes nor path; fix the '{self.images_column}' column")
         if isinstance(ref, (bytes, bytearray)):
             return bytes(ref)
+        if isinstance(ref, str) and ref.startswith("{"):  # a Json-typed column holds dicts as text
+            try:
+                return self._resolve(json.loads(ref), idx)
+            except ValueError:
+                pass
         if isinstance(ref, (str, os.PathLike)):
             p = Path(ref).expanduser()
             if not p.is_absolute():
@@ -217,9 +225,10 @@ def load_sft_dataset(data_cfg) -> SFTSource:
     if len(ds) == 0:
         raise UserError(f"--dataset-path {data_cfg.dataset_path} (split '{data_cfg.split}') has no samples")
     keep = [text_column] + ([images_column] if images_column else [])
-    # Arrow format returns stored values as they are (image bytes/path dicts): nothing is decoded,
-    # and unlike cast_column(Image(decode=False)) no copy of the dataset is written.
-    ds = ds.select_columns(keep).with_format("arrow")
+    # The images column is read in Arrow format: stored values as they are (bytes/path dicts), so
+    # nothing is decoded, and unlike cast_column(Image(decode=False)) no copy of the dataset is
+    # written. The text column uses the normal format (datasets may store parts as Json features).
+    ds = ds.select_columns(keep)
     p = Path(str(data_cfg.dataset_path)).expanduser()
     base_dir = (p if p.is_dir() else p.parent).resolve() if p.exists() else None
     image_root = Path(data_cfg.image_root).expanduser().resolve() if data_cfg.image_root else None

@@ -1,0 +1,174 @@
+"""Preprocessing agrees with transformers (processor, assistant masks, get_rope_index), and the
+pixel and metadata-only paths give identical text tensors."""
+
+from __future__ import annotations
+
+import io
+import logging
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from data_fixtures import demo_data, tiny_ckpt  # noqa: F401  (session fixtures)
+from mimo_sft.config.schema import DataConfig
+from mimo_sft.errors import UserError
+
+TEXT_KEYS = ("input_ids", "labels", "loss_mask", "attention_mask", "position_ids", "mm_token_type_ids",
+             "image_counts", "sample_ids")
+
+
+@pytest.fixture(scope="module")
+def parts(tiny_ckpt, demo_data):
+    from mimo_sft.data.loader import build_preprocessor
+    from mimo_sft.data.sources import load_sft_dataset
+
+    cfg = DataConfig(dataset_path=str(demo_data), seq_length=192)
+    return cfg, load_sft_dataset(cfg), build_preprocessor(cfg, tiny_ckpt)
+
+
+def _kinds(source):
+    """Indices of a single-image, a multi-image and a text-only sample."""
+    found = {}
+    for i in range(len(source)):
+        n = len(source[i][1])
+        found.setdefault(min(n, 2), i)
+    assert set(found) == {0, 1, 2}, "demo data should mix text-only, single and multi-image samples"
+    return [found[1], found[2], found[0]]
+
+
+def _hf_messages(messages, refs):
+    imgs = iter(Image.open(io.BytesIO(r)).convert("RGB") for r in refs)
+    return [{"role": m["role"], "content": [dict(p, image=next(imgs)) if p["type"] == "image" else p for p in m["content"]]}
+            for m in messages]
+
+
+def test_matches_transformers_processor(parts, tiny_ckpt):
+    from mimo_sft.data.processor import load_processor
+
+    cfg, source, pre = parts
+    proc = load_processor(tiny_ckpt)
+    for i in _kinds(source):
+        messages, refs = source[i]
+        ours = pre.encode(messages, refs, i, need_pixels=True)
+        hf = proc.apply_chat_template(_hf_messages(messages, refs), tokenize=True, return_dict=True,
+                                      return_assistant_tokens_mask=True, return_tensors="pt")
+        ids = hf["input_ids"][0]
+        assert torch.equal(ours["input_ids"], ids)
+        assert torch.equal(ours["mm_token_type_ids"], hf["mm_token_type_ids"][0].long())
+        amask = torch.as_tensor(hf["assistant_masks"][0]).bool()
+        # loss_mask is the assistant mask shifted by one; labels are the next token there
+        assert torch.equal(ours["loss_mask"][:-1].bool(), amask[1:]) and ours["loss_mask"][-1] == 0
+        sup = ours["loss_mask"].bool()
+        assert sup.any()
+        assert torch.equal(ours["labels"][:-1][sup[:-1]], ids[1:][sup[:-1]])
+        assert (ours["labels"][~sup] == pre.pad_id).all()
+        if refs:
+            assert torch.equal(ours["pixel_values"], hf["pixel_values"])
+            assert torch.equal(ours["image_grid_thw"], hf["image_grid_thw"])
+        else:
+            assert "pixel_values" not in ours
+
+
+def test_position_ids_equal_transformers_get_rope_index(parts, tiny_ckpt):
+    from transformers import AutoModelForImageTextToText
+
+    from mimo_sft.data.preprocess import collate
+
+    cfg, source, pre = parts
+    model = AutoModelForImageTextToText.from_pretrained(tiny_ckpt).eval()
+    idx = _kinds(source)
+    samples = [pre.encode(*source[i], i, need_pixels=True) for i in idx]
+    batch = collate(samples, pad_id=pre.pad_id, seq_length=pre.seq_length, need_pixels=True, pixel_dim=pre.pixel_dim)
+    ref, _ = model.model.get_rope_index(batch["input_ids"], batch["mm_token_type_ids"],
+                                        image_grid_thw=batch["image_grid_thw"], attention_mask=batch["attention_mask"])
+    assert torch.equal(batch["position_ids"], ref)
+    # images really get 3-D positions (not a plain arange), so the comparison means something
+    assert not torch.equal(batch["position_ids"][1], batch["position_ids"][2])
+    # and the reference forward consumes the batch as-is
+    with torch.no_grad():
+        out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"].long(),
+                    pixel_values=batch["pixel_values"], image_grid_thw=batch["image_grid_thw"],
+                    mm_token_type_ids=batch["mm_token_type_ids"])
+    assert torch.isfinite(out.logits).all()
+
+
+def _iterator(cfg, ckpt, **kw):
+    from mimo_sft.data.loader import build_microbatch_iterator
+
+    args = dict(model_dir=ckpt, micro_batch_size=4, canonical_grid=2, dp_size=2, dp_rank=1, need_pixels=True, seed=11)
+    args.update(kw)
+    return build_microbatch_iterator(cfg, **args)
+
+
+def test_pixel_and_metadata_paths_agree(parts, tiny_ckpt):
+    cfg, source, pre = parts
+    cfg = DataConfig(dataset_path=cfg.dataset_path, seq_length=cfg.seq_length, dataloader_type="cyclic")
+    pix = _iterator(cfg, tiny_ckpt, need_pixels=True, source=source, preprocessor=pre)
+    meta = _iterator(cfg, tiny_ckpt, need_pixels=False, source=source, preprocessor=pre)
+    whole = _iterator(cfg, tiny_ckpt, need_pixels=False, scalable_dp=False, source=source, preprocessor=pre)
+    saw_images = 0
+    for _ in range(6):
+        a, b, c = next(pix), next(meta), next(whole)
+        assert "pixel_values" not in b and "image_grid_thw" not in b
+        for k in TEXT_KEYS:
+            assert torch.equal(a[k], b[k]), k
+            assert torch.equal(a[k], c[k]), k
+        assert a["input_ids"].shape == (2, cfg.seq_length)
+        merge2 = pre.merge_size ** 2
+        assert int(a["image_grid_thw"].prod(-1).sum()) // merge2 == int((a["input_ids"] == pre.image_token_id).sum())
+        assert a["pixel_values"].shape == (int(a["image_grid_thw"].prod(-1).sum()), pre.pixel_dim)
+        assert int(a["image_counts"].sum()) == a["image_grid_thw"].shape[0]
+        assert a["labels"].min() >= 0
+        saw_images += int(a["image_counts"].sum())
+    assert saw_images > 0
+
+
+def test_metadata_matches_batches(parts, tiny_ckpt):
+    from mimo_sft.data.loader import sample_metadata
+
+    cfg, source, pre = parts
+    metas = sample_metadata(cfg, model_dir=tiny_ckpt, indices=range(8), source=source, preprocessor=pre)
+    for m in metas:
+        s = pre.encode(*source[m.index], m.index, need_pixels=True)
+        assert m.n_tokens == s["n_tokens"] == len(s["input_ids"])
+        assert m.image_patches == [int(g.prod()) for g in s.get("image_grid_thw", torch.zeros(0, 3))]
+        assert m.image_tokens == int((s["input_ids"] == pre.image_token_id).sum())
+
+
+def _write_long_prompt_dataset(path, n=6):
+    import datasets
+
+    rng = np.random.default_rng(0)
+    buf = io.BytesIO()
+    Image.fromarray((rng.random((200, 200, 3)) * 255).astype("uint8")).save(buf, format="PNG")
+    rows = []
+    for i in range(n):
+        long = i % 2 == 0  # even samples: long text BEFORE the image -> image tokens cut
+        user = [{"type": "text", "text": "word " * (150 if long else 5)}, {"type": "image", "text": None}]
+        rows.append({"messages": [{"role": "user", "content": user},
+                                  {"role": "assistant", "content": [{"type": "text", "text": f"answer {i} " * 40}]}],
+                     "images": [{"bytes": buf.getvalue(), "path": None}]})
+    datasets.Dataset.from_list(rows).to_parquet(str(path))
+    return path
+
+
+def test_truncation_drop_error_and_text_cut(tmp_path, tiny_ckpt, caplog):
+    path = _write_long_prompt_dataset(tmp_path / "long.parquet")
+    cfg = DataConfig(dataset_path=str(path), seq_length=128, on_truncation="drop")
+    it = _iterator(cfg, tiny_ckpt, micro_batch_size=2, canonical_grid=1, dp_size=1, dp_rank=0, need_pixels=False)
+    with caplog.at_level(logging.WARNING, logger="mimo_sft.data"):
+        b = next(it)
+    # sample 0 is dropped and replaced by sample 1 (the next that fits); sample 1 itself follows
+    assert b["sample_ids"].tolist() == [1, 1]
+    assert "dropped sample 0" in caplog.text and "1 dropped so far" in caplog.text
+    # sample 1 keeps its image but its long answer is cut at seq_length (text truncation is allowed)
+    assert bool(b["attention_mask"].all())
+    assert int(b["mm_token_type_ids"][0].sum()) == 49  # 200x200 -> 196x196 -> 14x14 patches / 2x2 merge
+    assert b["loss_mask"][0, -1] == 1.0  # the target of the last position is still the answer
+    cfg_err = DataConfig(dataset_path=str(path), seq_length=128, on_truncation="error")
+    it = _iterator(cfg_err, tiny_ckpt, micro_batch_size=2, canonical_grid=1, dp_size=1, dp_rank=0, need_pixels=False)
+    with pytest.raises(UserError, match=r"sample 0: .*--seq-length.*--on-truncation") as err:
+        next(it)
+    assert "\n" not in str(err.value)
