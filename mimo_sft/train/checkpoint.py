@@ -1,0 +1,148 @@
+"""Atomic checkpoints: a run killed mid-save never loses the previous one.
+
+Layout of ``SAVE_DIR``::
+
+    latest                 -> text file naming the newest complete checkpoint ("iter_0000020")
+    iter_0000020/
+        meta.json          step, consumed samples, layout, source model, config
+        model/             megatron dist-checkpoint of MimoModel.sharded_state_dict (layout-free)
+        rank_00000.pt      this rank's optimizer state, RNG states
+    iter_0000030.tmp/      a save in progress: never read, removed by the next save
+
+Every rank writes into ``iter_N.tmp``; after a barrier rank 0 writes ``meta.json``, renames the
+folder to ``iter_N`` (atomic on POSIX) and replaces ``latest`` atomically. A partial ``.tmp``
+folder is never picked up. Model weights are saved with megatron's dist-checkpointing, so
+``--pretrained-checkpoint`` and ``mimo-sft export`` can read them with any layout; the optimizer
+and RNG files are per rank, so ``--load-checkpoint`` requires the layout it was saved with (and
+says so clearly when it differs).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from mimo_sft.errors import UserError
+
+LATEST = "latest"
+
+
+def iter_dir(root: str, step: int) -> str:
+    return os.path.join(root, f"iter_{step:07d}")
+
+
+def _rng_state() -> dict:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if torch.cuda.is_available() and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def layout_signature(layout) -> list[dict]:
+    return [{"name": s.name, **s.to_dict()} for s in layout.components]
+
+
+def model_sharded_state_dict(model) -> dict:
+    return model.sharded_state_dict()
+
+
+def save_checkpoint(root: str, *, step: int, consumed_samples: int, ctx, extra_meta: dict | None = None) -> str:
+    """Collective: every rank calls it. Returns the final folder."""
+    from megatron.core import dist_checkpointing
+
+    rank = dist.get_rank()
+    final = iter_dir(root, step)
+    tmp = final + ".tmp"
+    if rank == 0:
+        os.makedirs(root, exist_ok=True)
+        if os.path.isdir(tmp):
+            shutil.rmtree(tmp)
+        os.makedirs(os.path.join(tmp, "model"))
+    dist.barrier()
+    dist_checkpointing.save(model_sharded_state_dict(ctx.model), os.path.join(tmp, "model"))
+    torch.save({"optimizer": ctx.optimizer.state_dict(), "rng": _rng_state(), "step": step,
+                "consumed_samples": consumed_samples}, os.path.join(tmp, f"rank_{rank:05d}.pt"))
+    dist.barrier()
+    if rank == 0:
+        meta = {"step": step, "consumed_samples": consumed_samples, "world_size": dist.get_world_size(),
+                "layout": layout_signature(ctx.layout), "hf_model": ctx.cfg.model.hf_model, **(extra_meta or {})}
+        with open(os.path.join(tmp, "meta.json"), "w") as fh:
+            json.dump(meta, fh, indent=1)
+        if os.path.isdir(final):
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        with open(os.path.join(root, LATEST + ".tmp"), "w") as fh:
+            fh.write(os.path.basename(final))
+        os.replace(os.path.join(root, LATEST + ".tmp"), os.path.join(root, LATEST))
+    dist.barrier()
+    return final
+
+
+def resolve_checkpoint(path: str) -> str:
+    """A checkpoint folder from either the folder itself or its parent (via ``latest``)."""
+    if not os.path.isdir(path):
+        raise UserError(f"checkpoint {path}: folder not found")
+    if os.path.isfile(os.path.join(path, "meta.json")):
+        return path
+    latest = os.path.join(path, LATEST)
+    if os.path.isfile(latest):
+        with open(latest) as fh:
+            name = fh.read().strip()
+        chosen = os.path.join(path, name)
+        if os.path.isfile(os.path.join(chosen, "meta.json")):
+            return chosen
+        raise UserError(f"checkpoint {path}: 'latest' names {name}, which is incomplete or missing")
+    raise UserError(f"checkpoint {path}: no meta.json and no 'latest' file; point it at a mimo-sft checkpoint folder")
+
+
+def read_meta(ckpt: str) -> dict:
+    with open(os.path.join(ckpt, "meta.json")) as fh:
+        return json.load(fh)
+
+
+def load_model_weights(model, ckpt: str) -> None:
+    """Load weights from a checkpoint's dist-checkpoint into ``model`` (any layout)."""
+    from megatron.core import dist_checkpointing
+
+    state = dist_checkpointing.load(model_sharded_state_dict(model), os.path.join(ckpt, "model"))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    bad = [k for k in missing if not k.endswith("_extra_state")]
+    if bad:
+        raise UserError(f"checkpoint {ckpt}: weights for {bad[:3]} are missing; was it saved from another model?")
+
+
+def load_checkpoint(path: str, ctx) -> tuple[int, int]:
+    """Resume: model, optimizer, RNG and data position. Returns (step, consumed_samples)."""
+    ckpt = resolve_checkpoint(path)
+    meta = read_meta(ckpt)
+    here = layout_signature(ctx.layout)
+    if meta.get("layout") != here:
+        def fmt(sig):
+            return " ".join(f"{m['name']}=tp={m['tp']},pp={m['pp']},cp={m['cp']},dp={m['dp']},rank_offset={m['rank_offset']}"
+                            for m in sig)
+        raise UserError(f"--load-checkpoint {ckpt} was saved with layout [{fmt(meta.get('layout', []))}] but this run "
+                        f"uses [{fmt(here)}]; resume with the same --component flags, or start from its weights "
+                        f"with --pretrained-checkpoint")
+    rank = dist.get_rank()
+    rank_file = os.path.join(ckpt, f"rank_{rank:05d}.pt")
+    if not os.path.isfile(rank_file):
+        raise UserError(f"--load-checkpoint {ckpt}: {os.path.basename(rank_file)} is missing; the checkpoint is incomplete")
+    load_model_weights(ctx.model, ckpt)
+    state = torch.load(rank_file, map_location="cpu", weights_only=False)
+    ctx.optimizer.load_state_dict(state["optimizer"])
+    _set_rng_state(state["rng"])
+    return int(meta["step"]), int(meta["consumed_samples"])

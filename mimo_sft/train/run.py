@@ -1,0 +1,150 @@
+"""``mimo-sft finetune``: the training loop (thin; the pieces live beside it).
+
+Every rank: load config -> run the validate checks (before any process group exists, so a bad
+layout is refused on every rank with the same message) -> set up -> train -> save. A user error on
+any rank is printed as one line and the rank exits with status 2; torchrun then stops the others,
+so nothing hangs. Metrics come from the rank that owns the language loss.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+import traceback
+
+from mimo_sft.config.checks import require_valid
+from mimo_sft.config.loader import dump_config, load_config
+from mimo_sft.errors import UserError
+
+
+def _env_world() -> tuple[int, int]:
+    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _ensure_single_process_env(layout_world: int) -> None:
+    """Allow ``mimo-sft finetune`` without torchrun for a 1-rank layout."""
+    if "RANK" in os.environ:
+        return
+    if layout_world != 1:
+        raise UserError(f"this layout needs {layout_world} ranks; start it with "
+                        f"torchrun --nproc-per-node {layout_world} -m mimo_sft finetune ...")
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+
+
+def finetune(args: list[str]) -> int:
+    rank, world = _env_world()
+    try:
+        cfg = load_config(args)
+        result = require_valid(cfg, world_size=world if "WORLD_SIZE" in os.environ else None, for_run=True)
+        _ensure_single_process_env(result.layout.world_size)
+    except UserError as e:
+        if rank == 0:
+            for p in e.problems:
+                print(f"error: {p}", file=sys.stderr)
+        return 2
+    try:
+        return _train(cfg, result.layout)
+    except UserError as e:
+        print(f"error: [rank {rank}] {e}", file=sys.stderr, flush=True)
+        return 2
+    except KeyboardInterrupt:
+        print(f"[rank {rank}] interrupted", file=sys.stderr)
+        return 130
+
+
+def _train(cfg, layout) -> int:
+    import torch
+    import torch.distributed as dist
+
+    from mimo_sft.parallel.groups import init_distributed
+    from mimo_sft.train.checkpoint import load_checkpoint, load_model_weights, resolve_checkpoint, save_checkpoint
+    from mimo_sft.train.data_source import build_feed
+    from mimo_sft.train.lr import lr_at, set_lr
+    from mimo_sft.train.metrics import MetricsLogger, peak_memory_bytes
+    from mimo_sft.train.setup import build_model_and_optimizer, build_state
+    from mimo_sft.train.step import StepRunner
+
+    rank, world = init_distributed()
+    out_dir = cfg.logging.output_dir
+    save_dir = cfg.checkpoint.save or os.path.join(out_dir, "checkpoints")
+    if rank == 0:
+        os.makedirs(out_dir, exist_ok=True)
+        with open(os.path.join(out_dir, "config.yaml"), "w") as fh:
+            fh.write(dump_config(cfg))
+    pstate = build_state(cfg, layout)
+    ctx = build_model_and_optimizer(cfg, layout, pstate, rank)
+    step, consumed = 0, 0
+    if cfg.checkpoint.load_checkpoint:
+        step, consumed = load_checkpoint(cfg.checkpoint.load_checkpoint, ctx)
+    elif cfg.model.pretrained_checkpoint:
+        load_model_weights(ctx.model, resolve_checkpoint(cfg.model.pretrained_checkpoint))
+    mbs, gbs = cfg.train.micro_batch_size, cfg.train.global_batch_size
+    num_mb = gbs // mbs
+    feed = build_feed(cfg, layout, pstate, ctx.info, consumed_samples=consumed)
+    local_lang_mbs = mbs // layout.language.dp
+    runner = StepRunner(model=ctx.model, modules=ctx.modules, pstate=pstate, layout=layout, feed=feed,
+                        modality_inputs_fn=ctx.info.modality_inputs, seq_length=cfg.data.seq_length,
+                        local_mbs=local_lang_mbs)
+    logger = MetricsLogger(out_dir, enabled=ctx.is_metrics_rank, total_steps=cfg.train.train_iters,
+                           log_interval=cfg.logging.log_interval, tensorboard=cfg.logging.tensorboard)
+    lang = pstate.modules.get("language")
+    lang_last = lang is not None and lang.member and layout.coords(rank)["language"].pp == layout.language.pp - 1
+    o = cfg.optimizer
+    try:
+        while step < cfg.train.train_iters:
+            t0 = time.perf_counter()
+            lr = lr_at(step, lr=o.lr, min_lr=o.min_lr, warmup=o.lr_warmup_iters, total=cfg.train.train_iters,
+                       style=o.lr_decay_style)
+            set_lr(ctx.optimizer, lr)
+            ctx.optimizer.zero_grad()
+            out = runner.run(num_mb)
+            ok, grad_norm, _ = ctx.optimizer.step()
+            step += 1
+            consumed += gbs
+            step_time = time.perf_counter() - t0
+            c = feed.counters
+            if lang_last:
+                t = torch.tensor([out.loss_sum, out.num_tokens, c.real_tokens, float(c.samples)], dtype=torch.float64)
+                if lang.dp_gloo is not None and dist.get_world_size(lang.dp_gloo) > 1:
+                    dist.all_reduce(t, group=lang.dp_gloo)
+                loss = float(t[0] / max(t[1], 1.0))
+                if not torch.isfinite(torch.tensor(loss)):
+                    raise UserError(f"loss became {loss} at step {step}; lower --lr or check the data")
+                logger.log({
+                    "step": step, "loss": loss, "grad_norm": float(grad_norm) if grad_norm is not None else None,
+                    "lr": lr, "step_time_s": step_time, "tokens_per_s": float(t[2]) / step_time,
+                    "samples_per_s": float(t[3]) / step_time, "supervised_tokens": float(t[1]),
+                    "vision_load_max_over_mean_before": _mean(c.load_before),
+                    "vision_load_max_over_mean_after": _mean(c.load_after),
+                    "reorder_exchange_s": c.exchange_s, "data_wait_s": c.data_wait_s,
+                    "peak_memory_bytes": peak_memory_bytes(), "update_ok": bool(ok),
+                    "consumed_samples": consumed,
+                })
+            interval = cfg.checkpoint.save_interval
+            if (interval and step % interval == 0) or (step == cfg.train.train_iters and (interval or cfg.checkpoint.save)):
+                save_checkpoint(save_dir, step=step, consumed_samples=consumed, ctx=ctx)
+        if cfg.checkpoint.export_hf:
+            # a fresh single-process interpreter: export builds its own 1-rank model
+            import subprocess
+
+            dist.barrier()
+            if rank == 0:
+                subprocess.run([sys.executable, "-m", "mimo_sft", "export", "--checkpoint", save_dir,
+                                "--out", cfg.checkpoint.export_hf, "--hf-model", cfg.model.hf_model], check=True)
+            dist.barrier()
+    finally:
+        feed.close()
+        logger.close()
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+def _mean(values):
+    return sum(values) / len(values) if values else None

@@ -1,0 +1,111 @@
+"""Build everything one rank needs for training, in the order megatron requires.
+
+validate checks (every rank) -> process groups -> CPU shims and seeds -> MimoModel for this rank's
+modules -> megatron DDP per module -> megatron's MIMO optimizer -> resume state -> data feed ->
+schedule runner. Each piece comes from its own package; this file only wires them.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from mimo_sft.config.schema import ExperimentConfig
+from mimo_sft.parallel.cpu_shims import apply_cpu_shims, ensure_megatron_importable
+from mimo_sft.parallel.groups import ParallelState, build_parallel_state
+from mimo_sft.parallel.layout import LANGUAGE, Layout
+
+ensure_megatron_importable()
+
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig  # noqa: E402
+from megatron.core.enums import ModelType  # noqa: E402
+from megatron.core.models.mimo import get_mimo_optimizer  # noqa: E402
+from megatron.core.optimizer.optimizer_config import OptimizerConfig  # noqa: E402
+
+
+@dataclass
+class TrainContext:
+    cfg: ExperimentConfig
+    layout: Layout
+    pstate: ParallelState
+    model: Any
+    info: Any
+    modules: dict
+    optimizer: Any
+    rank: int
+
+    @property
+    def is_metrics_rank(self) -> bool:
+        """The rank that owns the language loss: language tp 0, dp 0, last pipeline stage."""
+        c = self.layout.coords(self.rank).get(LANGUAGE)
+        return c is not None and c.tp == 0 and c.dp == 0 and c.cp == 0 and c.pp == self.layout.language.pp - 1
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % (2**32))
+    torch.manual_seed(seed)
+    if torch.cuda.is_available():
+        torch.cuda.manual_seed_all(seed)
+
+
+def _init_rng_tracker(seed: int) -> None:
+    """Megatron's model-parallel RNG tracker (dropout regions, initialisation) seeded like megatron does."""
+    from megatron.core import tensor_parallel
+
+    if torch.cuda.is_available():
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def build_model_and_optimizer(cfg: ExperimentConfig, layout: Layout, pstate: ParallelState, rank: int) -> TrainContext:
+    from mimo_sft.model import build_mimo_model
+
+    apply_cpu_shims()
+    seed_everything(cfg.train.seed)
+    _init_rng_tracker(cfg.train.seed)
+    bf16 = cfg.model.dtype == "bf16"
+    model, info = build_mimo_model(
+        cfg.model.hf_model, layout=layout, parallel_state=pstate, model_cfg=cfg.model,
+        random_init=cfg.model.allow_random_init,
+        config_overrides={"calculate_per_token_loss": True, "attention_dropout": 0.0, "hidden_dropout": 0.0},
+        max_seq_len=cfg.data.seq_length)
+    if torch.cuda.is_available():
+        model.cuda()
+    model.model_type = ModelType.encoder_or_decoder  # forward_backward_no_pipelining looks it up
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+        use_distributed_optimizer=cfg.optimizer.use_distributed_optimizer,
+        check_for_nan_in_grad=True, bucket_size=None)
+    modules = {}
+    if model.language_model is not None:
+        model.language_model = DistributedDataParallel(
+            config=info.language_config, ddp_config=ddp_config, module=model.language_model,
+            pg_collection=pstate.modules[LANGUAGE].pg_collection)
+        modules[LANGUAGE] = model.language_model
+    for name in list(model.modality_submodules.keys()):
+        sub = model.modality_submodules[name]
+        if sub is None or not any(p.requires_grad for p in sub.parameters()):
+            continue
+        wrapped = DistributedDataParallel(config=info.vision_config, ddp_config=ddp_config, module=sub,
+                                          pg_collection=pstate.modules[name].pg_collection)
+        model.modality_submodules[name] = wrapped
+        modules[name] = wrapped
+    o = cfg.optimizer
+    opt_cfg = OptimizerConfig(
+        optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay, adam_beta1=o.adam_beta1,
+        adam_beta2=o.adam_beta2, adam_eps=o.adam_eps, clip_grad=o.clip_grad, bf16=bf16, fp16=False,
+        params_dtype=torch.bfloat16 if bf16 else torch.float32,
+        use_distributed_optimizer=o.use_distributed_optimizer)
+    optimizer = get_mimo_optimizer(model, opt_cfg)
+    return TrainContext(cfg, layout, pstate, model, info, modules, optimizer, rank)
+
+
+def build_state(cfg: ExperimentConfig, layout: Layout) -> ParallelState:
+    reorder_side = cfg.reorder.enabled and cfg.reorder.overlap and not layout.colocated
+    os.environ.setdefault("WORLD_SIZE", str(layout.world_size))
+    return build_parallel_state(layout, reorder_side_group=reorder_side)

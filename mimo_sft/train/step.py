@@ -1,0 +1,152 @@
+"""One optimizer step on megatron's MIMO schedules, with exact gradients for any DP ratio.
+
+Non-colocated layouts (encoder and language on disjoint ranks) run megatron's 1F1B schedule with a
+``MultiModulePipelineCommunicator``; colocated layouts run ``forward_backward_no_pipelining`` and
+megatron's ``ColocatedBridgeCommunicator`` (built inside ``MimoModel``) moves encoder output
+between the encoder's and the language model's DP layouts.
+
+Loss is per token: every loss function returns ``(sum of token losses, token count)`` and DDP sums
+(``calculate_per_token_loss=True`` pins its scaling to 1). After the DP reduction every module's
+gradients are divided by the global number of supervised tokens of the step, which each rank
+computes from its own data (sum of ``loss_mask`` over its micro-batches, all-reduced over its
+module's DP group: every module's DP ranks together hold the whole global batch). So fan-in,
+fan-out and equal DP all produce the full-batch gradient, without any cross-module message.
+"""
+
+from __future__ import annotations
+
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+import torch.distributed as dist
+
+from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+from megatron.core.models.mimo.config.role import MIMO_LANGUAGE_MODULE_KEY
+from megatron.core.pipeline_parallel import schedules
+from megatron.core.pipeline_parallel.multimodule_communicator import MultiModulePipelineCommunicator
+from megatron.core.process_groups_config import MultiModuleProcessGroupCollection
+
+LANGUAGE = MIMO_LANGUAGE_MODULE_KEY
+
+
+@dataclass
+class StepOutput:
+    loss_sum: float  # on the last language stage: sum over this rank's micro-batches
+    num_tokens: float
+    grad_norm: float | None
+    update_ok: bool
+    global_tokens: float
+
+
+def _language_loss(loss_mask: torch.Tensor, output: torch.Tensor):
+    """Per-token loss contract of megatron's schedules: (sum, count, values to report)."""
+    if isinstance(output, dict):
+        output = output[LANGUAGE]
+    mask = loss_mask.to(output.device, torch.float32)
+    loss_sum = (output.float() * mask).sum()
+    count = mask.sum()
+    report = torch.stack([loss_sum.detach(), count.detach()])
+    return loss_sum, count.to(torch.int), {"loss_sum_and_tokens": report}
+
+
+class StepRunner:
+    """Owns the schedule wiring for one run (built once, called every step)."""
+
+    def __init__(self, *, model, modules: dict, pstate, layout, feed, modality_inputs_fn, seq_length: int,
+                 local_mbs: int):
+        self.model = model            # MimoModel with DDP-wrapped submodules
+        self.modules = modules        # {module name: DDP-wrapped nn.Module on this rank}
+        self.pstate = pstate
+        self.layout = layout
+        self.feed = feed
+        self.modality_inputs_fn = modality_inputs_fn
+        self.seq_length = seq_length
+        self.local_mbs = local_mbs
+        self.mine = pstate.mine()
+        self.colocated = layout.colocated
+        cfg = model.config
+        cfg.no_sync_func = self._no_sync
+        cfg.finalize_model_grads_func = self._finalize
+        cfg.grad_scale_func = None
+        self._global_tokens = None
+        if self.colocated:
+            self.communicator = None
+            self.pg_collection = pstate.modules[LANGUAGE].pg_collection
+        else:
+            self.communicator = MultiModulePipelineCommunicator(
+                pstate.grids,
+                {**{s.name: [LANGUAGE] for s in layout.encoders}, LANGUAGE: []},
+                cfg,
+                dim_mapping={"s": 0, "h": 2, "b": 1},
+                module_output_ndim={s.name: 2 for s in layout.encoders},
+            )
+            self.pg_collection = MultiModuleProcessGroupCollection(
+                module_pgs={n: pstate.modules[n].pg_collection for n in self.mine},
+                language_model_module_name=LANGUAGE if LANGUAGE in self.mine else None,
+            )
+
+    # ---- hooks megatron's schedule calls ----------------------------------------------------
+    @contextmanager
+    def _no_sync(self):
+        with ExitStack() as stack:
+            for module in self.modules.values():
+                stack.enter_context(module.no_sync())
+            yield
+
+    def _finalize(self, model_list, num_tokens=None, pg_collection=None, force_all_reduce=False):
+        total = self.global_tokens()
+        for name, module in self.modules.items():
+            finalize_model_grads([module], num_tokens=None, pg_collection=self.pstate.modules[name].pg_collection,
+                                 force_all_reduce=force_all_reduce)
+            module.scale_gradients(1.0 / max(total, 1.0))
+
+    def global_tokens(self) -> float:
+        """Supervised tokens in the whole global batch of this step (identical on every rank)."""
+        if self._global_tokens is None:
+            name = LANGUAGE if LANGUAGE in self.mine else self.mine[0]
+            t = torch.tensor([self.feed.step_loss_tokens()], dtype=torch.float64)
+            group = self.pstate.modules[name].dp_gloo
+            if group is not None and dist.get_world_size(group) > 1:
+                dist.all_reduce(t, group=group)
+            self._global_tokens = float(t.item())
+        return self._global_tokens
+
+    # ---- the forward step ---------------------------------------------------------------------
+    def _forward_step(self, data_iterator, model):
+        batch = next(data_iterator)
+        has_lang = LANGUAGE in self.mine
+        has_enc = any(n != LANGUAGE for n in self.mine)
+        kwargs = {"input_ids": batch["input_ids"]}
+        if has_enc:
+            kwargs["modality_inputs"] = self.modality_inputs_fn(batch)
+        if has_lang:
+            # Right padding + causal attention: real tokens never attend to pads, so no padding
+            # mask is needed (colocated MIMO passes None anyway); pads are masked in the loss.
+            kwargs.update(position_ids=batch["position_ids"], attention_mask=None,
+                          loss_mask=batch["loss_mask"], labels=batch["labels"])
+        output, loss_mask = model(**kwargs)
+        if loss_mask is None:
+            loss_mask = batch["loss_mask"]
+        return output, partial(_language_loss, loss_mask)
+
+    def run(self, num_microbatches: int) -> StepOutput:
+        self._global_tokens = None
+        self.feed.start_step()
+        for module in self.modules.values():
+            module.zero_grad_buffer()
+        common = dict(forward_step_func=self._forward_step, data_iterator=self.feed, model=[self.model],
+                      num_microbatches=num_microbatches, seq_length=self.seq_length,
+                      micro_batch_size=self.local_mbs, forward_only=False)
+        if self.colocated:
+            store = schedules.forward_backward_no_pipelining(pg_collection=self.pg_collection, **common)
+        else:
+            store = schedules.forward_backward_pipelining_without_interleaving(
+                p2p_communicator=self.communicator, pg_collection=self.pg_collection, **common)
+        loss_sum = tokens = 0.0
+        for item in store or []:
+            if isinstance(item, dict) and "loss_sum_and_tokens" in item:
+                loss_sum += float(item["loss_sum_and_tokens"][0])
+                tokens += float(item["loss_sum_and_tokens"][1])
+        return StepOutput(loss_sum, tokens, None, True, self.global_tokens())
