@@ -1,0 +1,174 @@
+"""Tiny Qwen2.5-VL checkpoints built in memory, and the per-rank bodies of the model parity tests.
+
+Checkpoints are written with transformers' own ``save_pretrained`` (optionally re-sharded with an
+index, or renamed to the ``model.visual.*`` / ``model.language_model.*`` layout) so the loader sees
+exactly what users have on disk. Weights use a larger init range than HF's default so a layout bug
+moves the logits visibly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+
+def make_tiny_hf(out_dir: str, *, heads: int = 4, kv_heads: int = 2, hidden: int = 64, layers: int = 2,
+                 ffn: int = 96, vocab: int = 160, tie: bool = False, vision_hidden: int = 32, vision_heads: int = 2,
+                 vision_depth: int = 2, seed: int = 0, layout: str = "legacy", shards: int = 1) -> str:
+    """Write a random tiny Qwen2.5-VL checkpoint to ``out_dir`` and return it."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    head_dim = hidden // heads
+    half = head_dim // 2
+    mrope = [half - 2 * (half // 3), half // 3, half // 3]
+    cfg = Qwen2_5_VLConfig(
+        text_config=dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers,
+                         num_attention_heads=heads, num_key_value_heads=kv_heads, rms_norm_eps=1e-6,
+                         rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": mrope},
+                         max_position_embeddings=1024, initializer_range=0.08, bos_token_id=None, eos_token_id=None),
+        vision_config=dict(depth=vision_depth, hidden_size=vision_hidden, intermediate_size=2 * vision_hidden,
+                           num_heads=vision_heads, out_hidden_size=hidden, patch_size=14, spatial_merge_size=2,
+                           temporal_patch_size=2, window_size=56, fullatt_block_indexes=[vision_depth - 1],
+                           initializer_range=0.08),
+        image_token_id=vocab - 4, video_token_id=vocab - 3, vision_start_token_id=vocab - 2,
+        vision_end_token_id=vocab - 1, tie_word_embeddings=tie)
+    torch.manual_seed(seed)
+    model = Qwen2_5_VLForConditionalGeneration(cfg)
+    with torch.no_grad():  # norms away from 1 and biases away from 0 so they matter
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(0.1 * torch.randn_like(p))
+    model.save_pretrained(out_dir)
+    if layout == "nested" or shards > 1:
+        _rewrite(out_dir, layout=layout, shards=shards)
+    with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:  # a side file export must copy
+        json.dump({"note": "side file"}, f)
+    return out_dir
+
+
+def _rewrite(out_dir: str, *, layout: str, shards: int) -> None:
+    from safetensors.torch import load_file, save_file
+
+    path = os.path.join(out_dir, "model.safetensors")
+    tensors = load_file(path)
+    os.remove(path)
+    if layout == "nested":
+        renamed = {}
+        for k, v in tensors.items():
+            if k.startswith("visual."):
+                k = "model." + k
+            elif k.startswith("model."):
+                k = "model.language_model." + k[len("model."):]
+            renamed[k] = v
+        tensors = renamed
+    names = sorted(tensors)
+    if shards == 1:
+        save_file(tensors, path, metadata={"format": "pt"})
+        return
+    per = (len(names) + shards - 1) // shards
+    weight_map = {}
+    for i in range(shards):
+        fname = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+        part = {k: tensors[k] for k in names[i * per:(i + 1) * per]}
+        save_file(part, os.path.join(out_dir, fname), metadata={"format": "pt"})
+        weight_map.update({k: fname for k in part})
+    with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f)
+
+
+def hf_reference(hf_dir: str, batch: dict):
+    """transformers' logits and mRoPE positions for ``batch`` (eager attention, fp32)."""
+    from transformers import AutoModelForImageTextToText
+
+    from mimo_sft.model.check import hf_forward, hf_position_ids
+
+    hf = AutoModelForImageTextToText.from_pretrained(hf_dir, attn_implementation="eager", dtype=torch.float32).eval()
+    logits, loss = hf_forward(hf, batch)
+    return logits, loss, hf_position_ids(hf, batch)
+
+
+def _layout(*flags):
+    from mimo_sft.parallel.components import parse_component
+    from mimo_sft.parallel.layout import Layout
+
+    return Layout.from_specs([parse_component(f) for f in flags])
+
+
+def _gather_vocab(logits: torch.Tensor, tp_group) -> torch.Tensor:
+    import torch.distributed as dist
+
+    parts = [torch.empty_like(logits) for _ in range(tp_group.size())]
+    dist.all_gather(parts, logits.contiguous(), group=tp_group)
+    return torch.cat(parts, dim=-1)
+
+
+def uniform_batch(hf_cfg, seed: int = 3) -> dict:
+    """Two samples with the same image-token count (colocated fan-in needs uniform counts)."""
+    from mimo_sft.model.check import random_batch
+
+    m = hf_cfg.vision_config.spatial_merge_size
+    return random_batch(hf_cfg, seed=seed, image_grids=[[(2 * m, 2 * m)], [(m, 2 * m), (2 * m, m)]], text_only=0)
+
+
+def worker_tp2_colocated(rank: int, world: int, hf_dir: str, ref_path: str) -> float:
+    """language tp=2 on ranks 0-1, images dp=2 colocated: each encoder rank encodes its own sample."""
+    from mimo_sft.model.builder import build_mimo_model
+    from mimo_sft.model.check import compare
+    from mimo_sft.model.family import modality_inputs_from_batch
+    from mimo_sft.parallel.cpu_shims import apply_cpu_shims
+    from mimo_sft.parallel.groups import build_parallel_state
+
+    apply_cpu_shims()
+    layout = _layout("language=tp=2,dp=1", "images=dp=2")
+    state = build_parallel_state(layout)
+    model, info = build_mimo_model(hf_dir, layout=layout, parallel_state=state, attn_implementation="eager")
+    model.eval()
+    ref = torch.load(ref_path)
+    batch = ref["batch"]
+    # encoder DP rank r holds sample r's images (one image row block per sample, in order)
+    thw = batch["image_grid_thw"]
+    counts = batch["image_counts"].tolist()
+    img0 = sum(counts[:rank])
+    patches = thw.prod(-1)
+    p0 = int(patches[:img0].sum())
+    p1 = p0 + int(patches[img0:img0 + counts[rank]].sum())
+    local = dict(pixel_values=batch["pixel_values"][p0:p1], image_grid_thw=thw[img0:img0 + counts[rank]])
+    with torch.no_grad():
+        logits, _ = model(input_ids=batch["input_ids"], position_ids=ref["pos"], attention_mask=None,
+                          modality_inputs=modality_inputs_from_batch(local, info.encoder_name))
+    full = _gather_vocab(logits, state.modules["language"].pg_collection.tp)[..., : info.vocab_size]
+    return compare(full, ref["logits"], batch["attention_mask"])
+
+
+def worker_non_colocated(rank: int, world: int, hf_dir: str, ref_path: str):
+    """language on rank 0, images on rank 1: encoder output crosses megatron's bridge communicator."""
+    from mimo_sft.model.builder import build_mimo_model
+    from mimo_sft.model.check import compare
+    from mimo_sft.model.family import modality_inputs_from_batch
+    from mimo_sft.parallel.cpu_shims import apply_cpu_shims
+    from mimo_sft.parallel.groups import build_parallel_state
+
+    from megatron.core.pipeline_parallel.multimodule_communicator import MultiModulePipelineCommunicator
+
+    apply_cpu_shims()
+    layout = _layout("language=dp=1", "images=dp=1,rank_offset=1")
+    state = build_parallel_state(layout)
+    model, info = build_mimo_model(hf_dir, layout=layout, parallel_state=state, attn_implementation="eager")
+    model.eval()
+    comm = MultiModulePipelineCommunicator(state.grids, {"images": ["language"], "language": []},
+                                           info.language_config, dim_mapping={"s": 0, "b": 1, "h": 2},
+                                           module_output_ndim={"images": 2})
+    ref = torch.load(ref_path)
+    batch = ref["batch"]
+    with torch.no_grad():
+        if rank == 1:
+            assert model.language_model is None and "images" in model.modality_submodules
+            out, _ = model(input_ids=batch["input_ids"], modality_inputs=modality_inputs_from_batch(batch, info.encoder_name))
+            comm.send_forward(out)
+            return None
+        assert model.language_model is not None and len(model.modality_submodules) == 0
+        model.set_input_tensor(comm.recv_forward())
+        logits, _ = model(input_ids=batch["input_ids"], position_ids=ref["pos"], attention_mask=None)
+    return compare(logits[..., : info.vocab_size], ref["logits"], batch["attention_mask"])
