@@ -37,7 +37,9 @@ def test_exact_solver_matches_brute_force():
     for n_groups, per in [(2, 2), (2, 3), (3, 2), (2, 4)]:
         for _ in range(6):
             costs = _bimodal(rng, n_groups * per)
-            assert planning.optimal_max_load(costs, n_groups) == _brute_force(costs, n_groups)
+            opt = planning.optimal_max_load(costs, n_groups)
+            assert opt == _brute_force(costs, n_groups)
+            assert planning.lower_bound_max_load(costs, n_groups) <= opt
 
 
 @pytest.mark.parametrize("n_groups,per", [(2, 2), (2, 4), (2, 8), (3, 3), (4, 2), (4, 3), (4, 4), (8, 2)])

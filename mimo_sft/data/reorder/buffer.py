@@ -125,6 +125,7 @@ class ReorderingBuffer:
         self._thread: threading.Thread | None = None
         self.last_stats: dict[str, Any] = {}
         self.windows_done = 0
+        self._scratch = exchange.ScratchBuffers()
 
     # ---- window production -------------------------------------------------------------------
     def _collect(self) -> list:
@@ -137,7 +138,10 @@ class ReorderingBuffer:
         return batches
 
     def _exchange(self, batches: list, group: Any, meta_group: Any) -> list[tuple[dict, dict]]:
-        out, infos = exchange.exchange_window(batches, group=group, meta_group=meta_group, **self._kw)
+        # staging buffers are per thread: in overlap mode only the worker exchanges
+        out, infos = exchange.exchange_window(
+            batches, group=group, meta_group=meta_group, scratch=self._scratch, **self._kw
+        )
         w = len(out)
         served = []
         for k, (b, info) in enumerate(zip(out, infos)):

@@ -28,6 +28,29 @@ from mimo_sft.data.reorder import planning, serialize
 CostFn = Callable[[Mapping[str, torch.Tensor]], Sequence[float]]
 
 
+class ScratchBuffers:
+    """Send/receive byte buffers reused across windows.
+
+    A freshly allocated tensor of tens of MB costs several times its own copy in page faults
+    (measured: 16 ms to clone 39 MB vs 2.3 ms to copy into an existing buffer), so the exchange
+    keeps its staging buffers. Safe because every received view is copied by the merge before
+    :func:`exchange_window` returns. One instance per thread: never share between concurrent
+    exchanges. Holds at most the largest window's bytes per buffer.
+    """
+
+    def __init__(self) -> None:
+        self._bufs: dict[tuple[str, str], torch.Tensor] = {}
+
+    def get(self, name: str, nbytes: int, device: torch.device) -> torch.Tensor:
+        key = (name, str(device))
+        buf = self._bufs.get(key)
+        if buf is None or buf.numel() < nbytes:
+            grown = max(nbytes, int(1.25 * buf.numel()) if buf is not None else 0)
+            buf = torch.empty(grown, dtype=torch.uint8, device=device)
+            self._bufs[key] = buf
+        return buf[:nbytes]
+
+
 def _local_costs(batch: Mapping[str, torch.Tensor], fn: CostFn, n: int, what: str) -> list[float]:
     vals = [float(v) for v in fn(batch)]
     if len(vals) != n:
@@ -103,13 +126,15 @@ def exchange_window(
     load_fn: CostFn | None = None,
     stats_dp_sizes: Mapping[str, int] | None = None,
     comm_device: torch.device | str | None = None,
+    scratch: ScratchBuffers | None = None,
 ) -> tuple[list[dict[str, torch.Tensor]], list[dict[str, Any]]]:
     """Balance ``batches`` (this rank's shards of W micro-batches) across the DP group.
 
     ``group`` carries the sample bytes (NCCL on GPU, then pass ``comm_device="cuda"``);
     ``meta_group`` (default ``group``) carries the small object all-gather and should be gloo.
     Returns this rank's W rebalanced micro-batches (CPU tensors, slot order kept) and per-slot info
-    from :func:`window_plan_info` plus ``exchange_s`` for the whole window.
+    from :func:`window_plan_info` plus ``exchange_s`` for the whole window. ``scratch`` reuses
+    staging buffers across calls (see :class:`ScratchBuffers`).
     """
     t0 = time.perf_counter()
     if not batches:
@@ -174,16 +199,18 @@ def exchange_window(
         0 if src == dp_rank else sum(serialize.record_nbytes(gathered[src][4][w][i]) for w, _p, i in recv_lists[src])
         for src in range(dp_size)
     ]
-    send_buf = serialize.serialize_records(send_recs, send_metas)
-    assert send_buf.numel() == sum(send_splits)
-    device = torch.device(comm_device) if comm_device is not None else torch.device("cpu")
-    recv_buf = torch.empty(sum(recv_splits), dtype=torch.uint8, device=device)
+    scratch = ScratchBuffers() if scratch is None else scratch
+    cpu = torch.device("cpu")
+    device = torch.device(comm_device) if comm_device is not None else cpu
+    send_buf = serialize.serialize_records(send_recs, send_metas, out=scratch.get("send", sum(send_splits), cpu))
+    if device != cpu:
+        send_buf = scratch.get("send_dev", send_buf.numel(), device).copy_(send_buf, non_blocking=True)
+    recv_buf = scratch.get("recv", sum(recv_splits), device)
     dist.all_to_all_single(
-        recv_buf, send_buf.to(device, non_blocking=True), output_split_sizes=recv_splits,
-        input_split_sizes=send_splits, group=group,
+        recv_buf, send_buf, output_split_sizes=recv_splits, input_split_sizes=send_splits, group=group
     )
-    if recv_buf.device.type != "cpu":
-        recv_buf = recv_buf.cpu()
+    if device != cpu:
+        recv_buf = scratch.get("recv_host", recv_buf.numel(), cpu).copy_(recv_buf)
 
     slots: list[list[serialize.Record | None]] = [[None] * n_local for _ in range(W)]
 

@@ -302,15 +302,23 @@ def load_spread(loads: Sequence[float]) -> dict[str, float]:
 
 
 def lower_bound_max_load(costs: Sequence[float], n_groups: int) -> float:
-    """A lower bound on the heaviest equal-count group, for cases too big for the exact solver.
+    """A lower bound on the heaviest equal-count group, for inputs too big for the exact solver.
 
-    max of: the average; the largest item plus the ``per-1`` smallest others (its group must hold
-    ``per`` items); the ``per`` smallest items overall.
+    The average is one bound. A pigeonhole family is the other: among the ``m = (j-1)*G + 1``
+    largest items some group holds at least ``j``, so that group weighs at least the ``j`` smallest
+    of those ``m`` plus the ``per - j`` smallest of the remaining items, for every ``j`` in ``1..per``.
     """
     per = _check_grid(len(costs), n_groups)
-    srt = sorted(costs)
-    top = srt[-1]
-    return max(sum(costs) / n_groups, top + sum(srt[: per - 1]), sum(srt[:per]))
+    desc = sorted(costs, reverse=True)
+    best = sum(costs) / n_groups
+    for j in range(1, per + 1):
+        m = (j - 1) * n_groups + 1
+        if m > len(desc):
+            break
+        rest = desc[m:]
+        fill = sum(rest[len(rest) - (per - j) :]) if per > j else 0.0
+        best = max(best, sum(desc[m - j : m]) + fill)
+    return best
 
 
 def optimal_max_load(costs: Sequence[float], n_groups: int) -> float:

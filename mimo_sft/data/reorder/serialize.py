@@ -183,11 +183,22 @@ def record_nbytes(meta: RecordMeta) -> int:
     return sum(_aligned(_field_nbytes(code, shape)) for _, code, shape in meta)
 
 
-def serialize_records(records: Sequence[Record], metas: Sequence[RecordMeta] | None = None) -> torch.Tensor:
-    """Pack records back to back into one 1-D uint8 tensor (fields in metadata order, aligned)."""
+def serialize_records(
+    records: Sequence[Record], metas: Sequence[RecordMeta] | None = None, *, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Pack records back to back into one 1-D uint8 tensor (fields in metadata order, aligned).
+
+    ``out`` (a 1-D uint8 CPU tensor of exactly the packed size) lets the caller reuse a buffer:
+    a fresh tensor of tens of MB costs several times its copy in page faults.
+    """
     metas = [record_meta(r) for r in records] if metas is None else list(metas)
     total = sum(record_nbytes(m) for m in metas)
-    buf = torch.empty(total, dtype=torch.uint8)
+    if out is None:
+        buf = torch.empty(total, dtype=torch.uint8)
+    else:
+        if out.dtype != torch.uint8 or out.dim() != 1 or out.numel() != total:
+            raise ValueError(f"out must be a 1-D uint8 tensor of {total} bytes")
+        buf = out
     off = 0
     for rec, meta in zip(records, metas):
         for key, code, shape in meta:

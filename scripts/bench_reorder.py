@@ -1,0 +1,244 @@
+#!/usr/bin/env python
+"""Benchmarks for intra-microbatch reordering (issue #5); results go to docs/benchmarks.md.
+
+  (a) balance quality on random bimodal image costs: heaviest rank over the optimum (exact branch
+      and bound where it is cheap, else a lower bound, which makes the ratio an upper estimate)
+      for no reordering, plain equal-count LPT, and ours (LPT + swap refinement, two starts);
+  (b) the exchange over real gloo groups: MB/s of serialize + all_to_all_single + reassemble
+      against a raw all_to_all_single of a ready byte buffer with the same splits;
+  (c) planning time for 64 samples, and the DP-1 local permutation of 4 realistic samples.
+
+Usage: python scripts/bench_reorder.py [--trials 200] [--skip-exchange]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import random
+import socket
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+
+from mimo_sft.data.reorder import exchange, planning, serialize  # noqa: E402
+
+IMAGE_TOKEN_ID = 151655
+MERGE = 2
+PATCH_DIM = 3 * 2 * 14 * 14  # Qwen2.5-VL: C * temporal_patch * patch * patch
+SEQ = 2048
+
+
+def bimodal(rng: random.Random, n: int) -> list[float]:
+    """30% large images (2000-4000 patches), 70% small (50-400): documents mixed with thumbnails."""
+    return [float(rng.randint(2000, 4000) if rng.random() < 0.3 else rng.randint(50, 400)) for _ in range(n)]
+
+
+def heaviest(costs, groups) -> float:
+    return max(sum(costs[i] for i in g) for g in groups)
+
+
+def table_balance(trials: int, seed: int) -> None:
+    print("\n(a) heaviest-rank cost / optimum, bimodal image costs "
+          f"({trials} micro-batches per row; 'ref' = exact optimum or lower bound)")
+    print("| dp | samples/rank | ref | none mean | none worst | LPT mean | LPT worst | ours mean | ours worst | ours plan ms |")
+    print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|")
+    rng = random.Random(seed)
+    for dp in (2, 4, 8):
+        for per in (2, 4, 8):
+            n = dp * per
+            exact = n <= 16
+            res = {"none": [], "lpt": [], "ours": []}
+            plan_s = []
+            for _ in range(trials):
+                c = bimodal(rng, n)
+                ref = planning.optimal_max_load(c, dp) if exact else planning.lower_bound_max_load(c, dp)
+                res["none"].append(heaviest(c, [range(g * per, (g + 1) * per) for g in range(dp)]) / ref)
+                res["lpt"].append(heaviest(c, planning.lpt_equal_count(c, dp)) / ref)
+                t0 = time.perf_counter()
+                groups = planning.balanced_groups(c, dp)
+                plan_s.append(time.perf_counter() - t0)
+                res["ours"].append(heaviest(c, groups) / ref)
+            cells = []
+            for k in ("none", "lpt", "ours"):
+                cells += [f"{statistics.mean(res[k]):.4f}", f"{max(res[k]):.4f}"]
+            print(f"| {dp} | {per} | {'exact' if exact else 'bound'} | " + " | ".join(cells)
+                  + f" | {1e3 * statistics.mean(plan_s):.3f} |")
+
+
+def realistic_batch(sample_ids, patches_per_sample, *, with_pixels: bool) -> dict[str, torch.Tensor]:
+    """Contract-shaped micro-batch: one image per sample (0 patches = text-only), seq 2048."""
+    b = len(sample_ids)
+    input_ids = torch.randint(10, 1000, (b, SEQ))
+    grids = []
+    for i, p in enumerate(patches_per_sample):
+        tokens = p // (MERGE * MERGE)
+        input_ids[i, :tokens] = IMAGE_TOKEN_ID
+        if p:
+            grids.append((1, MERGE, p // MERGE))
+    out = {
+        "input_ids": input_ids,
+        "labels": input_ids.roll(-1, 1),
+        "loss_mask": torch.ones(b, SEQ),
+        "attention_mask": torch.ones(b, SEQ, dtype=torch.bool),
+        "position_ids": torch.arange(SEQ).expand(3, b, SEQ).contiguous(),
+        "mm_token_type_ids": (input_ids == IMAGE_TOKEN_ID).long(),
+        "image_counts": torch.tensor([1 if p else 0 for p in patches_per_sample]),
+        "sample_ids": torch.tensor(list(sample_ids)),
+    }
+    if with_pixels:
+        out["pixel_values"] = torch.randn(sum(patches_per_sample), PATCH_DIM)
+        out["image_grid_thw"] = torch.tensor(grids, dtype=torch.long).reshape(-1, 3)
+    return out
+
+
+def _exchange_worker(rank: int, world: int, port: int, per_rank: int, iters: int, q) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))
+    group = dist.new_group(list(range(world)), backend="gloo")
+    # worst case for the read order: rank 0 drew every big image
+    patches = [4096 if rank == 0 else 256 for _ in range(per_rank)]
+    batch = realistic_batch(range(rank * per_rank, (rank + 1) * per_rank), patches, with_pixels=True)
+    cost_fn = planning.make_cost_fn(image_token_id=IMAGE_TOKEN_ID, merge_size=MERGE)
+    times, moved = [], 0
+    for it in range(iters + 2):
+        dist.barrier(group)
+        t0 = time.perf_counter()
+        out, infos = exchange.exchange_window([batch], dp_rank=rank, dp_size=world, n_groups=world,
+                                              cost_fn=cost_fn, group=group)
+        dt = time.perf_counter() - t0
+        if it >= 2:
+            times.append(dt)
+    order = infos[0]["order"]
+    # bytes this rank sent = records it gave away
+    per = per_rank
+    recs = serialize.split_samples(batch)
+    for k, g in enumerate(order):
+        src, i = divmod(g, per)
+        if src == rank and k // per != rank:
+            moved += serialize.record_nbytes(serialize.record_meta(recs[i]))
+    # raw all_to_all of the same byte counts
+    sizes = torch.tensor([moved], dtype=torch.long)
+    all_sizes = [torch.zeros(1, dtype=torch.long) for _ in range(world)]
+    dist.all_gather(all_sizes, sizes, group=group)
+    # spread each rank's moved bytes evenly over the other ranks (same total volume)
+    def splits(n):
+        s = [0] * world
+        others = [r for r in range(world) if r != rank] if n else []
+        for j, r in enumerate(others):
+            s[r] = n // len(others) + (1 if j < n % len(others) else 0)
+        return s
+    send_splits = splits(moved)
+    recv_splits = []
+    for r in range(world):
+        n = int(all_sizes[r])
+        others = [x for x in range(world) if x != r]
+        j = others.index(rank) if rank in others else 0
+        recv_splits.append(0 if r == rank else n // len(others) + (1 if j < n % len(others) else 0))
+    send = torch.randint(0, 255, (moved,), dtype=torch.uint8)
+    recv = torch.empty(sum(recv_splits), dtype=torch.uint8)
+    raw = []
+    for it in range(iters + 2):
+        dist.barrier(group)
+        t0 = time.perf_counter()
+        dist.all_to_all_single(recv, send, recv_splits, send_splits, group=group)
+        dt = time.perf_counter() - t0
+        if it >= 2:
+            raw.append(dt)
+    total = torch.tensor([float(moved)])
+    dist.all_reduce(total, group=group)
+    t_ex = torch.tensor([statistics.median(times)])
+    t_raw = torch.tensor([statistics.median(raw)])
+    dist.all_reduce(t_ex, op=dist.ReduceOp.MAX, group=group)
+    dist.all_reduce(t_raw, op=dist.ReduceOp.MAX, group=group)
+    clone = []
+    for it in range(iters + 2):
+        t0 = time.perf_counter()
+        send.clone()
+        if it >= 2:
+            clone.append(time.perf_counter() - t0)
+    t_clone = torch.tensor([statistics.median(clone)])
+    dist.all_reduce(t_clone, op=dist.ReduceOp.MAX, group=group)
+    if rank == 0:
+        q.put((world, per_rank, float(total), float(t_ex), float(t_raw), float(t_clone),
+               max(infos[0]["cost_before"]) / max(infos[0]["cost_after"])))
+    dist.destroy_process_group()
+
+
+def table_exchange(iters: int) -> None:
+    print("\n(b) exchange over gloo (one window, worst-case read order: rank 0 holds all 4096-patch images, "
+          f"others 256-patch; f32 pixels, seq {SEQ}; median of {iters}, slowest rank)")
+    print("| processes | samples/rank | MB moved (all ranks) | reorder ms | reorder MB/s | raw all_to_all ms | raw MB/s | clone of sent bytes ms | heaviest-rank cost cut |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    ctx = mp.get_context("spawn")
+    for world in (2, 3, 4):
+        for per_rank in (2, 4):
+            q = ctx.SimpleQueue()
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            mp.spawn(_exchange_worker, args=(world, port, per_rank, iters, q), nprocs=world, join=True)
+            w, p, moved, t_ex, t_raw, t_clone, cut = q.get()
+            mb = moved / 1e6
+            print(f"| {w} | {p} | {mb:.1f} | {1e3 * t_ex:.1f} | {mb / t_ex:.0f} | {1e3 * t_raw:.1f} | {mb / t_raw:.0f} "
+                  f"| {1e3 * t_clone:.1f} | {cut:.2f}x |")
+
+
+def _time(fn, reps: int) -> float:
+    fn()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    return (time.perf_counter() - t0) / reps
+
+
+def table_timing() -> None:
+    print("\n(c) planning and the DP-1 local permutation (training-thread cost)")
+    print("| what | time |")
+    print("|---|---:|")
+    rng = random.Random(0)
+    for g in (2, 4, 8):
+        costs = bimodal(rng, 64)
+        t = _time(lambda: planning.balanced_assignment(costs, g, g), 50)
+        print(f"| plan 64 samples, grid {g} | {1e3 * t:.2f} ms |")
+    cost_fn = planning.make_cost_fn(image_token_id=IMAGE_TOKEN_ID, merge_size=MERGE)
+    patches = [4096, 256, 1024, 64]  # 4 realistic samples: ~29 MB of f32 pixels
+    for with_pixels in (False, True):
+        batch = realistic_batch(range(4), patches, with_pixels=with_pixels)
+        t = _time(lambda: exchange.reorder_local([batch], n_groups=2, cost_fn=cost_fn), 50)
+        label = "vision (with pixel_values)" if with_pixels else "language (no pixels)"
+        print(f"| DP-1 permute, 4 samples seq {SEQ}, {label} | {1e3 * t:.3f} ms |")
+        if with_pixels:
+            pv = batch["pixel_values"]
+            tc = _time(lambda: pv.clone(), 50)
+            print(f"| plain clone of the same pixel_values ({pv.numel() * 4 / 1e6:.0f} MB) | {1e3 * tc:.3f} ms |")
+    batch = realistic_batch(range(4), patches, with_pixels=False)
+    t = _time(lambda: cost_fn(batch), 200)
+    print(f"| cost_fn, 4 samples seq {SEQ} | {1e3 * t:.3f} ms |")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--trials", type=int, default=200)
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--skip-exchange", action="store_true")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    print(f"torch {torch.__version__}, {os.cpu_count()} CPUs")
+    table_balance(args.trials, args.seed)
+    table_timing()
+    if not args.skip_exchange:
+        table_exchange(args.iters)
+
+
+if __name__ == "__main__":
+    main()
