@@ -7,7 +7,7 @@ grids from ``parallel_state.grids``) and reads only its own slices of the safete
 Limits enforced here with a ``UserError`` (``validate`` should refuse them earlier):
 * the ``images`` encoder runs with tp = pp = cp = 1 (it is transformers' module, not megatron's);
 * ``language`` tp must divide the attention heads and the KV heads, pp must divide the layers,
-  cp must be 1.
+  cp must be 1, and pp > 1 only when the encoder has its own ranks (non-colocated).
 """
 
 from __future__ import annotations
@@ -48,6 +48,9 @@ def _check_layout(layout, hf_cfg, adapter, hf_dir: str) -> None:
         raise UserError(f"language pp={lang.pp} must divide the {t.num_hidden_layers} layers of {hf_dir}; choose another pp")
     if lang.cp != 1:
         raise UserError(f"language cp={lang.cp} is not supported; use cp=1")
+    if lang.pp > 1 and layout.colocated:
+        raise UserError(f"language pp={lang.pp} needs the encoder on its own ranks (MimoModel's colocated mode runs "
+                        f"pp=1); give images its own ranks with rank_offset, or use language pp=1")
     if IMAGES in names:
         img = layout.spec(IMAGES)
         if img.tp != 1 or img.pp != 1 or img.cp != 1:
