@@ -172,3 +172,47 @@ def test_truncation_drop_error_and_text_cut(tmp_path, tiny_ckpt, caplog):
     with pytest.raises(UserError, match=r"sample 0: .*--seq-length.*--on-truncation") as err:
         next(it)
     assert "\n" not in str(err.value)
+
+
+def test_metadata_path_never_decodes_pixels(parts, tiny_ckpt, monkeypatch):
+    """Fault injection: any pixel decode raises; the metadata-only path must not notice."""
+    import PIL.ImageFile
+
+    from mimo_sft.data.loader import sample_metadata
+
+    cfg, source, pre = parts
+
+    def boom(self, *a, **k):
+        raise AssertionError("pixels decoded on the metadata-only path")
+
+    monkeypatch.setattr(PIL.ImageFile.ImageFile, "load", boom)
+    it = _iterator(cfg, tiny_ckpt, need_pixels=False, source=source, preprocessor=pre)
+    assert sum(int(next(it)["image_counts"].sum()) for _ in range(4)) > 0
+    assert len(sample_metadata(cfg, model_dir=tiny_ckpt, indices=range(6), source=source, preprocessor=pre)) == 6
+    with pytest.raises(AssertionError, match="pixels decoded"):  # the pixel path does decode
+        pre.encode(*source[_kinds(source)[0]], 0, need_pixels=True)
+
+
+def test_exif_rotation_agrees_on_both_paths(tmp_path, tiny_ckpt, parts):
+    from PIL import ImageOps
+
+    from mimo_sft.data.processor import load_processor
+
+    _, _, pre = parts
+    img = Image.new("RGB", (60, 130), (10, 200, 30))
+    exif = Image.Exif()
+    exif[0x0112] = 6  # rotate 90: displayed as 130 x 60
+    buf = io.BytesIO()
+    img.save(buf, format="JPEG", exif=exif.tobytes())
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "hi"}]},
+                {"role": "assistant", "content": [{"type": "text", "text": "green"}]}]
+    meta = pre.encode(messages, [buf.getvalue()], 0, need_pixels=False)
+    pix = pre.encode(messages, [buf.getvalue()], 0, need_pixels=True)
+    assert meta["grids"] == pix["grids"] == [tuple(pix["image_grid_thw"][0].tolist())]
+    t, h, w = meta["grids"][0]
+    assert w > h  # rotated: wider than tall
+    upright = ImageOps.exif_transpose(Image.open(io.BytesIO(buf.getvalue())))
+    ref = load_processor(tiny_ckpt).image_processor(images=[upright], return_tensors="pt")
+    assert torch.equal(pix["pixel_values"], ref["pixel_values"])
+    for k in ("input_ids", "labels", "position_ids"):
+        assert torch.equal(meta[k], pix[k])

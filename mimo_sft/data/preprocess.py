@@ -29,6 +29,39 @@ log = logging.getLogger("mimo_sft.data")
 _SWAP_ORIENTATIONS = (5, 6, 7, 8)  # EXIF orientations that rotate by 90 degrees
 
 
+def _transpose_table():
+    from PIL import Image
+
+    T = Image.Transpose  # the same table PIL's ImageOps.exif_transpose (and datasets) applies
+    return {2: T.FLIP_LEFT_RIGHT, 3: T.ROTATE_180, 4: T.FLIP_TOP_BOTTOM, 5: T.TRANSPOSE, 6: T.ROTATE_270,
+            7: T.TRANSVERSE, 8: T.ROTATE_90}
+
+
+_TRANSPOSE = _transpose_table()
+
+
+def header_orientation(img) -> int | None:
+    """EXIF orientation readable without decoding pixels.
+
+    JPEG/WebP/TIFF parse EXIF at open; PNG's ``getexif()`` would decode the image to look for an eXIf
+    chunk after the pixel data, so for PNG only an eXIf chunk before the pixels counts (both paths
+    use this same value, so they always agree).
+    """
+    try:
+        if img.format == "PNG":
+            raw = img.info.get("exif")
+            if not raw:
+                return None
+            from PIL import Image
+
+            exif = Image.Exif()
+            exif.load(raw)
+            return exif.get(0x0112)
+        return img.getexif().get(0x0112)
+    except Exception:  # a broken EXIF block must not stop training (datasets ignores it too)
+        return None
+
+
 class _RopeIndex:
     """Just enough of ``Qwen2_5_VLModel`` for its ``get_rope_index`` (reads only ``config``)."""
 
@@ -65,6 +98,7 @@ class ImageSpec:
 
     grid: tuple[int, int, int]
     ref: object
+    orientation: int | None = None
 
 
 class SamplePreprocessor:
@@ -127,34 +161,30 @@ class SamplePreprocessor:
         for ref in refs:
             img = open_image_header(ref, idx)
             w, h = img.size
-            try:
-                orientation = img.getexif().get(0x0112)
-            except Exception:  # a broken EXIF block must not stop training; datasets ignores it too
-                orientation = None
+            orientation = header_orientation(img)
             if orientation in _SWAP_ORIENTATIONS:
                 w, h = h, w
-            specs.append(ImageSpec(self.grid_for_size(h, w), ref))
+            specs.append(ImageSpec(self.grid_for_size(h, w), ref, orientation))
         return specs
 
     def pixels(self, specs: list[ImageSpec], idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Decode, EXIF-transpose and patchify the images; the grids must match the header path."""
-        from PIL import ImageOps
-
+        """Decode, orient (by the header's EXIF tag, as the grid was) and patchify the images."""
         images = []
         for spec in specs:
             img = open_image_header(spec.ref, idx)
             try:
                 img.load()
-                img = ImageOps.exif_transpose(img)
             except OSError as err:
-                raise UserError(f"sample {idx}: cannot decode image {spec.ref if not isinstance(spec.ref, bytes) else '(bytes)'} "
-                                f"({err}); fix or remove the image") from None
+                where = "(in-dataset bytes)" if isinstance(spec.ref, bytes) else str(spec.ref)
+                raise UserError(f"sample {idx}: cannot decode image {where} ({err}); fix or remove the image") from None
+            if spec.orientation in _TRANSPOSE:
+                img = img.transpose(_TRANSPOSE[spec.orientation])
             images.append(img.convert("RGB"))
         out = self.image_processor(images=images, return_tensors="pt")
         grid = out["image_grid_thw"].to(torch.int64)
         expected = torch.tensor([s.grid for s in specs], dtype=torch.int64)
         assert torch.equal(grid, expected), f"sample {idx}: pixel grid {grid.tolist()} != header grid {expected.tolist()}"
-        return out["pixel_values"].to(torch.float32), grid
+        return out["pixel_values"].to(torch.float32).contiguous(), grid
 
     # ------------------------------------------------------------------ text
 
