@@ -216,3 +216,16 @@ def test_exif_rotation_agrees_on_both_paths(tmp_path, tiny_ckpt, parts):
     assert torch.equal(pix["pixel_values"], ref["pixel_values"])
     for k in ("input_ids", "labels", "position_ids"):
         assert torch.equal(meta[k], pix[k])
+
+
+def test_sample_metadata_with_workers_matches_in_process(parts, tiny_ckpt):
+    from mimo_sft.data.loader import dataset_stats, sample_metadata
+
+    cfg, source, pre = parts
+    a = sample_metadata(cfg, model_dir=tiny_ckpt, source=source, preprocessor=pre)
+    b = sample_metadata(cfg, model_dir=tiny_ckpt, source=source, preprocessor=pre, num_workers=2)
+    assert a == b and [m.index for m in a] == list(range(len(source)))
+    stats = dataset_stats(cfg, model_dir=tiny_ckpt, source=source, preprocessor=pre)
+    assert stats["samples"] == len(source) and stats["text_only"] > 0 and stats["multi_image"] > 0
+    # documents are several times larger than receipts
+    assert stats["patches_per_image_max"] >= 4 * stats["patches_per_image_min"]
