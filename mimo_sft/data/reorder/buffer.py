@@ -50,6 +50,74 @@ def check_overlap_allowed(overlap: bool) -> None:
         )
 
 
+class _Producer:
+    """Pulls windows from the source and exchanges them; runs on the caller or on the worker thread.
+
+    Owns everything the worker needs (source, groups, staging buffers, queue, stop flag) so that
+    the worker never references the :class:`ReorderingBuffer` itself.
+    """
+
+    def __init__(self, source, window_size: int, kw: dict, group: Any, meta_group: Any):
+        self.source, self.window_size, self.kw = source, window_size, kw
+        self.group, self.meta_group = group, meta_group
+        self.scratch = exchange.ScratchBuffers()  # used by one thread only
+        self.stop = threading.Event()
+        self.queue: queue.Queue = queue.Queue(maxsize=1)
+
+    def produce(self) -> list[tuple[dict, dict]] | None:
+        """Next window, exchanged, as ``(batch, stats)`` pairs; None once the source is exhausted."""
+        batches = []
+        for _ in range(self.window_size):
+            try:
+                batches.append(next(self.source))
+            except StopIteration:
+                break
+        if not batches:
+            return None
+        out, infos = exchange.exchange_window(
+            batches, group=self.group, meta_group=self.meta_group, scratch=self.scratch, **self.kw
+        )
+        w = len(out)
+        served = []
+        for k, (b, info) in enumerate(zip(out, infos)):
+            stats = {key: v for key, v in info.items() if key not in ("order", "global_costs")}
+            stats["window_exchange_s"] = info["exchange_s"]
+            # each micro-batch carries its share, so summing a step's micro-batches gives the total
+            stats["reorder_exchange_s"] = info["exchange_s"] / w
+            stats["window_slot"] = k
+            stats["window_len"] = w
+            stats["order"] = info["order"]
+            served.append((b, stats))
+        return served
+
+    def run(self, stream: Any) -> None:
+        """Worker thread body: produce until exhausted or stopped; failures go to the consumer."""
+        try:
+            ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+            with ctx:
+                while not self.stop.is_set():
+                    served = self.produce()
+                    if served is None:
+                        break
+                    if stream is not None:
+                        # hand tensors over only once the side stream's work on them is done
+                        stream.synchronize()
+                    if not self._put(served):
+                        return
+            self._put(_DONE)
+        except BaseException as exc:  # noqa: BLE001 - everything must reach the consumer
+            self._put(_Failure(exc))
+
+    def _put(self, item: Any) -> bool:
+        while not self.stop.is_set():
+            try:
+                self.queue.put(item, timeout=0.05)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+
 class ReorderingBuffer:
     """Iterator over cost-balanced micro-batches for one module's DP rank.
 
@@ -108,84 +176,29 @@ class ReorderingBuffer:
             raise ValueError("dp_size > 1 needs a process group")
         if self._threaded and side_group is None:
             raise ValueError("overlap=True needs side_group, a DP group reserved for the reorder thread")
-        self._source = iter(source_iterator)
         self.dp_rank, self.dp_size, self.n_groups = dp_rank, dp_size, n_groups
         self.window_size = window_size
-        self._kw = dict(
+        kw = dict(
             dp_rank=dp_rank, dp_size=dp_size, n_groups=n_groups, cost_fn=cost_fn,
             load_fn=load_fn, stats_dp_sizes=dict(stats_dp_sizes or {}), comm_device=comm_device,
         )
-        self._group, self._meta_group = group, meta_group
-        self._side_group = side_group
-        self._side_meta_group = side_meta_group if side_meta_group is not None else side_group
+        if self._threaded:
+            side_meta = side_meta_group if side_meta_group is not None else side_group
+            self._producer = _Producer(iter(source_iterator), window_size, kw, side_group, side_meta)
+        else:
+            self._producer = _Producer(iter(source_iterator), window_size, kw, group, meta_group)
         self._ready: list[tuple[dict, dict]] = []  # current window, served front to back
         self._exhausted = False
-        self._stop = threading.Event()
-        self._queue: queue.Queue = queue.Queue(maxsize=1)
         self._thread: threading.Thread | None = None
         self.last_stats: dict[str, Any] = {}
         self.windows_done = 0
-        self._scratch = exchange.ScratchBuffers()
-
-    # ---- window production -------------------------------------------------------------------
-    def _collect(self) -> list:
-        batches = []
-        for _ in range(self.window_size):
-            try:
-                batches.append(next(self._source))
-            except StopIteration:
-                break
-        return batches
-
-    def _exchange(self, batches: list, group: Any, meta_group: Any) -> list[tuple[dict, dict]]:
-        # staging buffers are per thread: in overlap mode only the worker exchanges
-        out, infos = exchange.exchange_window(
-            batches, group=group, meta_group=meta_group, scratch=self._scratch, **self._kw
-        )
-        w = len(out)
-        served = []
-        for k, (b, info) in enumerate(zip(out, infos)):
-            stats = {key: v for key, v in info.items() if key not in ("order", "global_costs")}
-            stats["window_exchange_s"] = info["exchange_s"]
-            # each micro-batch carries its share, so summing a step's micro-batches gives the total
-            stats["reorder_exchange_s"] = info["exchange_s"] / w
-            stats["window_slot"] = k
-            stats["window_len"] = w
-            stats["order"] = info["order"]
-            served.append((b, stats))
-        return served
-
-    def _worker(self, stream: Any) -> None:
-        try:
-            ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
-            with ctx:
-                while not self._stop.is_set():
-                    batches = self._collect()
-                    if not batches:
-                        break
-                    served = self._exchange(batches, self._side_group, self._side_meta_group)
-                    if stream is not None:
-                        # hand the tensors over only once the side stream's work on them is done
-                        stream.synchronize()
-                    if not self._put(served):
-                        return
-            self._put(_DONE)
-        except BaseException as exc:  # noqa: BLE001 - everything must reach the consumer
-            self._put(_Failure(exc))
-
-    def _put(self, item: Any) -> bool:
-        while not self._stop.is_set():
-            try:
-                self._queue.put(item, timeout=0.05)
-                return True
-            except queue.Full:
-                continue
-        return False
 
     def _start_thread(self) -> None:
         stream = torch.cuda.Stream() if torch.cuda.is_available() else None
+        # the target is the producer, not self: a dropped buffer can still be collected and its
+        # __del__ stop the thread
         self._thread = threading.Thread(
-            target=self._worker, args=(stream,), name=f"reorder-dp{self.dp_rank}", daemon=True
+            target=self._producer.run, args=(stream,), name=f"reorder-dp{self.dp_rank}", daemon=True
         )
         self._thread.start()
 
@@ -193,15 +206,14 @@ class ReorderingBuffer:
         if self._exhausted:
             return None
         if not self._threaded:
-            batches = self._collect()
-            if not batches:
+            window = self._producer.produce()
+            if window is None:
                 self._exhausted = True
-                return None
-            return self._exchange(batches, self._group, self._meta_group)
+            return window
         if self._thread is None:
             self._start_thread()
         t0 = time.perf_counter()
-        item = self._queue.get()
+        item = self._producer.queue.get()
         wait = time.perf_counter() - t0
         if item is _DONE:
             self._exhausted = True
@@ -233,7 +245,7 @@ class ReorderingBuffer:
     def shutdown(self, timeout: float = 5.0) -> None:
         """Stop the overlap thread. A thread stuck inside a collective cannot be interrupted; it is
         a daemon, so it never blocks interpreter exit."""
-        self._stop.set()
+        self._producer.stop.set()
         t = self._thread
         if t is not None and t.is_alive() and t is not threading.current_thread():
             t.join(timeout)
