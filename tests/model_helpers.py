@@ -172,3 +172,40 @@ def worker_non_colocated(rank: int, world: int, hf_dir: str, ref_path: str):
         model.set_input_tensor(comm.recv_forward())
         logits, _ = model(input_ids=batch["input_ids"], position_ids=ref["pos"], attention_mask=None)
     return compare(logits[..., : info.vocab_size], ref["logits"], batch["attention_mask"])
+
+
+def worker_pp2_non_colocated(rank: int, world: int, hf_dir: str, ref_path: str):
+    """language pp=2 on ranks 0-1, images on rank 2: encoder -> bridge -> stage 0 -> p2p -> stage 1."""
+    from mimo_sft.model.builder import build_mimo_model
+    from mimo_sft.model.check import compare
+    from mimo_sft.model.family import modality_inputs_from_batch
+    from mimo_sft.parallel.cpu_shims import apply_cpu_shims
+    from mimo_sft.parallel.groups import build_parallel_state
+
+    from megatron.core.pipeline_parallel.multimodule_communicator import MultiModulePipelineCommunicator
+
+    apply_cpu_shims()
+    layout = _layout("language=pp=2,dp=1", "images=dp=1,rank_offset=2")
+    state = build_parallel_state(layout)
+    model, info = build_mimo_model(hf_dir, layout=layout, parallel_state=state, attn_implementation="eager")
+    model.eval()
+    comm = MultiModulePipelineCommunicator(state.grids, {"images": ["language"], "language": []},
+                                           info.language_config, dim_mapping={"s": 0, "b": 1, "h": 2},
+                                           module_output_ndim={"images": 2})
+    ref = torch.load(ref_path)
+    batch = ref["batch"]
+    B, S = batch["input_ids"].shape
+    with torch.no_grad():
+        if rank == 2:
+            out, _ = model(input_ids=batch["input_ids"], modality_inputs=modality_inputs_from_batch(batch, info.encoder_name))
+            comm.send_forward(out)
+            return None
+        if rank == 0:
+            model.set_input_tensor(comm.recv_forward())
+            out, _ = model(input_ids=batch["input_ids"], position_ids=ref["pos"], attention_mask=None)
+            assert set(out) == {"language"} and out["language"].shape == (S, B, info.hidden_size)
+            comm.send_forward(out)
+            return None
+        model.set_input_tensor(comm.recv_forward(tensor_shape=(S, B, info.hidden_size)))
+        logits, _ = model(input_ids=batch["input_ids"], position_ids=ref["pos"], attention_mask=None)
+    return compare(logits[..., : info.vocab_size], ref["logits"], batch["attention_mask"])

@@ -75,3 +75,18 @@ def test_non_colocated_parity(tmp_path):
     ref = _reference(tmp_path, hf_dir, random_batch(cfg, seed=5))
     diffs = run_distributed(worker_non_colocated, 2, hf_dir, ref)
     assert diffs[0] <= TOL, diffs
+
+
+@pytest.mark.distributed
+def test_language_pp2_non_colocated_parity(tmp_path):
+    """Pipeline stages load their own layers (layer offset) and the tied output copy on the last stage."""
+    from dist_utils import run_distributed
+    from mimo_sft.model.check import random_batch
+    from mimo_sft.model.qwen2_5_vl import Qwen25VLAdapter
+    from model_helpers import worker_pp2_non_colocated
+
+    hf_dir = make_tiny_hf(str(tmp_path / "m"), heads=4, kv_heads=2, layers=4, tie=True)
+    cfg = Qwen25VLAdapter().load_hf_config(hf_dir, {})
+    ref = _reference(tmp_path, hf_dir, random_batch(cfg, seed=7))
+    diffs = run_distributed(worker_pp2_non_colocated, 3, hf_dir, ref)
+    assert diffs[1] <= TOL, diffs

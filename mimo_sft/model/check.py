@@ -115,11 +115,12 @@ def check_model(hf_dir: str, *, tolerance: float = DEFAULT_TOLERANCE, seed: int 
     from mimo_sft.model.builder import build_single_process_model
 
     t0 = time.time()
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     model, info = build_single_process_model(hf_dir, attn_implementation="eager")
-    model.eval()
+    model.to(device).eval()
     hf_model = AutoModelForImageTextToText.from_pretrained(hf_dir, attn_implementation="eager", dtype=torch.float32)
-    hf_model.eval()
-    batch = random_batch(info.hf_config, seed=seed)
+    hf_model.to(device).eval()
+    batch = {k: v.to(device) for k, v in random_batch(info.hf_config, seed=seed).items()}
     ref_logits, ref_loss = hf_forward(hf_model, batch)
     pos = hf_position_ids(hf_model, batch)
     logits = mimo_forward(model, info, batch, pos)

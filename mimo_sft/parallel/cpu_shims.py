@@ -68,6 +68,9 @@ _CUDA_LITERAL_MODULES = {
     "megatron.core.models.mimo.optimizer": "MIMO optimizer reductions",
     # forward_backward_*: total_num_tokens = torch.zeros([], device="cuda")
     "megatron.core.pipeline_parallel.schedules": "schedules' token counter",
+    # P2PCommunicator._communicate_shapes / _communicate: torch.cuda.synchronize() after the
+    # batched send/recv (language pipeline stages with variable_seq_lengths)
+    "megatron.core.pipeline_parallel.p2p_communication": "pipeline p2p synchronize",
     # NCCL warm-up tensor (device="cuda"), torch.cuda.current_stream() waits
     "megatron.core.distributed.param_and_grad_buffer": "grad buffer",
     # torch.cuda.Stream(device=torch.cuda.current_device()) for overlapped grad reduce
