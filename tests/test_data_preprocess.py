@@ -229,3 +229,17 @@ def test_sample_metadata_with_workers_matches_in_process(parts, tiny_ckpt):
     assert stats["samples"] == len(source) and stats["text_only"] > 0 and stats["multi_image"] > 0
     # documents are several times larger than receipts
     assert stats["patches_per_image_max"] >= 4 * stats["patches_per_image_min"]
+
+
+def test_text_only_micro_batch_on_an_encoder_rank(parts):
+    from mimo_sft.data.preprocess import collate
+
+    cfg, source, pre = parts
+    i = _kinds(source)[2]
+    s = pre.encode(*source[i], i, need_pixels=True)
+    batch = collate([s, s], pad_id=pre.pad_id, seq_length=None, need_pixels=True, pixel_dim=pre.pixel_dim)
+    assert batch["pixel_values"].shape == (0, pre.pixel_dim) and batch["image_grid_thw"].shape == (0, 3)
+    assert batch["input_ids"].shape == (2, len(s["input_ids"]))  # no --pad-to-seq-length: longest in batch
+    # text-only positions are a plain arange on all three axes
+    assert torch.equal(batch["position_ids"][:, 0], torch.arange(len(s["input_ids"])).expand(3, -1))
+    assert pre.min_tokens_for_one_image() > pre.max_pixels // (pre.patch_size * pre.merge_size) ** 2

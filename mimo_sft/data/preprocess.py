@@ -275,10 +275,14 @@ class SamplePreprocessor:
         return sample
 
     def min_tokens_for_one_image(self) -> int:
-        """Tokens of the smallest conversation holding one image at ``max_pixels`` (seq_length check)."""
+        """Tokens of the smallest conversation holding one image at ``max_pixels`` (seq_length check).
+
+        ``smart_resize`` keeps ``h*w <= max_pixels``, so an image has at most
+        ``max_pixels // (patch*merge)**2`` placeholders; the grid below has exactly that many.
+        """
         factor = self.patch_size * self.merge_size
-        side = int((self.max_pixels ** 0.5) // factor) * factor
-        grid = self.grid_for_size(side, side)
+        n_max = max(1, self.max_pixels // (factor * factor))
+        grid = (1, self.merge_size, self.merge_size * n_max)
         msgs = [{"role": "user", "content": [{"type": "image"}]}, {"role": "assistant", "content": [{"type": "text", "text": "x"}]}]
         ids, _ = self.tokens(msgs, [grid], -1)
         return len(ids)
