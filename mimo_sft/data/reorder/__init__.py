@@ -8,6 +8,7 @@ the data iterator (optionally overlapping the next window's exchange on a backgr
 from mimo_sft.data.reorder.buffer import ReorderingBuffer, check_overlap_allowed
 from mimo_sft.data.reorder.exchange import exchange_window, reorder_local, window_plan_info
 from mimo_sft.data.reorder.planning import (
+    assignment_from_order,
     balanced_assignment,
     balanced_groups,
     balanced_index_order,
@@ -34,6 +35,7 @@ from mimo_sft.data.reorder.serialize import (
 )
 
 __all__ = [
+    "assignment_from_order",
     "ReorderingBuffer",
     "balanced_assignment",
     "balanced_groups",

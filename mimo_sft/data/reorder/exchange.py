@@ -171,7 +171,7 @@ def exchange_window(
     gcosts = [[c for r in range(dp_size) for c in gathered[r][2][w]] for w in range(W)]
     gloads = [[c for r in range(dp_size) for c in gathered[r][3][w]] for w in range(W)]
     infos = window_plan_info(gcosts, gloads, n_groups=n_groups, dp_size=dp_size, stats_dp_sizes=stats_dp_sizes)
-    routes = [planning.balanced_assignment(gcosts[w], n_groups, dp_size) for w in range(W)]
+    routes = [planning.assignment_from_order(info["order"], dp_size) for info in infos]
 
     # What goes where, in an order both ends derive: (slot, canonical_pos) within each (src, dst).
     send_lists: list[list[tuple[int, int, int]]] = [[] for _ in range(dp_size)]  # dst -> (w, pos, i)

@@ -244,12 +244,20 @@ def balanced_assignment(costs: Sequence[float], n_groups: int, dp_size: int) -> 
     """
     if dp_size <= 0 or n_groups % dp_size:
         raise ValueError(f"dp_size {dp_size} must divide the canonical grid {n_groups}")
-    order = balanced_index_order(costs, n_groups)
-    per_rank = len(costs) // dp_size
-    out: list[tuple[int, int] | None] = [None] * len(costs)
+    return assignment_from_order(balanced_index_order(costs, n_groups), dp_size)
+
+
+def assignment_from_order(order: Sequence[int], dp_size: int) -> list[tuple[int, int]]:
+    """``(owner_rank, canonical_pos)`` per sample index from a canonical order (see above)."""
+    n = len(order)
+    if dp_size <= 0 or n % dp_size:
+        raise ValueError(f"{n} samples cannot be split over dp {dp_size}")
+    per_rank = n // dp_size
+    out: list[tuple[int, int] | None] = [None] * n
     for k, idx in enumerate(order):
+        if not 0 <= idx < n or out[idx] is not None:
+            raise ValueError(f"order {list(order)} is not a permutation")
         out[idx] = (k // per_rank, k % per_rank)
-    assert all(o is not None for o in out)
     return out  # type: ignore[return-value]
 
 
