@@ -177,3 +177,44 @@ def test_pure_modules_import_no_collectives():
                 mods.update(f"{node.module}.{a.name}" for a in node.names)
         bad = [m for m in mods if "distributed" in m or m.startswith("megatron") or m.endswith(".exchange") or m.endswith(".buffer")]
         assert not bad, (name, bad)
+
+
+def _reference_refine(costs, groups, max_rounds=10_000):
+    """Exhaustive-scan version of the swap refinement: the bisection must pick the same swaps."""
+    loads = [sum(costs[i] for i in g) for g in groups]
+    eps = 1e-12 * max(1.0, max(abs(c) for c in costs))
+    for _ in range(max_rounds):
+        h = max(range(len(groups)), key=lambda g: (loads[g], -g))
+        best = None
+        for g in range(len(groups)):
+            gap = loads[h] - loads[g]
+            if g == h or gap <= eps:
+                continue
+            for a, i in enumerate(groups[h]):
+                for b, j in enumerate(groups[g]):
+                    d = costs[i] - costs[j]
+                    if d <= 0 or d >= gap - eps:
+                        continue
+                    key = (max(loads[h] - d, loads[g] + d), g, a, b)
+                    best = key if best is None or key < best else best
+        if best is None:
+            return
+        _, g, a, b = best
+        i, j = groups[h][a], groups[g][b]
+        groups[h][a], groups[g][b] = j, i
+        loads[h] -= costs[i] - costs[j]
+        loads[g] += costs[i] - costs[j]
+
+
+def test_bisection_refinement_matches_exhaustive_scan():
+    rng = random.Random(11)
+    for trial in range(150):
+        n_groups, per = rng.choice([(2, 4), (3, 5), (4, 8), (8, 8), (2, 32)])
+        # integer costs with many ties stress the leftmost-slot tie-break
+        costs = [float(rng.choice([0, 64, 64, 256, 1024, 4096, rng.randint(0, 5000)])) for _ in range(n_groups * per)]
+        start = planning.lpt_equal_count(costs, n_groups)
+        fast = [list(g) for g in start]
+        slow = [list(g) for g in start]
+        planning._refine_by_swaps(costs, fast, max_rounds=10_000)
+        _reference_refine(costs, slow)
+        assert fast == slow, (trial, costs)
