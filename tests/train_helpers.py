@@ -1,0 +1,110 @@
+"""Helpers for the end-to-end training tests: tiny model and datasets, torchrun, checkpoint tensors."""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+_TMP = Path(tempfile.mkdtemp(prefix="mimo_sft_train_tests_"))
+atexit.register(shutil.rmtree, _TMP, True)
+TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
+
+
+@functools.lru_cache(maxsize=None)
+def tiny_model() -> str:
+    from mimo_sft.data.tiny_checkpoint import write_tiny_checkpoint
+
+    return str(write_tiny_checkpoint(_TMP / "tiny", seed=0))
+
+
+@functools.lru_cache(maxsize=None)
+def demo_data(samples: int = 96) -> str:
+    from mimo_sft.data.demo import write_demo_dataset
+
+    return str(write_demo_dataset(_TMP / f"demo_{samples}", samples=samples, seed=0))
+
+
+def _png(w: int, h: int, colour, *, truncate: bool = False) -> bytes:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (w, h), colour).save(buf, format="PNG")
+    data = buf.getvalue()
+    return data[: len(data) // 2] if truncate else data
+
+
+@functools.lru_cache(maxsize=None)
+def fixed_size_data(samples: int = 32, *, broken_image: int | None = None) -> str:
+    """Single-image samples of one image size (colocated heterogeneous DP needs equal image tokens).
+
+    Images are files referenced by path; ``broken_image`` truncates one file so that its header
+    reads but its pixels do not decode (only ranks that decode pixels fail).
+    """
+    import datasets
+
+    folder = _TMP / f"fixed_{samples}_{broken_image}"
+    (folder / "img").mkdir(parents=True, exist_ok=True)
+    colours = {"red": (220, 30, 30), "green": (30, 170, 60), "blue": (40, 70, 220), "black": (15, 15, 15)}
+    rows = []
+    for i in range(samples):
+        name = sorted(colours)[i % len(colours)]
+        path = folder / "img" / f"{i:04d}.png"
+        path.write_bytes(_png(56, 56, colours[name], truncate=(i == broken_image)))
+        rows.append({"messages": [
+            {"role": "user", "content": [{"type": "image", "text": None}, {"type": "text", "text": "Which colour?"}]},
+            {"role": "assistant", "content": [{"type": "text", "text": f"It is {name}."}]}],
+            "images": [f"img/{i:04d}.png"]})
+    datasets.Dataset.from_list(rows).to_parquet(str(folder / "train.parquet"))
+    return str(folder)
+
+
+def torchrun(nproc: int, args: list[str], *, timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
+               HF_DATASETS_OFFLINE="1", PYTHONWARNINGS="ignore")
+    cmd = [TORCHRUN, "--nproc-per-node", str(nproc), "--master-port", str(_free_port()), "-m", "mimo_sft",
+           "finetune", *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=str(ROOT), env=env)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"torchrun failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    return proc
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def metrics(run_dir: str) -> list[dict]:
+    with open(os.path.join(run_dir, "metrics.jsonl")) as fh:
+        return [json.loads(line) for line in fh]
+
+
+def checkpoint_tensors(ckpt_dir: str) -> dict:
+    """Full (unsharded) model tensors of a mimo-sft checkpoint, keyed layout-independently."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = os.path.join(ckpt_dir, "model_full.pt")
+    if not os.path.exists(out):
+        dcp_to_torch_save(os.path.join(ckpt_dir, "model"), out)
+    state = torch.load(out, weights_only=False)
+    return {k: v for k, v in state.items() if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")}
+
+
+def new_dir(name: str) -> str:
+    path = _TMP / name
+    if path.exists():
+        shutil.rmtree(path)
+    return str(path)
