@@ -14,7 +14,6 @@ Positions: transformers' ``Qwen2_5_VLModel.get_rope_index`` run on a small stand
 
 from __future__ import annotations
 
-import logging
 import os
 from dataclasses import dataclass
 
@@ -25,7 +24,6 @@ from mimo_sft.data.processor import load_processor
 from mimo_sft.data.sources import open_image_header
 from mimo_sft.errors import UserError
 
-log = logging.getLogger("mimo_sft.data")
 
 _SWAP_ORIENTATIONS = (5, 6, 7, 8)  # EXIF orientations that rotate by 90 degrees
 

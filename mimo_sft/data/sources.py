@@ -198,8 +198,6 @@ def _sharegpt_messages(turns, idx, col) -> list[dict]:
 
 def load_sft_dataset(data_cfg) -> SFTSource:
     """Load ``data_cfg.dataset_path`` and pick the schema, columns and image folder it needs."""
-    import datasets
-
     ds = load_raw_dataset(data_cfg.dataset_path, data_cfg.split)
     cols = list(ds.column_names)
     schema = data_cfg.schema
@@ -240,7 +238,6 @@ def load_sft_dataset(data_cfg) -> SFTSource:
         # Fail now, not mid-training, if the text asks for images the dataset does not have.
         for i in range(min(len(source), 64)):
             source[i]
-    del datasets
     return source
 
 
