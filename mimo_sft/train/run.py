@@ -51,11 +51,28 @@ def finetune(args: list[str]) -> int:
     try:
         return _train(cfg, result.layout)
     except UserError as e:
-        print(f"error: [rank {rank}] {e}", file=sys.stderr, flush=True)
-        return 2
+        _abort(f"error: [rank {rank}] {e}", 2)
     except KeyboardInterrupt:
-        print(f"[rank {rank}] interrupted", file=sys.stderr)
-        return 130
+        _abort(f"[rank {rank}] interrupted", 130)
+    except Exception as e:  # noqa: BLE001 - decide between "a peer died" and "our bug"
+        text = str(e)
+        if any(s in text for s in PEER_FAILURE_MARKERS):
+            _abort(f"error: [rank {rank}] stopped because another rank failed (see its error above)", 1)
+        traceback.print_exc()
+        _abort(f"error: [rank {rank}] internal error: {type(e).__name__}: {text.splitlines()[0] if text else ''}", 1)
+
+
+#: what gloo/NCCL report on the surviving ranks when a peer process has died
+PEER_FAILURE_MARKERS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
+                        "NCCL communicator was aborted", "ProcessGroupNCCL is aborted")
+
+
+def _abort(message: str, code: int):
+    """Print one line and leave at once: a failed rank must not linger in teardown (process-group
+    destructors, loader workers), because torchrun stops the other ranks only when this one exits."""
+    print(message, file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(code)
 
 
 def _train(cfg, layout) -> int:
