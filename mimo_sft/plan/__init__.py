@@ -1,0 +1,211 @@
+"""``mimo-sft plan``: what reordering will do to each rank's load on your data, before any GPU time.
+
+Reads the dataset's image sizes and text lengths through the same metadata-only preprocessing and
+canonical sampler training uses (no pixel decoded, no process started, no torch.distributed),
+then, for the first ``--steps`` micro-batches of a fresh run, computes each DP rank's vision load
+(patches, ``images`` module) and language load (real tokens, ``language`` module) with reordering
+off and on, using the configured cost weights and window on the configured layout. When the config
+has reordering off, "after" still shows what ``--intra-microbatch-reorder`` would do, and says so.
+
+Own flags (stripped before the shared config flags reach ``load_config``)::
+
+    --steps N                    micro-batches to simulate (default 50)
+    --out DIR                    write plan.png (and plan.json) there
+    --json                       print one JSON object instead of the table
+    --compare-window 1,2,4       extra rows: other window sizes
+    --compare-cost-weights 0,0.5 extra rows: other language cost weights
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+
+from mimo_sft.errors import UserError
+
+DEFAULT_STEPS = 50
+
+
+@dataclass
+class PlanOptions:
+    steps: int = DEFAULT_STEPS
+    out: str | None = None
+    as_json: bool = False
+    windows: list[int] = field(default_factory=list)
+    language_weights: list[float] = field(default_factory=list)
+
+
+def _parse_list(flag: str, text: str, kind):
+    try:
+        values = [kind(v) for v in text.split(",") if v.strip() != ""]
+    except ValueError:
+        raise UserError(f"{flag} {text!r}: expected comma-separated {'integers' if kind is int else 'numbers'}, "
+                        f"e.g. {'1,2,4' if kind is int else '0,0.5'}") from None
+    if not values:
+        raise UserError(f"{flag} needs at least one value")
+    return values
+
+
+def split_plan_args(args: list[str]) -> tuple[PlanOptions, list[str]]:
+    """Take plan's own flags out of ``args``; the rest are the shared config flags."""
+    opts, rest = PlanOptions(), []
+    valued = {"--steps", "--out", "--compare-window", "--compare-cost-weights"}
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        name, eq, inline = arg.partition("=")
+        if name == "--json" and not eq:
+            opts.as_json = True
+        elif name in valued:
+            if eq:
+                value = inline
+            elif i + 1 < len(args):
+                i += 1
+                value = args[i]
+            else:
+                raise UserError(f"{name} needs a value")
+            if name == "--steps":
+                try:
+                    opts.steps = int(value)
+                except ValueError:
+                    raise UserError(f"--steps {value!r}: expected an integer number of micro-batches") from None
+                if opts.steps < 1:
+                    raise UserError(f"--steps {opts.steps} must be >= 1")
+            elif name == "--out":
+                opts.out = value
+            elif name == "--compare-window":
+                opts.windows = _parse_list(name, value, int)
+                if min(opts.windows) < 1:
+                    raise UserError(f"--compare-window {value}: window sizes must be >= 1")
+            else:
+                opts.language_weights = _parse_list(name, value, float)
+                if min(opts.language_weights) < 0:
+                    raise UserError(f"--compare-cost-weights {value}: language cost weights must be >= 0")
+        else:
+            rest.append(arg)
+        i += 1
+    return opts, rest
+
+
+def _valid_layout(cfg):
+    """The layout, or one UserError line naming the first problem training would refuse."""
+    from mimo_sft.config.checks import check_config
+
+    # env={}: the CUDA_DEVICE_MAX_CONNECTIONS rule is about the overlap thread, which planning never runs
+    result = check_config(cfg, env={}, for_run=True)
+    if result.problems:
+        msgs = [str(p) for p in result.problems]
+        more = f" (+{len(msgs) - 1} more; `mimo-sft validate` lists them all)" if len(msgs) > 1 else ""
+        raise UserError(f"invalid config: {msgs[0]}{more}", problems=msgs)
+    layout = result.layout
+    if layout.colocated:
+        raise UserError("plan: the layout is colocated; intra-microbatch reordering balances encoder ranks that run "
+                        "apart from the language model, so there is nothing to plan; give the modules disjoint ranks")
+    if "images" not in layout.names:
+        raise UserError("plan: the layout has no 'images' module; add --component 'images=tp=1,dp=N,rank_offset=R'")
+    return layout
+
+
+def build_plan(cfg, opts: PlanOptions) -> dict:
+    """Every figure of the plan as one JSON-ready dict (see ``docs`` in the module docstring)."""
+    from mimo_sft.plan import simulate
+    from mimo_sft.plan.inputs import load_micro_batches
+
+    layout = _valid_layout(cfg)
+    r = cfg.reorder
+    try:
+        simulate.check_weights(r.encoder_cost_weight, r.language_cost_weight)
+    except ValueError as err:
+        raise UserError(f"reorder cost weights: {err}; set --reorder-encoder-cost-weight 1") from None
+    if r.window_size < 1:
+        raise UserError(f"--reorder-window-size={r.window_size} must be >= 1")
+    mbs_list, facts = load_micro_batches(cfg, layout, opts.steps)
+    dp_sizes = {"images": layout.spec("images").dp, "language": layout.language.dp}
+    grid = layout.canonical_grid
+    per_step = cfg.train.global_batch_size // cfg.train.micro_batch_size
+
+    def run(window: int, lang_w: float) -> dict:
+        return simulate.trace(mbs_list, n_groups=grid, dp_sizes=dp_sizes, encoder_cost_weight=r.encoder_cost_weight,
+                              language_cost_weight=lang_w, window_size=window)
+
+    main = run(r.window_size, r.language_cost_weight)
+    modules = {}
+    for name, tr in main.items():
+        modules[name] = {**simulate.summarize(tr), "per_micro_batch": simulate.per_micro_batch(tr)}
+    compare = []
+    for w in opts.windows:
+        compare.append(_compare_row("window", w, r.language_cost_weight, run(w, r.language_cost_weight)))
+    for lw in opts.language_weights:
+        try:
+            simulate.check_weights(r.encoder_cost_weight, lw)
+        except ValueError as err:
+            raise UserError(f"--compare-cost-weights {lw:g}: {err} (encoder weight is {r.encoder_cost_weight:g})") from None
+        compare.append(_compare_row("language_cost_weight", r.window_size, lw, run(r.window_size, lw)))
+    enabled = r.enabled
+    return {
+        "steps": opts.steps,
+        "micro_batch_size": cfg.train.micro_batch_size,
+        "micro_batches_per_step": per_step,
+        "canonical_grid": grid,
+        "layout": {s.name: {"dp": s.dp, "tp": s.tp, "pp": s.pp, "ranks": f"{s.rank_offset}-{s.rank_offset + s.size - 1}"}
+                   for s in layout.components},
+        "reorder": {"enabled_in_config": enabled, "encoder_cost_weight": r.encoder_cost_weight,
+                    "language_cost_weight": r.language_cost_weight, "window_size": r.window_size},
+        "note": None if enabled else ("reordering is OFF in this config; 'after' shows what "
+                                      "--intra-microbatch-reorder would do"),
+        "data": {"dataset_path": cfg.data.dataset_path, "dataloader_type": cfg.data.dataloader_type,
+                 "seed": cfg.train.seed, "seq_length": cfg.data.seq_length, **facts},
+        "sample_ids": [mb.sample_ids for mb in mbs_list],
+        "modules": modules,
+        "train_steps": {
+            "vision_load_max_over_mean": simulate.training_steps(main["images"], per_step),
+            "language_load_max_over_mean": simulate.training_steps(main["language"], per_step),
+        },
+        "compare": compare,
+    }
+
+
+def _compare_row(varied: str, window: int, lang_w: float, tr: dict) -> dict:
+    from mimo_sft.plan.simulate import summarize
+
+    row = {"varied": varied, "window_size": window, "language_cost_weight": lang_w}
+    row.update({name: summarize(t) for name, t in tr.items()})
+    return row
+
+
+def _quiet_progress_bars() -> None:
+    """The plan is a report: keep datasets' "Generating train split" bars out of it (and of --json)."""
+    try:
+        from datasets.utils.logging import disable_progress_bar
+
+        disable_progress_bar()
+    except ImportError:  # pragma: no cover - datasets is a hard dependency of the data layer
+        pass
+
+
+def run_plan(args: list[str]) -> int:
+    """CLI entry: parse, plan, print (table or JSON), write the PNG. UserError for user mistakes."""
+    from mimo_sft.config.loader import load_config
+
+    opts, rest = split_plan_args(list(args))
+    cfg = load_config(rest)
+    _quiet_progress_bars()
+    plan = build_plan(cfg, opts)
+    if opts.out:
+        from mimo_sft.plan.report import write_png
+
+        try:
+            os.makedirs(opts.out, exist_ok=True)
+        except OSError as err:
+            raise UserError(f"--out {opts.out}: cannot create the folder ({err.strerror})") from None
+        plan["png"] = write_png(plan, os.path.join(opts.out, "plan.png"))
+        with open(os.path.join(opts.out, "plan.json"), "w") as fh:
+            json.dump(plan, fh)
+    if opts.as_json:
+        print(json.dumps(plan))
+    else:
+        from mimo_sft.plan.report import print_plan
+
+        print_plan(plan)
+    return 0

@@ -1,0 +1,159 @@
+"""What reordering does to each rank's load, computed from per-sample numbers alone (pure).
+
+Why a separate, pure module: the planner's figures are only worth something if they are the
+numbers training would log. So this module does not re-derive the balancing rule; it calls the
+same functions the exchange calls (``planning.window_routes`` for the assignment,
+``planning.rank_loads`` / ``planning.load_spread`` for the statistics, exactly as
+``exchange.window_plan_info`` does) on the same per-sample costs the cost function would read from
+``input_ids`` / ``attention_mask``:
+
+* vision load of a sample = its image patches (= image placeholder tokens * merge**2, what
+  ``planning.patch_counts`` counts in ``input_ids``);
+* language load of a sample = its real tokens after truncation (= ``attention_mask.sum()``);
+* cost = ``encoder_cost_weight * patches + language_cost_weight * tokens`` (``planning.batch_costs``).
+
+No torch.distributed, no processes: the inputs are plain lists, so this is unit-testable and fast.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from mimo_sft.data.reorder import planning
+
+IMAGES, LANGUAGE = "images", "language"
+
+
+@dataclass
+class MicroBatchLoad:
+    """One global micro-batch in canonical (sampler) order: per-sample ids and loads."""
+
+    sample_ids: list[int]
+    patches: list[float]
+    tokens: list[float]
+
+
+@dataclass
+class ModuleTrace:
+    """Per-micro-batch per-rank loads of one module, before and after reordering."""
+
+    dp: int
+    before: list[list[float]] = field(default_factory=list)
+    after: list[list[float]] = field(default_factory=list)
+
+
+def costs_of(mb: MicroBatchLoad, encoder_cost_weight: float, language_cost_weight: float) -> list[float]:
+    """The reorder cost of every sample, the formula of ``planning.batch_costs`` on the same numbers."""
+    return [encoder_cost_weight * p + language_cost_weight * t for p, t in zip(mb.patches, mb.tokens)]
+
+
+def check_weights(encoder_cost_weight: float, language_cost_weight: float) -> None:
+    """Raise ValueError for weights the training loop's ``make_cost_fn`` would reject."""
+    planning.make_cost_fn(encoder_cost_weight=encoder_cost_weight, language_cost_weight=language_cost_weight,
+                          image_token_id=0, merge_size=1)
+
+
+def orders_for(micro_batches: Sequence[MicroBatchLoad], *, n_groups: int, encoder_cost_weight: float,
+               language_cost_weight: float, window_size: int) -> list[list[int]]:
+    """The balanced order of every micro-batch, computed window by window as the buffer does.
+
+    ``planning.window_routes`` is asked for routes at the finest granularity (one "rank" per
+    canonical group); position ``owner * per + pos`` then recovers the global order, so a module of
+    any DP size that divides the grid reads its rank's slice of it. Going through ``window_routes``
+    (not ``balanced_index_order`` per micro-batch) keeps the planner honest if windows ever start
+    balancing across slots.
+    """
+    check_weights(encoder_cost_weight, language_cost_weight)
+    if window_size < 1:
+        raise ValueError(f"window size must be >= 1, got {window_size}")
+    orders: list[list[int]] = []
+    for start in range(0, len(micro_batches), window_size):
+        window = micro_batches[start:start + window_size]
+        wcosts = [costs_of(mb, encoder_cost_weight, language_cost_weight) for mb in window]
+        for costs, routes in zip(wcosts, planning.window_routes(wcosts, n_groups, n_groups)):
+            per = len(costs) // n_groups
+            order = [0] * len(costs)
+            for idx, (owner, pos) in enumerate(routes):
+                order[owner * per + pos] = idx
+            orders.append(order)
+    return orders
+
+
+def trace(micro_batches: Sequence[MicroBatchLoad], *, n_groups: int, dp_sizes: dict[str, int],
+          encoder_cost_weight: float, language_cost_weight: float, window_size: int) -> dict[str, ModuleTrace]:
+    """Per-rank loads of ``images`` (patches) and ``language`` (tokens), before and after."""
+    orders = orders_for(micro_batches, n_groups=n_groups, encoder_cost_weight=encoder_cost_weight,
+                        language_cost_weight=language_cost_weight, window_size=window_size)
+    out = {name: ModuleTrace(dp) for name, dp in dp_sizes.items()}
+    for mb, order in zip(micro_batches, orders):
+        for name, tr in out.items():
+            loads = mb.patches if name == IMAGES else mb.tokens
+            tr.before.append(planning.rank_loads(loads, n_groups, tr.dp))
+            tr.after.append(planning.rank_loads(loads, n_groups, tr.dp, order))
+    return out
+
+
+def _p95(values: Sequence[float]) -> float:
+    """95th percentile, linear interpolation (numpy's default), without importing numpy."""
+    v = sorted(values)
+    if not v:
+        return float("nan")
+    pos = 0.95 * (len(v) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(v) - 1)
+    return v[lo] + (v[hi] - v[lo]) * (pos - lo)
+
+
+def _mean(values: Sequence[float]) -> float:
+    return sum(values) / len(values) if values else float("nan")
+
+
+def wait_share(loads: Sequence[float]) -> float:
+    """Share of a synchronous step the average rank spends waiting for the heaviest: 1 - mean/max."""
+    top = max(loads)
+    return 1.0 - (sum(loads) / len(loads)) / top if top > 0 else 0.0
+
+
+def per_micro_batch(tr: ModuleTrace) -> dict[str, list[float]]:
+    """Per-micro-batch series: heaviest/lightest/mean rank, max/mean, spread, waiting share."""
+    out: dict[str, list[float]] = {}
+    for when, rows in (("before", tr.before), ("after", tr.after)):
+        spreads = [planning.load_spread(r) for r in rows]
+        out[f"max_{when}"] = [s["max"] for s in spreads]
+        out[f"min_{when}"] = [min(r) for r in rows]
+        out[f"max_over_mean_{when}"] = [s["max_over_mean"] for s in spreads]
+        out[f"spread_{when}"] = [s["max_minus_min"] for s in spreads]
+        out[f"wait_share_{when}"] = [wait_share(r) for r in rows]
+    out["mean"] = [planning.load_spread(r)["mean"] for r in tr.before]
+    return out
+
+
+def summarize(tr: ModuleTrace) -> dict[str, float]:
+    """Mean and p95 over micro-batches of max/mean and spread; mean waiting share."""
+    series = per_micro_batch(tr)
+    out: dict[str, float] = {"dp": tr.dp, "mean_load": _mean(series["mean"])}
+    for when in ("before", "after"):
+        out[f"max_over_mean_{when}"] = _mean(series[f"max_over_mean_{when}"])
+        out[f"max_over_mean_p95_{when}"] = _p95(series[f"max_over_mean_{when}"])
+        out[f"spread_{when}"] = _mean(series[f"spread_{when}"])
+        out[f"spread_p95_{when}"] = _p95(series[f"spread_{when}"])
+        out[f"wait_share_{when}"] = _mean(series[f"wait_share_{when}"])
+    return out
+
+
+def training_steps(tr: ModuleTrace, micro_batches_per_step: int) -> list[dict[str, float]]:
+    """What ``metrics.jsonl`` logs per optimizer step for this module's load.
+
+    The loop logs ``vision_load_max_over_mean_before/_after`` = mean over the step's micro-batches
+    of (heaviest rank / mean), with ``load_spread``'s convention of 1.0 for an empty micro-batch.
+    Only whole steps are returned.
+    """
+    series = per_micro_batch(tr)
+    steps = []
+    for s in range(len(tr.before) // micro_batches_per_step):
+        sl = slice(s * micro_batches_per_step, (s + 1) * micro_batches_per_step)
+        steps.append({"step": s + 1,
+                      "max_over_mean_before": _mean(series["max_over_mean_before"][sl]),
+                      "max_over_mean_after": _mean(series["max_over_mean_after"][sl])})
+    return steps
