@@ -193,9 +193,13 @@ def _lifecycle_worker(rank: int, world: int) -> None:
     gc.collect()
     thread.join(5)
     assert not thread.is_alive(), "dropping the buffer must stop its thread"
-    # 4. data iterators out of step across the DP group: a clear RuntimeError on every rank, no hang
+    # 4. an already balanced micro-batch (text only: every cost 0) moves nothing and copies nothing
     from mimo_sft.data.reorder import exchange_window
 
+    flat = make_batch([500 + 2 * rank, 501 + 2 * rank], with_pixels=True, text_only=True)
+    (same,), _ = exchange_window([flat], dp_rank=rank, dp_size=2, n_groups=2, cost_fn=cost_fn, group=g)
+    assert all(same[k] is flat[k] for k in flat)
+    # 5. data iterators out of step across the DP group: a clear RuntimeError on every rank, no hang
     batches = [make_batch([7 + 2 * rank + 4 * k, 8 + 2 * rank + 4 * k], with_pixels=True) for k in range(1 + rank)]
     with pytest.raises(RuntimeError, match="out of step"):
         exchange_window(batches, dp_rank=rank, dp_size=2, n_groups=2, cost_fn=cost_fn, group=g)

@@ -206,9 +206,14 @@ def exchange_window(
     if device != cpu:
         send_buf = scratch.get("send_dev", send_buf.numel(), device).copy_(send_buf, non_blocking=True)
     recv_buf = scratch.get("recv", sum(recv_splits), device)
-    dist.all_to_all_single(
-        recv_buf, send_buf, output_split_sizes=recv_splits, input_split_sizes=send_splits, group=group
-    )
+    # Every rank knows the whole plan, so all agree to skip the collective when nothing crosses ranks.
+    crosses = any(owner != g // n_local for route in routes for g, (owner, _pos) in enumerate(route))
+    if crosses:
+        dist.all_to_all_single(
+            recv_buf, send_buf, output_split_sizes=recv_splits, input_split_sizes=send_splits, group=group
+        )
+    else:
+        assert recv_buf.numel() == 0 and send_buf.numel() == 0
     if device != cpu:
         recv_buf = scratch.get("recv_host", recv_buf.numel(), cpu).copy_(recv_buf)
 
@@ -241,7 +246,10 @@ def exchange_window(
         missing = [p for p, r in enumerate(slots[w]) if r is None]
         if missing:
             raise RuntimeError(f"micro-batch {w}: canonical positions {missing} received no sample")
-        out.append(serialize.merge_samples(slots[w]))  # type: ignore[arg-type]
+        unchanged = all(src == dp_rank and pos == i for src, pos, i in (
+            (g // n_local, pos, g % n_local) for g, (owner, pos) in enumerate(routes[w]) if owner == dp_rank))
+        # a slot that kept exactly its own samples in their own order needs no copy
+        out.append(dict(batches[w]) if unchanged else serialize.merge_samples(slots[w]))  # type: ignore[arg-type]
     dt = time.perf_counter() - t0
     for info in infos:
         info["exchange_s"] = dt
