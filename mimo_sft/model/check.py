@@ -11,7 +11,6 @@ difference; ``ok`` when both are <= ``tolerance``.
 from __future__ import annotations
 
 import time
-from typing import Optional
 
 import torch
 
