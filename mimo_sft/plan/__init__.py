@@ -108,7 +108,14 @@ def _valid_layout(cfg):
 
 
 def build_plan(cfg, opts: PlanOptions) -> dict:
-    """Every figure of the plan as one JSON-ready dict (see ``docs`` in the module docstring)."""
+    """Every figure of the plan as one JSON-ready dict: what ``--json`` prints and the table reads.
+
+    Keys: ``steps``, ``modules.{images,language}`` (``max_over_mean_before/_after``, their ``_p95``,
+    ``spread_*`` = mean heaviest-minus-lightest rank, ``wait_share_*`` = mean 1 - mean/max, and
+    ``per_micro_batch`` series), ``train_steps`` (what metrics.jsonl logs per optimizer step),
+    ``compare`` (one summary per extra window / language weight), ``sample_ids``, ``layout``,
+    ``reorder``, ``data``, ``note``.
+    """
     from mimo_sft.plan import simulate
     from mimo_sft.plan.inputs import load_micro_batches
 

@@ -20,7 +20,11 @@ from mimo_sft.plan.simulate import MicroBatchLoad
 
 
 class _MetaCache:
-    """Per-sample metadata, read on demand (only the samples the planned micro-batches touch)."""
+    """Per-sample metadata, read on demand (only the samples the planned micro-batches touch).
+
+    In this process, never in DataLoader workers, whatever ``--num-workers`` says: the planner
+    starts no processes, and header reads are cheap (hundreds of samples per second).
+    """
 
     def __init__(self, cfg, source, pre):
         self.cfg, self.source, self.pre = cfg, source, pre
@@ -30,7 +34,7 @@ class _MetaCache:
         todo = sorted({int(i) for i in indices} - set(self.metas))
         if todo:
             for m in sample_metadata(self.cfg.data, model_dir=self.cfg.model.hf_model, indices=todo,
-                                     num_workers=self.cfg.data.num_workers, source=self.source,
+                                     num_workers=0, source=self.source,
                                      preprocessor=self.pre):
                 self.metas[m.index] = m
 
