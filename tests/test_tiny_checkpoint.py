@@ -16,6 +16,20 @@ from data_fixtures import tiny_ckpt  # noqa: F401  (session fixture)
 
 ROOT = Path(__file__).resolve().parents[1]
 
+# The chat template shipped with Qwen2-VL / Qwen2.5-VL Instruct checkpoints (no generation markers).
+UPSTREAM_QWEN2_VL_TEMPLATE = (
+    "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}{% for message in messages %}"
+    "{% if loop.first and message['role'] != 'system' %}<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+    "{% endif %}<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}{{ message['content'] }}<|im_end|>\n"
+    "{% else %}{% for content in message['content'] %}{% if content['type'] == 'image' or 'image' in content or "
+    "'image_url' in content %}{% set image_count.value = image_count.value + 1 %}{% if add_vision_id %}Picture "
+    "{{ image_count.value }}: {% endif %}<|vision_start|><|image_pad|><|vision_end|>{% elif content['type'] == 'video' "
+    "or 'video' in content %}{% set video_count.value = video_count.value + 1 %}{% if add_vision_id %}Video "
+    "{{ video_count.value }}: {% endif %}<|vision_start|><|video_pad|><|vision_end|>{% elif 'text' in content %}"
+    "{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n{% endif %}{% endfor %}{% if add_generation_prompt %}"
+    "<|im_start|>assistant\n{% endif %}"
+)
+
 
 def _image(h=100, w=150, seed=0):
     rng = np.random.default_rng(seed)
@@ -98,9 +112,7 @@ def test_load_processor_on_real_layout_without_torchvision(tiny_ckpt, tmp_path):
     ip.update(image_processor_type="Qwen2VLImageProcessor", processor_class="Qwen2_5_VLProcessor",
               min_pixels=ip["size"]["shortest_edge"], max_pixels=ip["size"]["longest_edge"])
     (real / "preprocessor_config.json").write_text(json.dumps(ip))
-    plain = (tiny_ckpt / "chat_template.jinja").read_text()
-    plain = plain.replace("{% generation %}", "").replace("{% endgeneration %}", "")
-    (real / "chat_template.json").write_text(json.dumps({"chat_template": plain}))
+    (real / "chat_template.json").write_text(json.dumps({"chat_template": UPSTREAM_QWEN2_VL_TEMPLATE}))
 
     proc = load_processor(real)
     assert type(proc) is QwenVLImageOnlyProcessor
@@ -131,3 +143,29 @@ def test_missing_folder_is_user_error(tmp_path):
 
     with pytest.raises(UserError, match="hf_model"):
         load_processor(tmp_path / "nope")
+
+
+def test_foreign_template_without_generation_markers_is_refused(tiny_ckpt, tmp_path):
+    from mimo_sft.data.processor import load_processor
+    from mimo_sft.errors import UserError
+
+    odd = tmp_path / "odd"
+    shutil.copytree(tiny_ckpt, odd)
+    (odd / "chat_template.jinja").write_text("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}")
+    tok_cfg = json.loads((odd / "tokenizer_config.json").read_text())
+    tok_cfg.pop("chat_template", None)
+    (odd / "tokenizer_config.json").write_text(json.dumps(tok_cfg))
+    with pytest.raises(UserError, match="generation"):
+        load_processor(odd)
+
+
+def test_template_renders_qwens_exact_text(tiny_ckpt):
+    """Our template (with generation markers) must render byte-for-byte what Qwen's renders."""
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    from mimo_sft.data.processor import QWEN_VL_CHAT_TEMPLATE, _PROBE
+
+    ours, _ = render_jinja_template(conversations=_PROBE, chat_template=QWEN_VL_CHAT_TEMPLATE)
+    theirs, _ = render_jinja_template(conversations=_PROBE, chat_template=UPSTREAM_QWEN2_VL_TEMPLATE)
+    assert ours == theirs
+    assert "A1<|im_end|>\n<|im_start|>user\nQ2" in ours[0]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer, Qwen2_5_VLConfig
@@ -55,7 +56,7 @@ QWEN_VL_CHAT_TEMPLATE = (
     "{% set image_count.value = image_count.value + 1 %}{% if add_vision_id %}Picture {{ image_count.value }}: {% endif %}"
     "<|vision_start|><|image_pad|><|vision_end|>"
     "{% elif 'text' in content %}{{ content['text'] }}{% endif %}"
-    "{% endfor %}{% endif %}<|im_end|>{% endgeneration %}\n"
+    "{% endfor %}{% endif %}<|im_end|>{% endgeneration %}{{ '\\n' }}"  # trim_blocks would eat a literal newline here
     "{% else %}"
     "{% if message['content'] is string %}{{ message['content'] }}"
     "{% else %}{% for content in message['content'] %}"
@@ -230,10 +231,33 @@ def load_processor(model_dir: str | os.PathLike) -> QwenVLImageOnlyProcessor:
     template = tokenizer.chat_template or _read_chat_template(path)
     if template is None:
         raise UserError(f"model.hf_model: {path} has no chat template (chat_template.jinja / .json); add Qwen's chat template")
-    if "{% generation %}" not in template and "{%- generation %}" not in template:
+    if not re.search(r"\{%-?\s*generation\s*-?%\}", template):
         # Real Qwen templates lack generation markers; ours renders the same text and marks turns.
+        if _render_probe(template, tokenizer) != _render_probe(QWEN_VL_CHAT_TEMPLATE, tokenizer):
+            raise UserError(f"model.hf_model: the chat template of {path} has no {{% generation %}} markers and renders "
+                            "differently from Qwen's; wrap assistant content in {% generation %}...{% endgeneration %}")
         template = QWEN_VL_CHAT_TEMPLATE
     return QwenVLImageOnlyProcessor(image_processor, tokenizer, chat_template=template)
+
+
+_PROBE = [
+    [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Q1"}]},
+     {"role": "assistant", "content": [{"type": "text", "text": "A1"}]},
+     {"role": "user", "content": "Q2"}, {"role": "assistant", "content": "A2"}],
+    [{"role": "system", "content": "S"}, {"role": "user", "content": [{"type": "text", "text": "Q"}, {"type": "image"}]},
+     {"role": "assistant", "content": [{"type": "text", "text": "A"}]}],
+]
+
+
+def _render_probe(template: str, tokenizer) -> list[str]:
+    """Text a template renders for a few conversation shapes (used to compare templates)."""
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    try:
+        out, _ = render_jinja_template(conversations=_PROBE, chat_template=template, **tokenizer.special_tokens_map)
+    except Exception as err:  # a template that cannot render our shapes is a user-facing problem
+        return [f"<error {type(err).__name__}>"]
+    return out
 
 
 def _pil_kwargs(ip) -> dict:
