@@ -15,6 +15,15 @@ Public API (what the training loop, the planner and ``validate`` call)::
     sample_metadata(cfg.data, model_dir=..., indices=None, num_workers=0) -> list[SampleMeta]
         # per sample: image_patches (t*h*w per image), image_tokens, n_tokens, fits; headers only
     dataset_stats(cfg.data, model_dir=...) -> dict           # counts and spreads for logs/validate
+    check_fits(source, pre, micro_batch_size=, global_batch_size=)  # the start-up size checks
+    build_preprocessor(cfg.data, model_dir) -> SamplePreprocessor   # pass source=/preprocessor= to the
+        # functions above to load the dataset and processor once and share them
+
+Samples whose image tokens do not fit in seq_length are replaced by the next dataset index that
+fits (``on_truncation=drop``, counted warning) or refused (``error``); ``sample_ids`` shows the
+sample actually used. ``labels`` hold the pad id wherever ``loss_mask`` is 0. On encoder ranks a
+micro-batch without images has ``pixel_values`` of shape ``[0, C*T*P*P]`` and ``image_grid_thw``
+``[0, 3]``.
     load_sft_dataset(cfg.data) -> SFTSource                  # source[i] -> (messages, image refs)
     model_token_info(model_dir) -> dict                      # image/vision_start/vision_end ids, merge, patch
     load_processor(model_dir) -> QwenVLImageOnlyProcessor    # works on real Qwen2.5-VL folders, no torchvision
