@@ -16,8 +16,13 @@ import torch
 
 def make_tiny_hf(out_dir: str, *, heads: int = 4, kv_heads: int = 2, hidden: int = 64, layers: int = 2,
                  ffn: int = 96, vocab: int = 160, tie: bool = False, vision_hidden: int = 32, vision_heads: int = 2,
-                 vision_depth: int = 2, seed: int = 0, layout: str = "legacy", shards: int = 1) -> str:
-    """Write a random tiny Qwen2.5-VL checkpoint to ``out_dir`` and return it."""
+                 vision_depth: int = 2, seed: int = 0, layout: str = "legacy", shards: int = 1,
+                 flat_config: bool = False) -> str:
+    """Write a random tiny Qwen2.5-VL checkpoint to ``out_dir`` and return it.
+
+    ``flat_config`` rewrites config.json the way hub checkpoints store it (text settings at the top
+    level, ``rope_scaling: {type: mrope, mrope_section}``, ``rope_theta``).
+    """
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
     head_dim = hidden // heads
@@ -43,9 +48,25 @@ def make_tiny_hf(out_dir: str, *, heads: int = 4, kv_heads: int = 2, hidden: int
     model.save_pretrained(out_dir)
     if layout == "nested" or shards > 1:
         _rewrite(out_dir, layout=layout, shards=shards)
+    if flat_config:
+        _flatten_config(out_dir)
     with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:  # a side file export must copy
         json.dump({"note": "side file"}, f)
     return out_dir
+
+
+def _flatten_config(out_dir: str) -> None:
+    path = os.path.join(out_dir, "config.json")
+    cfg = json.load(open(path))
+    text = cfg.pop("text_config")
+    rope = text.pop("rope_parameters")
+    text.pop("model_type", None)
+    text.pop("layer_types", None)
+    cfg.update(text)
+    cfg["rope_theta"] = rope["rope_theta"]
+    cfg["rope_scaling"] = {"type": "mrope", "mrope_section": rope["mrope_section"]}
+    cfg["vision_config"]["model_type"] = "qwen2_5_vl"  # what older hub configs say
+    json.dump(cfg, open(path, "w"), indent=2)
 
 
 def _rewrite(out_dir: str, *, layout: str, shards: int) -> None:

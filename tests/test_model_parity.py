@@ -16,7 +16,7 @@ TOL = 1e-5
 
 CASES = {
     "h4kv1_untied": dict(heads=4, kv_heads=1, tie=False),
-    "h4kv2_tied": dict(heads=4, kv_heads=2, tie=True, layers=3),
+    "h4kv2_tied_flat_config": dict(heads=4, kv_heads=2, tie=True, layers=3, flat_config=True),
     "h4kv4_untied_wide": dict(heads=4, kv_heads=4, hidden=96, ffn=160, vocab=200, tie=False),
     "h8kv2_sharded_nested": dict(heads=8, kv_heads=2, hidden=128, tie=False, layout="nested", shards=3),
 }
