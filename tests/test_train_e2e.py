@@ -117,3 +117,29 @@ def test_failing_rank_ends_job_with_clear_error():
     assert proc.returncode != 0
     lines = [l for l in proc.stderr.splitlines() if l.startswith("error:")]
     assert lines and "0005.png" in lines[0], proc.stderr[-3000:]
+
+
+def test_export_after_training_loads_in_transformers(reference_variable):
+    """The single-process reference run's checkpoint -> HF folder: transformers loads it, the weights
+    are the trained ones (not the source's), and our conversion of it is exact (check-model)."""
+    import json
+    import subprocess
+    import sys
+
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForImageTextToText
+
+    out = new_dir("exported")
+    subprocess.run([sys.executable, "-m", "mimo_sft", "export", "--checkpoint", reference_variable + "/checkpoints",
+                    "--out", out], check=True, capture_output=True)
+    model = AutoModelForImageTextToText.from_pretrained(out)
+    assert model.config.model_type == "qwen2_5_vl"
+    before = load_file(tiny_model() + "/model.safetensors")
+    after = load_file(out + "/model.safetensors")
+    assert set(before) == set(after)
+    changed = [k for k in before if not torch.equal(before[k], after[k])]
+    assert len(changed) > len(before) // 2, "training should have changed most weights"
+    proc = subprocess.run([sys.executable, "-m", "mimo_sft", "check-model", "--hf-model", out, "--json"],
+                          capture_output=True, text=True)
+    assert json.loads(proc.stdout.strip().splitlines()[-1])["ok"], proc.stdout + proc.stderr

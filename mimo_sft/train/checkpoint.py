@@ -23,6 +23,7 @@ import json
 import os
 import random
 import shutil
+from contextlib import contextmanager
 
 import numpy as np
 import torch
@@ -56,8 +57,36 @@ def layout_signature(layout) -> list[dict]:
     return [{"name": s.name, **s.to_dict()} for s in layout.components]
 
 
+@contextmanager
+def unwrapped(model):
+    """``model`` with its DDP wrappers taken off for the duration (parameters are shared).
+
+    Checkpoint keys then name the model, not the training wrappers ("language_model.decoder...",
+    not "language_model.module.decoder..."), so a checkpoint loads into a model built for export or
+    for another layout.
+    """
+    saved = {}
+    if getattr(model.language_model, "module", None) is not None and hasattr(model.language_model, "no_sync"):
+        saved["language"] = model.language_model
+        model.language_model = model.language_model.module
+    for name in list(model.modality_submodules.keys()):
+        sub = model.modality_submodules[name]
+        if getattr(sub, "module", None) is not None and hasattr(sub, "no_sync"):
+            saved[name] = sub
+            model.modality_submodules[name] = sub.module
+    try:
+        yield model
+    finally:
+        for name, wrapper in saved.items():
+            if name == "language":
+                model.language_model = wrapper
+            else:
+                model.modality_submodules[name] = wrapper
+
+
 def model_sharded_state_dict(model) -> dict:
-    return model.sharded_state_dict()
+    with unwrapped(model) as bare:
+        return bare.sharded_state_dict()
 
 
 def save_checkpoint(root: str, *, step: int, consumed_samples: int, ctx, extra_meta: dict | None = None) -> str:
@@ -118,8 +147,9 @@ def load_model_weights(model, ckpt: str) -> None:
     """Load weights from a checkpoint's dist-checkpoint into ``model`` (any layout)."""
     from megatron.core import dist_checkpointing
 
-    state = dist_checkpointing.load(model_sharded_state_dict(model), os.path.join(ckpt, "model"))
-    missing, unexpected = model.load_state_dict(state, strict=False)
+    with unwrapped(model) as bare:
+        state = dist_checkpointing.load(bare.sharded_state_dict(), os.path.join(ckpt, "model"))
+        missing, unexpected = bare.load_state_dict(state, strict=False)
     bad = [k for k in missing if not k.endswith("_extra_state")]
     if bad:
         raise UserError(f"checkpoint {ckpt}: weights for {bad[:3]} are missing; was it saved from another model?")
