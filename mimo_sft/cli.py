@@ -33,7 +33,7 @@ def _fail(err: UserError, console: Console | None = None) -> None:
 def _print_flag_help(command: str, extra: dict[str, str] | None = None) -> None:
     from mimo_sft.config.loader import EXTRA_FLAGS, flag_table
 
-    console = Console()
+    console = Console(width=None if sys.stdout.isatty() else 200)
     console.print(f"Usage: mimo-sft {command} [--config FILE] [--component NAME=k=v,...]... [FLAGS]\n")
     table = Table(show_header=True, header_style="bold", box=None)
     table.add_column("flag", no_wrap=True)
@@ -175,6 +175,7 @@ def plan(ctx: typer.Context) -> None:
 
 def main() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
     app()
 
 

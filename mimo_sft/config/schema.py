@@ -71,7 +71,7 @@ class ReorderConfig:
     encoder_cost_weight: float = opt(1.0, "--reorder-encoder-cost-weight", "cost per vision patch")
     language_cost_weight: float = opt(0.0, "--reorder-language-cost-weight", "cost per real language token (0: vision only)")
     overlap: bool = opt(True, "--overlap-intra-microbatch-reorder", "exchange the next window on a background thread", negatable=True)
-    window_size: int = opt(1, "--reorder-window-size", "micro-batches balanced together in one exchange")
+    window_size: int = opt(1, "--reorder-window-size", "micro-batches exchanged together (one all-to-all per window; each micro-batch is balanced on its own)")
 
 
 @dataclass
