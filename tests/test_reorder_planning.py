@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from mimo_sft.data.reorder import planning
+from mimo_sft.errors import UserError
 from tests.reorder_helpers import IMAGE_TOKEN_ID, MERGE, make_batch
 
 
@@ -152,10 +153,16 @@ def test_sample_cost_formula():
     fields = {"input_ids": torch.tensor([IMAGE_TOKEN_ID] * 3 + [5, 6, 0]), "attention_mask": torch.tensor([True] * 5 + [False])}
     c = planning.sample_cost(fields, encoder_cost_weight=2.0, language_cost_weight=0.5, image_token_id=IMAGE_TOKEN_ID, merge_size=2)
     assert c == 2.0 * 3 * 4 + 0.5 * 5
-    with pytest.raises(ValueError):
+    with pytest.raises(UserError, match="both 0"):
         planning.make_cost_fn(encoder_cost_weight=0.0, language_cost_weight=0.0, image_token_id=1, merge_size=2)
-    with pytest.raises(ValueError):
+    with pytest.raises(UserError, match=">= 0"):
         planning.make_cost_fn(encoder_cost_weight=-1.0, image_token_id=1, merge_size=2)
+    # only the ratio matters: scaling both weights scales every cost, so the plan is unchanged
+    ids = list(range(60, 76))
+    batch = make_batch(ids, with_pixels=False)
+    a = planning.make_cost_fn(encoder_cost_weight=1.0, language_cost_weight=0.25, image_token_id=IMAGE_TOKEN_ID, merge_size=MERGE)(batch)
+    b = planning.make_cost_fn(encoder_cost_weight=4.0, language_cost_weight=1.0, image_token_id=IMAGE_TOKEN_ID, merge_size=MERGE)(batch)
+    assert planning.balanced_index_order(a, 4) == planning.balanced_index_order(b, 4)
 
 
 def test_pure_modules_import_no_collectives():

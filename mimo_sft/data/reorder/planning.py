@@ -17,6 +17,8 @@ from typing import Callable, Mapping, Sequence
 
 import torch
 
+from mimo_sft.errors import UserError
+
 #: Relative slack below which a swap is not counted as an improvement. Guards the refinement loop
 #: against float round-off ping-pong; costs are usually integers, where it never matters.
 _IMPROVE_EPS = 1e-12
@@ -26,13 +28,16 @@ _IMPROVE_EPS = 1e-12
 # cost model
 # ---------------------------------------------------------------------------------------------
 def _check_weights(encoder_cost_weight: float, language_cost_weight: float) -> None:
+    """Weights come straight from flags, so a bad value is the user's to fix (UserError)."""
     if encoder_cost_weight < 0 or language_cost_weight < 0:
-        raise ValueError(
-            f"reorder cost weights must be >= 0, got encoder={encoder_cost_weight}, "
-            f"language={language_cost_weight}"
+        raise UserError(
+            f"reorder cost weights must be >= 0, got --reorder-encoder-cost-weight {encoder_cost_weight} "
+            f"and --reorder-language-cost-weight {language_cost_weight}"
         )
     if encoder_cost_weight == 0 and language_cost_weight == 0:
-        raise ValueError("at least one reorder cost weight must be positive")
+        raise UserError(
+            "--reorder-encoder-cost-weight and --reorder-language-cost-weight are both 0: make at least one positive"
+        )
 
 
 def patch_counts(input_ids: torch.Tensor, *, image_token_id: int, merge_size: int) -> torch.Tensor:
@@ -137,7 +142,10 @@ def _check_grid(n_items: int, n_groups: int) -> int:
     if n_groups <= 0:
         raise ValueError(f"n_groups must be positive, got {n_groups}")
     if n_items % n_groups:
-        raise ValueError(f"{n_items} samples cannot be split into {n_groups} equal canonical groups")
+        raise ValueError(
+            f"{n_items} samples cannot be split into {n_groups} equal canonical groups (micro_batch_size "
+            "must be a multiple of the canonical grid, the LCM of the module DP sizes)"
+        )
     return n_items // n_groups
 
 
