@@ -10,7 +10,8 @@ each creates, in this order:
 2. the ``expert`` view ``[expt_tp, ep, expt_dp, pp]`` groups megatron's MIMO optimizer asks for;
 3. embedding groups (first + last pipeline stage) and position-embedding groups (first stage);
 4. per-module gloo DP groups for metadata all-gathers (reorder costs, data checks), and, when
-   reordering overlaps, a second DP group for the background exchange.
+   reordering overlaps, a second DP group (default backend) plus a second gloo DP group, used only
+   by the background exchange thread so its collectives never interleave with the training thread's.
 
 Then one world-wide gloo group for control messages. Nothing else in mimo-sft calls
 ``new_group``; megatron's own bridge communicators create their groups inside megatron.
@@ -49,6 +50,8 @@ class ModuleGroups:
     dp_gloo: Optional[dist.ProcessGroup]
     reorder_side: Optional[dist.ProcessGroup]
     member: bool
+    #: gloo group for the reorder thread's metadata all-gather (never shared with the training thread)
+    reorder_side_gloo: Optional[dist.ProcessGroup] = None
 
 
 @dataclass
@@ -139,6 +142,7 @@ def build_parallel_state(layout: Layout, *, reorder_side_group: bool = False) ->
         dp_lists = _dp_rank_lists(spec)
         dp_gloo = _enum_groups(dp_lists, backend="gloo")
         side = _enum_groups(dp_lists) if reorder_side_group else None
+        side_gloo = _enum_groups(dp_lists, backend="gloo") if reorder_side_group else None
         member = rank in spec.ranks
         pgc = None
         if member:
@@ -162,6 +166,7 @@ def build_parallel_state(layout: Layout, *, reorder_side_group: bool = False) ->
             pgc.tp_ep = grid.get_pg(["expt_tp", "ep"], view=EXPERT_VIEW)
             pgc.tp_ep_pp = grid.get_pg(["expt_tp", "ep", "pp"], view=EXPERT_VIEW)
         state.modules[spec.name] = ModuleGroups(spec.name, grid, pgc, dp_gloo if member else None,
-                                                side if member else None, member)
+                                                side if member else None, member,
+                                                side_gloo if member else None)
     state.world_gloo = dist.new_group(backend="gloo")
     return state

@@ -70,7 +70,7 @@ class Feed:
             self.reorder = ReorderingBuffer(
                 src, dp_rank=self.dp_rank, dp_size=self.dp_size, n_groups=layout.canonical_grid, cost_fn=cost_fn,
                 group=mg.pg_collection.dp if on_gpu else mg.dp_gloo,
-                side_group=mg.reorder_side, meta_group=mg.dp_gloo, side_meta_group=None if not on_gpu else mg.dp_gloo,
+                side_group=mg.reorder_side, meta_group=mg.dp_gloo, side_meta_group=mg.reorder_side_gloo,
                 overlap=reorder_cfg.overlap, window_size=reorder_cfg.window_size, load_fn=self.patch_fn,
                 stats_dp_sizes={"vision": self.vision_dp}, comm_device="cuda" if on_gpu else None)
             src = self.reorder

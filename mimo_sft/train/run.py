@@ -144,7 +144,8 @@ def _train(cfg, layout) -> int:
                     "consumed_samples": consumed,
                 })
             interval = cfg.checkpoint.save_interval
-            if (interval and step % interval == 0) or (step == cfg.train.train_iters and (interval or cfg.checkpoint.save)):
+            final = step == cfg.train.train_iters and (interval or cfg.checkpoint.save or cfg.checkpoint.export_hf)
+            if (interval and step % interval == 0) or final:
                 save_checkpoint(save_dir, step=step, consumed_samples=consumed, ctx=ctx)
         if cfg.checkpoint.export_hf:
             # a fresh single-process interpreter: export builds its own 1-rank model
@@ -152,8 +153,17 @@ def _train(cfg, layout) -> int:
 
             dist.barrier()
             if rank == 0:
-                subprocess.run([sys.executable, "-m", "mimo_sft", "export", "--checkpoint", save_dir,
-                                "--out", cfg.checkpoint.export_hf, "--hf-model", cfg.model.hf_model], check=True)
+                # without torchrun's variables: export starts its own 1-rank process group
+                env = {k: v for k, v in os.environ.items()
+                       if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                                    "ROLE_RANK", "MASTER_ADDR", "MASTER_PORT") and not k.startswith("TORCHELASTIC")}
+                proc = subprocess.run([sys.executable, "-m", "mimo_sft", "export", "--checkpoint", save_dir,
+                                       "--out", cfg.checkpoint.export_hf, "--hf-model", cfg.model.hf_model],
+                                      env=env, capture_output=True, text=True, timeout=1800)
+                if proc.returncode != 0:
+                    raise UserError(f"--export-hf {cfg.checkpoint.export_hf}: export failed: "
+                                    f"{(proc.stderr.strip().splitlines() or ['no output'])[-1]}")
+                print(f"exported Hugging Face checkpoint to {cfg.checkpoint.export_hf}", flush=True)
             dist.barrier()
     finally:
         feed.close()
