@@ -8,6 +8,7 @@ PY=.venv/bin/python
 OUT=${DEMO_DIR:-demo}
 mkdir -p "$OUT"
 export OMP_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
+export HF_DATASETS_DISABLE_PROGRESS_BARS=1 HF_HUB_DISABLE_PROGRESS_BARS=1
 [ -f "$OUT/tiny-qwen2.5-vl/config.json" ] || $PY scripts/make_tiny_qwen_vl.py "$OUT/tiny-qwen2.5-vl" --seed 0 >/dev/null
 [ -d "$OUT/data" ] || $PY scripts/make_demo_data.py "$OUT/data" --samples 400 --seed 0 >/dev/null
 echo "== validate (dry run, no processes)"
@@ -18,8 +19,8 @@ $PY -m mimo_sft plan --config configs/demo.yaml --hf-model "$OUT/tiny-qwen2.5-vl
 echo
 echo "== finetune: torchrun --nproc-per-node 4 -m mimo_sft finetune --config configs/demo.yaml ..."
 rm -rf "$OUT/run"
-.venv/bin/torchrun --nproc-per-node 4 --log-dir "$OUT/torchrun-logs" --redirects 3 --tee 1 -m mimo_sft finetune \
+.venv/bin/torchrun --nproc-per-node 4 -m mimo_sft finetune \
   --config configs/demo.yaml --hf-model "$OUT/tiny-qwen2.5-vl" --dataset-path "$OUT/data" \
-  --output-dir "$OUT/run" --export-hf "$OUT/run/hf-export" 2>&1 | grep -v -E "Warning|warnings.warn|^\s*$|W1[0-9]{3} |\*{10}|OMP_NUM_THREADS" || true
+  --output-dir "$OUT/run" --export-hf "$OUT/run/hf-export" 2>&1 | grep --line-buffered -v -E "Warning|warnings.warn|^\s*$|W1[0-9]{3} |\*{10}|OMP_NUM_THREADS|^  [a-z_ ]+ = |^  (class|super|return|model) |^WARNING:" || true
 echo
 $PY scripts/summarize_run.py "$OUT/run"

@@ -124,7 +124,8 @@ def test_layout_limits():
 
     check("language=tp=1,dp=2", "images=dp=2")
     with pytest.raises(UserError, match="images tp=2"):
-        check("language=dp=2", "images=tp=2,dp=1")
+        check("language=dp=2", "images=tp=2,dp=1,rank_offset=2")
+    check("language=dp=2", "images=tp=2,dp=1")  # colocated fan-out: the tower is replicated on its tp ranks
     with pytest.raises(UserError, match="KV heads"):
         check("language=tp=2,dp=1", "images=dp=2")
     with pytest.raises(UserError, match="pp=3 must divide"):

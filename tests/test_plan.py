@@ -31,7 +31,9 @@ runner = CliRunner()
 
 
 def _args(*extra, data=None):
-    return ["plan", "--config", DEMO, "--hf-model", tiny_model(), "--dataset-path", data or demo_data(), *extra]
+    # batch sizes pinned here so the expectations below do not move with configs/demo.yaml
+    return ["plan", "--config", DEMO, "--hf-model", tiny_model(), "--dataset-path", data or demo_data(),
+            "--micro-batch-size", "4", "--global-batch-size", "8", *extra]
 
 
 def _one_line_error(res) -> str:

@@ -143,3 +143,9 @@ def test_export_after_training_loads_in_transformers(reference_variable):
     proc = subprocess.run([sys.executable, "-m", "mimo_sft", "check-model", "--hf-model", out, "--json"],
                           capture_output=True, text=True)
     assert json.loads(proc.stdout.strip().splitlines()[-1])["ok"], proc.stdout + proc.stderr
+
+
+def test_colocated_fan_out_matches_single_process(reference_fixed):
+    """Encoder DP 1 (tower replicated on its 2 tp ranks) feeding language DP 2 on the same ranks."""
+    run = run_layout("co_fanout", 2, ["language=dp=2", "images=tp=2,dp=1"], fixed_size_data(), ["--scalable-dp"])
+    assert_same_step(reference_fixed, run)

@@ -174,9 +174,13 @@ def c10_encoder_limits(ctx):
             continue
         if s.pp > 1:
             yield f"{s.name}.pp={s.pp}: encoder pipeline parallelism is not supported (mimo-sft's own limit); set pp=1"
-        if s.tp > 1:
+        if s.tp > 1 and not ctx.layout.colocated:
             yield (f"{s.name}.tp={s.tp}: the Hugging Face Qwen-VL vision tower runs unsharded "
                    f"(mimo-sft's own limit); set tp=1 and scale the encoder with dp")
+        elif s.tp > 1:
+            yield (f"{s.name}.tp={s.tp} on a colocated layout: the vision tower is replicated (not sharded) on its "
+                   f"{s.tp} tp ranks, so {s.name}.dp={s.dp} replicas serve language.dp={lang.dp if lang else '?'} (fan-out)",
+                   "note")
         if s.cp > 1:
             yield f"{s.name}.cp={s.cp}: encoder context parallelism is not supported; set cp=1"
         if lang and not ctx.layout.colocated and s.dp > lang.dp:

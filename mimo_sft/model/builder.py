@@ -53,7 +53,11 @@ def _check_layout(layout, hf_cfg, adapter, hf_dir: str) -> None:
                         f"pp=1); give images its own ranks with rank_offset, or use language pp=1")
     if IMAGES in names:
         img = layout.spec(IMAGES)
-        if img.tp != 1 or img.pp != 1 or img.cp != 1:
+        # The HF vision tower is not sharded. On a colocated layout an images tp > 1 means the
+        # tower is replicated on its tp ranks (identical inputs, outputs and gradients), which is
+        # what lets the encoder run at a smaller DP than the language model on the same ranks
+        # (ColocatedBridgeCommunicator fan-out). Apart from the language model it would only waste GPUs.
+        if img.pp != 1 or img.cp != 1 or (img.tp != 1 and not layout.colocated):
             raise UserError(f"images tp={img.tp}, pp={img.pp}, cp={img.cp}: the vision encoder runs without model "
                             f"parallelism; use images tp=1,pp=1,cp=1 and scale it with dp")
 
