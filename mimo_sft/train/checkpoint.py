@@ -84,9 +84,40 @@ def unwrapped(model):
                 model.modality_submodules[name] = wrapper
 
 
-def model_sharded_state_dict(model) -> dict:
+def model_sharded_state_dict(model, replicated_encoder_rank: int = 0) -> dict:
+    """The model's sharded state dict with wrapper-free keys.
+
+    ``replicated_encoder_rank``: this rank's tp coordinate in an encoder whose (unsharded) tower is
+    replicated over tp ranks (colocated fan-out). Megatron marks those tensors as replica 0 on every
+    tp rank; all but tp rank 0 are re-marked as replicas so exactly one rank writes each tensor.
+    """
     with unwrapped(model) as bare:
-        return bare.sharded_state_dict()
+        sd = bare.sharded_state_dict()
+    if replicated_encoder_rank:
+        from megatron.core.dist_checkpointing.mapping import ShardedBase
+
+        def walk(node):
+            if isinstance(node, dict):
+                for v in node.values():
+                    walk(v)
+            elif isinstance(node, (list, tuple)):
+                for v in node:
+                    walk(v)
+            elif isinstance(node, ShardedBase) and node.key.startswith("modality_submodules."):
+                rid = node.replica_id if isinstance(node.replica_id, tuple) else (node.replica_id,)
+                node.replica_id = (replicated_encoder_rank, *rid[1:]) if len(rid) > 1 else (replicated_encoder_rank,)
+
+        walk(sd)
+    return sd
+
+
+def encoder_replica_rank(ctx) -> int:
+    """tp coordinate of this rank in a replicated (tp > 1) encoder, else 0."""
+    for spec in ctx.layout.encoders:
+        c = ctx.layout.coords(ctx.rank).get(spec.name)
+        if c is not None and spec.tp > 1:
+            return c.tp
+    return 0
 
 
 def save_checkpoint(root: str, *, step: int, consumed_samples: int, ctx, extra_meta: dict | None = None) -> str:
@@ -102,7 +133,7 @@ def save_checkpoint(root: str, *, step: int, consumed_samples: int, ctx, extra_m
             shutil.rmtree(tmp)
         os.makedirs(os.path.join(tmp, "model"))
     dist.barrier()
-    dist_checkpointing.save(model_sharded_state_dict(ctx.model), os.path.join(tmp, "model"))
+    dist_checkpointing.save(model_sharded_state_dict(ctx.model, encoder_replica_rank(ctx)), os.path.join(tmp, "model"))
     torch.save({"optimizer": ctx.optimizer.state_dict(), "rng": _rng_state(), "step": step,
                 "consumed_samples": consumed_samples}, os.path.join(tmp, f"rank_{rank:05d}.pt"))
     dist.barrier()
