@@ -6,6 +6,7 @@ one step, every layout must reproduce its gradient norm and its weights.
 """
 
 import math
+import os
 
 import pytest
 
@@ -54,10 +55,16 @@ def reference_fixed():
 
 def test_equal_dp_non_colocated_with_reordering_matches_single_process(reference_variable):
     run = run_layout("equal", 4, ["language=dp=2", "images=dp=2,rank_offset=2"], demo_data(),
-                     ["--scalable-dp", "--intra-microbatch-reorder"])
+                     ["--scalable-dp", "--intra-microbatch-reorder", "--tensorboard"])
     assert_same_step(reference_variable, run)
     m = metrics(run)[0]
     assert m["vision_load_max_over_mean_after"] <= m["vision_load_max_over_mean_before"]
+    from mimo_sft.train.metrics import REQUIRED_KEYS
+
+    assert all(m[k] is not None for k in REQUIRED_KEYS), m
+    assert m["tokens_per_s"] > 0 and m["peak_memory_bytes"] > 0 and m["reorder_exchange_s"] >= 0
+    events = [f for f in os.listdir(os.path.join(run, "tensorboard")) if f.startswith("events.out.tfevents")]
+    assert events and os.path.isfile(os.path.join(run, "config.yaml"))
 
 
 def test_reordering_off_gives_same_step_one(reference_variable):
@@ -149,3 +156,27 @@ def test_colocated_fan_out_matches_single_process(reference_fixed):
     """Encoder DP 1 (tower replicated on its 2 tp ranks) feeding language DP 2 on the same ranks."""
     run = run_layout("co_fanout", 2, ["language=dp=2", "images=tp=2,dp=1"], fixed_size_data(), ["--scalable-dp"])
     assert_same_step(reference_fixed, run)
+
+
+def test_freeze_flags_keep_weights_fixed():
+    """--freeze-language --freeze-vision: only the patch merger (projector) changes in a step."""
+    import torch
+    from safetensors.torch import load_file
+
+    run = run_layout("frozen", 3, ["language=dp=2", "images=dp=1,rank_offset=2"], demo_data(),
+                     ["--scalable-dp", "--freeze-language", "--freeze-vision"])
+    after = checkpoint_tensors(run + "/checkpoints/iter_0000001")
+    hf = load_file(tiny_model() + "/model.safetensors")
+    visual = {k.split("visual.", 1)[1]: v for k, v in hf.items() if "visual." in k}
+    changed_merger = 0
+    for key, value in after.items():
+        if key.startswith("modality_submodules.images.encoders."):
+            name = key.split(".", 4)[4]
+            same = torch.equal(value, visual[name])
+            if name.startswith("merger."):
+                changed_merger += not same
+            else:
+                assert same, f"frozen vision weight {name} changed"
+    assert changed_merger > 0, "the projector should train"
+    embed = [v for k, v in hf.items() if k.endswith("embed_tokens.weight")][0]
+    assert torch.equal(after["language_model.embedding.word_embeddings.weight"][: embed.shape[0]], embed)

@@ -89,7 +89,7 @@ def build_model_and_optimizer(cfg: ExperimentConfig, layout: Layout, pstate: Par
         modules[LANGUAGE] = model.language_model
     for name in list(model.modality_submodules.keys()):
         sub = model.modality_submodules[name]
-        if sub is None or not any(p.requires_grad for p in sub.parameters()):
+        if sub is None:
             continue
         wrapped = DistributedDataParallel(config=info.vision_config, ddp_config=ddp_config, module=sub,
                                           pg_collection=pstate.modules[name].pg_collection)
