@@ -98,14 +98,19 @@ def validate(ctx: typer.Context) -> None:
 @app.command(context_settings=FLAG_COMMAND)
 def finetune(ctx: typer.Context) -> None:
     """Fine-tune under torchrun: torchrun --nproc-per-node N -m mimo_sft finetune [flags]."""
+    from mimo_sft.train import run
+
+    _run_flag_command("finetune", ctx, lambda args: run.finetune(args))
+
+
+def _run_flag_command(name: str, ctx: typer.Context, fn, extra_help: dict[str, str] | None = None) -> None:
+    """Shared body of the commands that take the config flag table: help, call, exit code."""
     args = list(ctx.args)
     if _wants_help(args):
-        _print_flag_help("finetune")
+        _print_flag_help(name, extra_help)
         return
-    from mimo_sft.train.run import finetune as run_finetune
-
     try:
-        code = run_finetune(args)
+        code = fn(args)
     except UserError as e:
         _fail(e)
     raise typer.Exit(code or 0)
@@ -160,17 +165,9 @@ PLAN_FLAGS = {"--steps": "micro-batches to simulate (default 50)", "--out": "fol
 @app.command(context_settings=FLAG_COMMAND)
 def plan(ctx: typer.Context) -> None:
     """Show, before any GPU time, what reordering will do to each rank's load on your data."""
-    args = list(ctx.args)
-    if _wants_help(args):
-        _print_flag_help("plan", PLAN_FLAGS)
-        return
-    from mimo_sft.plan import run_plan
+    import mimo_sft.plan as planner
 
-    try:
-        code = run_plan(args)
-    except UserError as e:
-        _fail(e)
-    raise typer.Exit(code or 0)
+    _run_flag_command("plan", ctx, lambda args: planner.run_plan(args), PLAN_FLAGS)
 
 
 def main() -> None:

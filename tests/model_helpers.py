@@ -163,18 +163,16 @@ def worker_tp2_colocated(rank: int, world: int, hf_dir: str, ref_path: str) -> f
     return compare(full, ref["logits"], batch["attention_mask"])
 
 
-def worker_non_colocated(rank: int, world: int, hf_dir: str, ref_path: str):
-    """language on rank 0, images on rank 1: encoder output crosses megatron's bridge communicator."""
+def _non_colocated_setup(hf_dir: str, ref_path: str, *components):
+    """Model, bridge communicator and reference batch for a non-colocated parity worker."""
     from mimo_sft.model.builder import build_mimo_model
-    from mimo_sft.model.check import compare
-    from mimo_sft.model.family import modality_inputs_from_batch
     from mimo_sft.parallel.cpu_shims import apply_cpu_shims
     from mimo_sft.parallel.groups import build_parallel_state
 
     from megatron.core.pipeline_parallel.multimodule_communicator import MultiModulePipelineCommunicator
 
     apply_cpu_shims()
-    layout = _layout("language=dp=1", "images=dp=1,rank_offset=1")
+    layout = _layout(*components)
     state = build_parallel_state(layout)
     model, info = build_mimo_model(hf_dir, layout=layout, parallel_state=state, attn_implementation="eager")
     model.eval()
@@ -182,7 +180,15 @@ def worker_non_colocated(rank: int, world: int, hf_dir: str, ref_path: str):
                                            info.language_config, dim_mapping={"s": 0, "b": 1, "h": 2},
                                            module_output_ndim={"images": 2})
     ref = torch.load(ref_path)
-    batch = ref["batch"]
+    return model, info, comm, ref, ref["batch"]
+
+
+def worker_non_colocated(rank: int, world: int, hf_dir: str, ref_path: str):
+    """language on rank 0, images on rank 1: encoder output crosses megatron's bridge communicator."""
+    from mimo_sft.model.check import compare
+    from mimo_sft.model.family import modality_inputs_from_batch
+
+    model, info, comm, ref, batch = _non_colocated_setup(hf_dir, ref_path, "language=dp=1", "images=dp=1,rank_offset=1")
     with torch.no_grad():
         if rank == 1:
             assert model.language_model is None and "images" in model.modality_submodules
@@ -197,24 +203,10 @@ def worker_non_colocated(rank: int, world: int, hf_dir: str, ref_path: str):
 
 def worker_pp2_non_colocated(rank: int, world: int, hf_dir: str, ref_path: str):
     """language pp=2 on ranks 0-1, images on rank 2: encoder -> bridge -> stage 0 -> p2p -> stage 1."""
-    from mimo_sft.model.builder import build_mimo_model
     from mimo_sft.model.check import compare
     from mimo_sft.model.family import modality_inputs_from_batch
-    from mimo_sft.parallel.cpu_shims import apply_cpu_shims
-    from mimo_sft.parallel.groups import build_parallel_state
 
-    from megatron.core.pipeline_parallel.multimodule_communicator import MultiModulePipelineCommunicator
-
-    apply_cpu_shims()
-    layout = _layout("language=pp=2,dp=1", "images=dp=1,rank_offset=2")
-    state = build_parallel_state(layout)
-    model, info = build_mimo_model(hf_dir, layout=layout, parallel_state=state, attn_implementation="eager")
-    model.eval()
-    comm = MultiModulePipelineCommunicator(state.grids, {"images": ["language"], "language": []},
-                                           info.language_config, dim_mapping={"s": 0, "b": 1, "h": 2},
-                                           module_output_ndim={"images": 2})
-    ref = torch.load(ref_path)
-    batch = ref["batch"]
+    model, info, comm, ref, batch = _non_colocated_setup(hf_dir, ref_path, "language=pp=2,dp=1", "images=dp=1,rank_offset=2")
     B, S = batch["input_ids"].shape
     with torch.no_grad():
         if rank == 2:
