@@ -21,6 +21,6 @@ echo "== finetune: torchrun --nproc-per-node 4 -m mimo_sft finetune --config con
 rm -rf "$OUT/run"
 .venv/bin/torchrun --nproc-per-node 4 -m mimo_sft finetune \
   --config configs/demo.yaml --hf-model "$OUT/tiny-qwen2.5-vl" --dataset-path "$OUT/data" \
-  --output-dir "$OUT/run" --export-hf "$OUT/run/hf-export" 2>&1 | grep --line-buffered -v -E "Warning|warnings.warn|^\s*$|W1[0-9]{3} |\*{10}|OMP_NUM_THREADS|^  [a-z_ ]+ = |^  (class|super|return|model) |^WARNING:" || true
+  --output-dir "$OUT/run" --export-hf "$OUT/run/hf-export" 2>&1 | grep --line-buffered -v -E "Warning|warnings.warn|^\s*$|W1[0-9]{3} |\*{10}|OMP_NUM_THREADS|^  [a-z_ ]+ = |^  (class |super\(|return |model = )|^WARNING:" || true
 echo
 $PY scripts/summarize_run.py "$OUT/run"
