@@ -62,3 +62,31 @@ def test_bad_flag_is_one_line_without_traceback_in_a_real_process():
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and "did you mean '--micro-batch-size'" in proc.stderr
     assert "Traceback" not in proc.stderr + proc.stdout
+
+
+def _finetune(*args, env_extra=None):
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env.update(env_extra or {})
+    return subprocess.run([sys.executable, "-m", "mimo_sft", "finetune", *args], capture_output=True, text=True,
+                          cwd=ROOT, env=env, timeout=120)
+
+
+def test_finetune_refuses_bad_config_before_starting(tmp_path):
+    proc = _finetune(*GOOD, "--dataset-path", str(tmp_path))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "no model: give --hf-model" in proc.stderr
+
+
+def test_finetune_without_torchrun_says_how_to_start(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2_5_vl", "text_config": {
+        "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2}}))
+    proc = _finetune(*GOOD, "--hf-model", str(tmp_path), "--dataset-path", str(tmp_path))
+    assert proc.returncode == 2
+    assert "torchrun --nproc-per-node 4 -m mimo_sft finetune" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_finetune_world_size_mismatch_under_torchrun_env(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2_5_vl"}))
+    proc = _finetune(*GOOD, "--hf-model", str(tmp_path), "--dataset-path", str(tmp_path),
+                     env_extra={"RANK": "0", "WORLD_SIZE": "2"})
+    assert proc.returncode == 2 and "world size 2 does not match the 4 ranks" in proc.stderr
