@@ -135,7 +135,9 @@ def save_checkpoint(root: str, *, step: int, consumed_samples: int, ctx, extra_m
     dist.barrier()
     dist_checkpointing.save(model_sharded_state_dict(ctx.model, encoder_replica_rank(ctx)), os.path.join(tmp, "model"))
     torch.save({"optimizer": ctx.optimizer.state_dict(), "rng": _rng_state(), "step": step,
-                "consumed_samples": consumed_samples}, os.path.join(tmp, f"rank_{rank:05d}.pt"))
+                "consumed_samples": consumed_samples,
+                "distributed_optimizer": [o.optimizer.state_dict() for o in _distributed_optimizers(ctx.optimizer)]},
+               os.path.join(tmp, f"rank_{rank:05d}.pt"))
     dist.barrier()
     if rank == 0:
         meta = {"step": step, "consumed_samples": consumed_samples, "world_size": dist.get_world_size(),
@@ -205,5 +207,37 @@ def load_checkpoint(path: str, ctx) -> tuple[int, int]:
     load_model_weights(ctx.model, ckpt)
     state = torch.load(rank_file, map_location="cpu", weights_only=False)
     ctx.optimizer.load_state_dict(state["optimizer"])
+    _load_distributed_optimizer_state(ctx.optimizer, state.get("distributed_optimizer") or [])
     _set_rng_state(state["rng"])
     return int(meta["step"]), int(meta["consumed_samples"])
+
+
+def _distributed_optimizers(optimizer) -> list:
+    """megatron DistributedOptimizers inside the MIMO optimizer, in a fixed order.
+
+    Their ``state_dict()`` holds only hyper-parameters; the Adam moments and step of this rank's
+    shard live in the inner torch optimizer, whose own state dict is saved next to it per rank.
+    """
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    found = []
+    for name in sorted(optimizer.module_infos):
+        info = optimizer.module_infos[name]
+        opt = info.optimizer if info.is_active else None
+        if opt is None:
+            continue
+        for inner in getattr(opt, "chained_optimizers", [opt]):
+            if isinstance(inner, DistributedOptimizer):
+                found.append(inner)
+    return found
+
+
+def _load_distributed_optimizer_state(optimizer, saved: list) -> None:
+    """Restore each DistributedOptimizer's inner torch optimizer (this rank's shard: Adam moments and
+    step); the fp32 main weights are views of the model weights, which the model load restored."""
+    opts = _distributed_optimizers(optimizer)
+    if len(opts) != len(saved):
+        raise UserError("--load-checkpoint: the checkpoint was saved with a different --use-distributed-optimizer "
+                        "setting; resume with the setting it was saved with")
+    for opt, state in zip(opts, saved):
+        opt.optimizer.load_state_dict(state)
