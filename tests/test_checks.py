@@ -113,3 +113,10 @@ def test_finetune_requires_model_and_data():
         require_valid(cfg, env={}, for_run=True)
     assert "--hf-model" in str(e.value) and "--dataset-path" in str(e.value)
     assert check_config(cfg, env={}).ok  # validate only notes them
+
+
+def test_missing_dataset_path_is_refused_but_hub_names_pass(tmp_path):
+    probs, _ = problems(GOOD + ["--dataset-path", str(tmp_path / "nope.parquet")])
+    assert any("nope.parquet: not found" in p for p in probs)
+    probs, _ = problems(GOOD + ["--dataset-path", "someorg/some-dataset"])
+    assert not any("not found" in p for p in probs)

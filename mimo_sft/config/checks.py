@@ -296,10 +296,18 @@ def c17_data(ctx):
             yield "no dataset: give --dataset-path (parquet/json/jsonl file or folder, or a save_to_disk folder)"
         else:
             yield ("--dataset-path not given: the data was not checked (finetune needs it)", "note")
+    elif not os.path.exists(d.dataset_path) and _looks_local(d.dataset_path):
+        yield f"--dataset-path {d.dataset_path}: not found; give a parquet/json/jsonl file or folder, or a save_to_disk folder"
     if d.min_pixels is not None and d.max_pixels is not None and d.min_pixels > d.max_pixels:
         yield f"--min-pixels={d.min_pixels} is above --max-pixels={d.max_pixels}"
     if d.image_root and not os.path.isdir(d.image_root):
         yield f"--image-root {d.image_root}: folder not found"
+
+
+def _looks_local(path: str) -> bool:
+    """A path rather than a hub dataset name ("org/name")."""
+    return (path.startswith((".", "/", "~")) or path.endswith((".parquet", ".json", ".jsonl", ".arrow"))
+            or path.count("/") != 1)
 
 
 CHECKS: tuple[tuple[int, str, Callable], ...] = (
