@@ -201,3 +201,9 @@ def torch_equal(x, y) -> bool:
     import torch
 
     return torch.equal(x, y)
+
+
+def test_language_pipeline_parallel_matches_single_process(reference_variable):
+    """language pp 2 (tied embeddings split across stages) fed by its own encoder rank."""
+    run = run_layout("pp2", 3, ["language=pp=2,dp=1", "images=dp=1,rank_offset=2"], demo_data())
+    assert_same_step(reference_variable, run)

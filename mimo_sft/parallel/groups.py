@@ -169,4 +169,21 @@ def build_parallel_state(layout: Layout, *, reorder_side_group: bool = False) ->
                                                 side if member else None, member,
                                                 side_gloo if member else None)
     state.world_gloo = dist.new_group(backend="gloo")
+    _register_language_dp_rank(layout, rank)
     return state
+
+
+def _register_language_dp_rank(layout: Layout, rank: int) -> None:
+    """Tell megatron's global ``parallel_state`` this rank's language DP(-CP) rank.
+
+    One megatron call site still reads the global state instead of the model's process groups:
+    ``LanguageModule.tie_embeddings_and_output_weights_state_dict`` (last pipeline stage, tied
+    embeddings, checkpoint replica ids). ``set_data_parallel_rank`` is megatron's own override for
+    that value; nothing else of the global state is used.
+    """
+    from megatron.core import parallel_state
+
+    coord = layout.coords(rank).get("language")
+    if coord is not None:
+        spec = layout.language
+        parallel_state.set_data_parallel_rank(coord.dp * spec.cp + coord.cp)
