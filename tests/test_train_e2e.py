@@ -207,3 +207,12 @@ def test_language_pipeline_parallel_matches_single_process(reference_variable):
     """language pp 2 (tied embeddings split across stages) fed by its own encoder rank."""
     run = run_layout("pp2", 3, ["language=pp=2,dp=1", "images=dp=1,rank_offset=2"], demo_data())
     assert_same_step(reference_variable, run)
+
+
+def test_colocated_heterogeneous_dp_refuses_varying_image_sizes():
+    proc = torchrun(2, ["--hf-model", tiny_model(), "--dataset-path", demo_data(), *BASE, "--scalable-dp",
+                        "--component", "language=tp=2,dp=1", "--component", "images=dp=2",
+                        "--output-dir", new_dir("co_varying")], check=False)
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert errors and "same number of image tokens" in errors[0] and "--min-pixels" in errors[0]

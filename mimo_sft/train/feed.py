@@ -128,14 +128,18 @@ class Feed:
         records = split_samples(batch)
         lang = merge_samples([{k: v for k, v in r.items() if k not in PIXEL_KEYS} for r in records[lang_sl]])
         enc = merge_samples([{k: v for k, v in r.items() if k in PIXEL_KEYS + ("image_counts",)} for r in records[enc_sl]])
-        counts = enc_tokens = None
         if self.encoder_dp and len(set(self.encoder_dp.values()) | {self.layout.language.dp}) > 1:
+            # megatron's ColocatedBridgeCommunicator splits and gathers encoder output in equal
+            # parts per sample: every sample of the global micro-batch needs the same image-token
+            # count. Checked across all ranks (one tiny all-reduce), so no rank hangs in the bridge.
             counts = (batch["input_ids"] == self.image_token_id).sum(dim=1)
-            enc_tokens = set(counts.tolist())
-            if len(enc_tokens) > 1:
+            span = torch.tensor([-int(counts.min()), int(counts.max())], dtype=torch.int64)
+            dist.all_reduce(span, op=dist.ReduceOp.MAX, group=self.pstate.world_gloo)
+            low, high = -int(span[0]), int(span[1])
+            if low != high:
                 raise UserError(
                     "colocated layout with different encoder and language DP sizes needs the same number of "
-                    f"image tokens in every sample, but this micro-batch has {sorted(enc_tokens)}: use fixed-size "
+                    f"image tokens in every sample, but this micro-batch has {low} to {high}: use fixed-size "
                     "single-image data (--min-pixels equal to --max-pixels), or equal DP sizes")
         lang["pixel_values"] = enc.get("pixel_values")
         lang["image_grid_thw"] = enc.get("image_grid_thw")
