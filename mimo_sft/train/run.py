@@ -75,7 +75,22 @@ def _abort(message: str, code: int):
     os._exit(code)
 
 
+def _quiet_megatron() -> None:
+    """megatron-core warns on every rank about experimental MIMO APIs, missing Apex/TE and deprecated
+    classes; that is noise to a user reading the progress line. ``MIMO_SFT_VERBOSE=1`` keeps it."""
+    if os.environ.get("MIMO_SFT_VERBOSE"):
+        return
+    import logging
+    import warnings
+
+    for category in (UserWarning, DeprecationWarning, FutureWarning):
+        warnings.filterwarnings("ignore", category=category, module=r"(megatron|torch|transformers)\b.*")
+    warnings.filterwarnings("ignore", message=r".*is experimental and still under active development.*")
+    logging.getLogger("megatron").setLevel(logging.ERROR)
+
+
 def _train(cfg, layout) -> int:
+    _quiet_megatron()
     import torch
     import torch.distributed as dist
 
