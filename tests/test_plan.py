@@ -213,7 +213,7 @@ def test_unreadable_dataset_is_one_line(tmp_path):
     bad = tmp_path / "broken.parquet"
     bad.write_bytes(b"this is not parquet")
     assert "--dataset-path" in _one_line_error(runner.invoke(app, _args(data=str(bad))))
-    assert "does not exist" in _one_line_error(runner.invoke(app, _args(data=str(tmp_path / "missing" / "x.parquet"))))
+    assert "not found" in _one_line_error(runner.invoke(app, _args(data=str(tmp_path / "missing" / "x.parquet"))))
 
 
 def test_invalid_layout_is_one_line():
