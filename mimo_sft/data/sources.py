@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,10 @@ def load_raw_dataset(dataset_path: str | None, split: str = "train"):
     if not dataset_path:
         raise UserError("data.dataset_path is not set; pass --dataset-path (a parquet/json/jsonl file or folder)")
     path = Path(dataset_path).expanduser()
+    # datasets logs its own error line before raising; ours (below) is the one the user should see
+    ds_logger = logging.getLogger("datasets")
+    level = ds_logger.level
+    ds_logger.setLevel(logging.CRITICAL)
     try:
         if path.is_file():
             ext = path.suffix.lower()
@@ -72,6 +77,8 @@ def load_raw_dataset(dataset_path: str | None, split: str = "train"):
         raise UserError(f"--dataset-path {dataset_path}: cannot load ({msg})") from None
     except Exception as err:  # datasets raises many types (FileNotFoundError, DatasetNotFoundError, ArrowInvalid)
         raise UserError(f"--dataset-path {dataset_path}: cannot load ({type(err).__name__}: {_first_line(err)})") from None
+    finally:
+        ds_logger.setLevel(level)
     return ds
 
 
