@@ -107,8 +107,11 @@ class Feed:
             self.counters.load_after.append(float(after))
 
     def _gathered_vision_load(self, batch) -> float | None:
-        """Max/mean of per-vision-rank patches for this micro-batch without reordering."""
-        if not self.layout.encoders:
+        """Max/mean of per-vision-rank patches for this micro-batch without reordering.
+
+        Computed on language ranks only (they log the metrics); encoder ranks skip the all-gather.
+        """
+        if not self.layout.encoders or self.stats_module != LANGUAGE:
             return None
         local = torch.tensor(self.patch_fn(batch), dtype=torch.float64)
         group = self.pstate.modules[self.stats_module].dp_gloo
