@@ -41,6 +41,9 @@ def finetune(args: list[str]) -> int:
     rank, world = _env_world()
     try:
         cfg = load_config(args)
+        if "WORLD_SIZE" in os.environ and cfg.parallel.world_size not in (None, world):
+            raise UserError(f"--world-size {cfg.parallel.world_size} but torchrun started {world} processes; "
+                            f"drop --world-size or start {cfg.parallel.world_size} processes")
         result = require_valid(cfg, world_size=world if "WORLD_SIZE" in os.environ else None, for_run=True)
         _ensure_single_process_env(result.layout.world_size)
     except UserError as e:
