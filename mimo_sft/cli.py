@@ -123,6 +123,11 @@ def check_model(
     tolerance: float = typer.Option(1e-5, "--tolerance", help="largest acceptable relative logit difference"),
 ) -> None:
     """Run the checkpoint through transformers and through mimo-sft's megatron model; compare logits."""
+    if not os.path.isdir(hf_model):
+        _fail(UserError(f"--hf-model {hf_model}: folder not found; point it at a Hugging Face Qwen-VL checkpoint folder"))
+    from mimo_sft.quiet import quiet_libraries
+
+    quiet_libraries()
     from mimo_sft.model.check import check_model as run_check
 
     try:
@@ -147,6 +152,9 @@ def export(
     hf_model: Optional[str] = typer.Option(None, "--hf-model", help="source HF folder (default: the one recorded in the checkpoint)"),
 ) -> None:
     """Write a fine-tuned checkpoint as a Hugging Face folder that transformers loads."""
+    from mimo_sft.quiet import quiet_libraries
+
+    quiet_libraries()
     from mimo_sft.train.export import export_checkpoint
 
     try:

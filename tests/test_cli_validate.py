@@ -80,6 +80,7 @@ def test_finetune_refuses_bad_config_before_starting(tmp_path):
 def test_finetune_without_torchrun_says_how_to_start(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2_5_vl", "text_config": {
         "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2}}))
+    (tmp_path / "model.safetensors").write_bytes(b"")
     proc = _finetune(*GOOD, "--hf-model", str(tmp_path), "--dataset-path", str(tmp_path))
     assert proc.returncode == 2
     assert "torchrun --nproc-per-node 4 -m mimo_sft finetune" in proc.stderr and "Traceback" not in proc.stderr
@@ -87,6 +88,28 @@ def test_finetune_without_torchrun_says_how_to_start(tmp_path):
 
 def test_finetune_world_size_mismatch_under_torchrun_env(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2_5_vl"}))
+    (tmp_path / "model.safetensors").write_bytes(b"")
     proc = _finetune(*GOOD, "--hf-model", str(tmp_path), "--dataset-path", str(tmp_path),
                      env_extra={"RANK": "0", "WORLD_SIZE": "2"})
     assert proc.returncode == 2 and "world size 2 does not match the 4 ranks" in proc.stderr
+
+
+def test_validate_refuses_a_model_folder_without_weights(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2_5_vl"}))
+    res = runner.invoke(app, ["validate", "--json", *GOOD, "--hf-model", str(tmp_path)])
+    data = json.loads(res.output)
+    assert res.exit_code == 2 and any("no *.safetensors weights" in p for p in data["problems"])
+    res = runner.invoke(app, ["validate", "--json", *GOOD, "--hf-model", str(tmp_path), "--allow-random-init"])
+    assert json.loads(res.output)["ok"]
+
+
+def test_finetune_refuses_to_reuse_another_runs_output_dir(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2_5_vl"}))
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text("{}\n")
+    proc = _finetune("--component", "language=dp=1", "--component", "images=dp=1", "--hf-model", str(tmp_path),
+                     "--dataset-path", str(tmp_path), "--output-dir", str(out))
+    assert proc.returncode == 2 and "already holds a run" in proc.stderr and "--load-checkpoint" in proc.stderr
+    assert "Traceback" not in proc.stderr

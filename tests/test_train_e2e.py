@@ -5,6 +5,7 @@ Reference: a single-process run (both modules on one rank, DP 1) on the same glo
 one step, every layout must reproduce its gradient norm and its weights.
 """
 
+import json
 import math
 import os
 
@@ -216,3 +217,18 @@ def test_colocated_heterogeneous_dp_refuses_varying_image_sizes():
     assert proc.returncode != 0
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert errors and "same number of image tokens" in errors[0] and "--min-pixels" in errors[0]
+
+
+def test_no_supervised_tokens_is_an_error_not_a_silent_run(tmp_path):
+    """A dataset whose rows have no assistant turn would train on nothing: refused at step 1."""
+    rows = [{"messages": [{"role": "user", "content": [{"type": "text", "text": f"question {i}"}]}]}
+            for i in range(16)]
+    data = tmp_path / "noassistant.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    proc = torchrun(1, ["--hf-model", tiny_model(), "--dataset-path", str(data),
+                        "--component", "language=dp=1", "--component", "images=dp=1", "--seq-length", "128",
+                        "--micro-batch-size", "4", "--global-batch-size", "4", "--train-iters", "2",
+                        "--no-tensorboard", "--output-dir", new_dir("noassistant")], check=False)
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert errors and "no supervised tokens" in errors[0], proc.stderr[-2000:]

@@ -263,6 +263,9 @@ def c16_model(ctx):
     if m.hf_model and ctx.hf_config is None:
         yield f"--hf-model {m.hf_model}: no readable config.json in the folder"
         return
+    if m.hf_model and not m.allow_random_init and not any(f.endswith(".safetensors") for f in os.listdir(m.hf_model)):
+        yield (f"--hf-model {m.hf_model}: no *.safetensors weights in the folder; add them, or build the "
+               f"architecture untrained with --allow-random-init")
     if ctx.hf_config is not None:
         mt = ctx.hf_config.get("model_type")
         if mt not in SUPPORTED_MODEL_TYPES:
@@ -289,6 +292,14 @@ def c16_model(ctx):
         yield "--allow-random-init needs --hf-model (its config.json defines the architecture)"
 
 
+def c18_contents_note(ctx):
+    m, d = ctx.cfg.model, ctx.cfg.data
+    if not ctx.for_run and (m.hf_model or d.dataset_path):
+        yield ("validate checks the layout, the flags, config.json and that the paths exist; weights, columns and "
+               "images are read at finetune start (run `mimo-sft plan` with the same flags to check the data now)",
+               "note")
+
+
 def c17_data(ctx):
     d = ctx.cfg.data
     if d.dataset_path is None:
@@ -307,7 +318,7 @@ def c17_data(ctx):
 def _looks_local(path: str) -> bool:
     """A path rather than a hub dataset name ("org/name")."""
     return (path.startswith((".", "/", "~")) or path.endswith((".parquet", ".json", ".jsonl", ".arrow"))
-            or path.count("/") != 1)
+            or path.count("/") != 1 or os.path.isdir(path.split("/")[0]))
 
 
 CHECKS: tuple[tuple[int, str, Callable], ...] = (
@@ -328,6 +339,7 @@ CHECKS: tuple[tuple[int, str, Callable], ...] = (
     (15, "checkpoint flags", c15_checkpoints),
     (16, "model folder and divisibility", c16_model),
     (17, "dataset settings", c17_data),
+    (18, "what is left to finetune", c18_contents_note),
 )
 
 

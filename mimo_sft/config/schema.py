@@ -60,9 +60,22 @@ class ParallelConfig:
     scalable_dp: bool = opt(False, "--scalable-dp", "every data rank reads only its canonical-grid shard of each micro-batch")
 
     def specs(self) -> list[ComponentSpec]:
-        from mimo_sft.parallel.components import component_from_mapping
+        from mimo_sft.parallel.components import component_from_mapping, parse_component
 
-        return [component_from_mapping(n, v, where=f"parallel.components.{n}") for n, v in self.components.items()]
+        specs = []
+        for name, value in self.components.items():
+            where = f"parallel.components.{name}"
+            if isinstance(value, str):  # the --component syntax without the name: "tp=1,dp=2,rank_offset=2"
+                spec = parse_component(f"{name}={value}")
+            elif isinstance(value, dict):
+                spec = component_from_mapping(name, value, where=where)
+            else:
+                from mimo_sft.errors import UserError
+
+                raise UserError(f"{where}: expected a mapping such as {{tp: 1, dp: 2, rank_offset: 0}} "
+                                f"or a string 'tp=1,dp=2,rank_offset=0', got {value!r}")
+            specs.append(spec)
+        return specs
 
 
 @dataclass

@@ -51,6 +51,9 @@ def load_raw_dataset(dataset_path: str | None, split: str = "train"):
             builder = {".parquet": "parquet", ".json": "json", ".jsonl": "json"}.get(ext)
             if builder is None:
                 raise UserError(f"--dataset-path {path}: unsupported file type '{ext}'; use .parquet, .json or .jsonl")
+            if split != "train":
+                raise UserError(f"--dataset-split {split}: {path} is a single file, which is one split ('train'); "
+                                f"point --dataset-path at the {split} file instead")
             ds = datasets.load_dataset(builder, data_files={split: str(path)}, split=split)
         elif path.is_dir():
             if (path / "dataset_dict.json").is_file() or (path / "state.json").is_file():
@@ -118,9 +121,12 @@ class SFTSource:
             refs = [self._resolve(r, idx) for r in raw if r is not None]
         n_parts = sum(1 for m in messages for p in m["content"] if p["type"] == "image")
         if n_parts != len(refs):
-            col = self.images_column or "--images-column"
+            if self.images_column is None:
+                raise UserError(f"sample {idx} of {self.dataset_path}: {n_parts} image placeholder(s) in the text but the "
+                                f"dataset has no images column; name it with --images-column")
             raise UserError(f"sample {idx} of {self.dataset_path}: {n_parts} image placeholder(s) in the text but "
-                            f"{len(refs)} image(s) in column '{col}'; fix the row or point --images-column at the images")
+                            f"{len(refs)} image(s) in column '{self.images_column}'; fix the row or point "
+                            f"--images-column at the images")
         return messages, refs
 
     def _resolve(self, ref, idx):
@@ -262,4 +268,5 @@ def open_image_header(ref, idx: int):
         raise UserError(f"sample {idx}: image file {ref} not found; check the path or set --image-root") from None
     except (UnidentifiedImageError, OSError) as err:
         where = "in-dataset image bytes" if isinstance(ref, bytes) else f"image file {ref}"
-        raise UserError(f"sample {idx}: cannot read {where} ({_first_line(err)}); fix or remove the image") from None
+        reason = "not a recognised image format" if isinstance(err, UnidentifiedImageError) else _first_line(err)
+        raise UserError(f"sample {idx}: cannot read {where} ({reason}); fix or remove the image") from None

@@ -81,7 +81,7 @@ class HFCheckpoint:
         others = sorted(n for n in os.listdir(self.hf_dir) if n.endswith(".safetensors"))
         if others:
             return others
-        raise UserError(f"{self.hf_dir} holds no *.safetensors weights; add the checkpoint's weights or pass --allow-random-init")
+        raise UserError(f"{self.hf_dir} holds no *.safetensors weights; add the checkpoint's weights (finetune can start without them: --allow-random-init)")
 
     def _scan(self) -> None:
         from safetensors import safe_open

@@ -148,7 +148,7 @@ def save_checkpoint(root: str, *, step: int, consumed_samples: int, ctx, extra_m
             shutil.rmtree(final)
         os.rename(tmp, final)
         with open(os.path.join(root, LATEST + ".tmp"), "w") as fh:
-            fh.write(os.path.basename(final))
+            fh.write(os.path.basename(final) + "\n")
         os.replace(os.path.join(root, LATEST + ".tmp"), os.path.join(root, LATEST))
     dist.barrier()
     return final
@@ -168,6 +168,9 @@ def resolve_checkpoint(path: str) -> str:
         if os.path.isfile(os.path.join(chosen, "meta.json")):
             return chosen
         raise UserError(f"checkpoint {path}: 'latest' names {name}, which is incomplete or missing")
+    nested = os.path.join(path, "checkpoints")
+    if os.path.isfile(os.path.join(nested, LATEST)):  # the run's output folder: use its checkpoints
+        return resolve_checkpoint(nested)
     raise UserError(f"checkpoint {path}: no meta.json and no 'latest' file; point it at a mimo-sft checkpoint folder")
 
 

@@ -17,6 +17,8 @@ def export_checkpoint(checkpoint: str, out_dir: str, *, hf_model: str | None = N
     from mimo_sft.model import build_single_process_model, export_model
     from mimo_sft.train.checkpoint import load_model_weights, read_meta, resolve_checkpoint
 
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise UserError(f"--out {out_dir} is a file; choose a folder to write the Hugging Face checkpoint into")
     ckpt = resolve_checkpoint(checkpoint)
     meta = read_meta(ckpt)
     src = hf_model or meta.get("hf_model")

@@ -78,22 +78,10 @@ def _abort(message: str, code: int):
     os._exit(code)
 
 
-def _quiet_megatron() -> None:
-    """megatron-core warns on every rank about experimental MIMO APIs, missing Apex/TE and deprecated
-    classes; that is noise to a user reading the progress line. ``MIMO_SFT_VERBOSE=1`` keeps it."""
-    if os.environ.get("MIMO_SFT_VERBOSE"):
-        return
-    import logging
-    import warnings
-
-    for category in (UserWarning, DeprecationWarning, FutureWarning):
-        warnings.filterwarnings("ignore", category=category, module=r"(megatron|torch|transformers)\b.*")
-    warnings.filterwarnings("ignore", message=r".*is experimental and still under active development.*")
-    logging.getLogger("megatron").setLevel(logging.ERROR)
-
-
 def _train(cfg, layout) -> int:
-    _quiet_megatron()
+    from mimo_sft.quiet import quiet_libraries
+
+    quiet_libraries()
     import torch
     import torch.distributed as dist
 
@@ -105,8 +93,9 @@ def _train(cfg, layout) -> int:
     from mimo_sft.train.setup import build_model_and_optimizer, build_state
     from mimo_sft.train.step import StepRunner
 
-    rank, world = init_distributed()
     out_dir = cfg.logging.output_dir
+    _refuse_reused_output_dir(cfg, out_dir)
+    rank, world = init_distributed()
     save_dir = cfg.checkpoint.save or os.path.join(out_dir, "checkpoints")
     if rank == 0:
         os.makedirs(out_dir, exist_ok=True)
@@ -119,6 +108,9 @@ def _train(cfg, layout) -> int:
         step, consumed = load_checkpoint(cfg.checkpoint.load_checkpoint, ctx)
     elif cfg.model.pretrained_checkpoint:
         load_model_weights(ctx.model, resolve_checkpoint(cfg.model.pretrained_checkpoint))
+    if step >= cfg.train.train_iters:
+        raise UserError(f"nothing to do: the checkpoint is at step {step} and --train-iters is "
+                        f"{cfg.train.train_iters}; raise --train-iters to train further")
     mbs, gbs = cfg.train.micro_batch_size, cfg.train.global_batch_size
     num_mb = gbs // mbs
     feed = build_feed(cfg, layout, pstate, ctx.info, consumed_samples=consumed)
@@ -145,6 +137,10 @@ def _train(cfg, layout) -> int:
             set_lr(ctx.optimizer, lr)
             ctx.optimizer.zero_grad()
             out = runner.run(num_mb)
+            if out.global_tokens <= 0:
+                raise UserError(f"step {step + 1} has no supervised tokens (no assistant text after the chat template "
+                                f"and truncation) in its {gbs} samples: check the dataset's roles "
+                                f"(user/assistant) and --seq-length")
             ok, grad_norm, _ = ctx.optimizer.step()
             step += 1
             consumed += gbs
@@ -170,7 +166,9 @@ def _train(cfg, layout) -> int:
             interval = cfg.checkpoint.save_interval
             final = step == cfg.train.train_iters and (interval or cfg.checkpoint.save or cfg.checkpoint.export_hf)
             if (interval and step % interval == 0) or final:
-                save_checkpoint(save_dir, step=step, consumed_samples=consumed, ctx=ctx)
+                path = save_checkpoint(save_dir, step=step, consumed_samples=consumed, ctx=ctx)
+                if ctx.is_metrics_rank:
+                    print(f"saved checkpoint {path}", flush=True)
         if cfg.checkpoint.export_hf:
             # a fresh single-process interpreter: export builds its own 1-rank model
             import subprocess
@@ -195,6 +193,17 @@ def _train(cfg, layout) -> int:
     dist.barrier()
     dist.destroy_process_group()
     return 0
+
+
+def _refuse_reused_output_dir(cfg, out_dir: str) -> None:
+    """A fresh run must not append to another run's metrics or move its ``latest`` checkpoint back."""
+    if cfg.checkpoint.load_checkpoint:
+        return
+    save_dir = cfg.checkpoint.save or os.path.join(out_dir, "checkpoints")
+    traces = [p for p in (os.path.join(out_dir, "metrics.jsonl"), os.path.join(save_dir, "latest")) if os.path.exists(p)]
+    if traces:
+        raise UserError(f"--output-dir {out_dir} already holds a run ({traces[0]}); resume it with --load-checkpoint "
+                        f"{save_dir}, or choose a new --output-dir")
 
 
 def _mean(values):
