@@ -102,8 +102,9 @@ def test_missing_and_unreadable_image(tmp_path, image_folder, tiny_ckpt):
     rows = _messages_rows(["a", "zzz"])
     p = tmp_path / "m.jsonl"
     p.write_text("\n".join(json.dumps(r) for r in rows))
-    it = _iter(DataConfig(dataset_path=str(p), seq_length=128), tiny_ckpt, need_pixels=False)
-    _one_line_error(lambda: next(it), r"sample 1: image file .*zzz.png not found.*--image-root")
+    # a missing file is found when the dataset is opened (before step 0), not when the sample is read
+    _one_line_error(lambda: _iter(DataConfig(dataset_path=str(p), seq_length=128), tiny_ckpt, need_pixels=False),
+                    r"sample 1: image file .*zzz.png not found.*--image-root")
     (image_folder / "bad.png").write_bytes(b"not an image at all")
     p.write_text("\n".join(json.dumps(r) for r in _messages_rows(["a", "bad"])))
     it = _iter(DataConfig(dataset_path=str(p), seq_length=128), tiny_ckpt, num_workers=1)  # error crosses a worker

@@ -129,6 +129,49 @@ class SFTSource:
                             f"--images-column at the images")
         return messages, refs
 
+    def image_paths(self) -> list[tuple[int, str]]:
+        """(row, path) of every image stored as a file path, read from Arrow without decoding.
+
+        Only path references are listed (in-dataset bytes need no file); used to find missing
+        files before step 0 instead of hours into a run.
+        """
+        import pyarrow as pa
+        import pyarrow.compute as pc
+
+        if self.images_column is None:
+            return []
+        column = self.ds.data.table.column(self.images_column).combine_chunks()
+        rows = pa.array(range(len(column)), pa.int64())
+        if pa.types.is_list(column.type) or pa.types.is_large_list(column.type):
+            rows = pc.list_parent_indices(column)
+            column = pc.list_flatten(column)
+        if pa.types.is_struct(column.type):
+            names = [column.type.field(i).name for i in range(column.type.num_fields)]
+            if "path" not in names:
+                return []
+            paths = pc.struct_field(column, "path")
+            keep = pc.is_valid(paths)
+            if "bytes" in names:
+                keep = pc.and_(keep, pc.is_null(pc.struct_field(column, "bytes")))
+        elif pa.types.is_string(column.type) or pa.types.is_large_string(column.type):
+            paths = column
+            keep = pc.is_valid(paths)
+        else:
+            return []
+        rows, paths = pc.filter(rows, keep).to_pylist(), pc.filter(paths, keep).to_pylist()
+        return [(r, p) for r, p in zip(rows, paths) if not str(p).startswith("{")]
+
+    def check_image_files(self) -> None:
+        missing = []
+        for row, ref in self.image_paths():
+            path = self._resolve(ref, row)
+            if isinstance(path, Path) and not path.is_file():
+                missing.append((row, path))
+        if missing:
+            row, path = missing[0]
+            more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+            raise UserError(f"sample {row}: image file {path} not found{more}; check the paths or set --image-root")
+
     def _resolve(self, ref, idx):
         """bytes -> ``bytes``; path -> absolute ``Path``; PIL image -> itself."""
         if isinstance(ref, dict):
@@ -247,6 +290,12 @@ def load_sft_dataset(data_cfg) -> SFTSource:
         raise UserError(f"--image-root {data_cfg.image_root} is not a folder; point it at the folder the image paths are relative to")
     source = SFTSource(ds, schema=schema, text_column=text_column, images_column=images_column,
                        base_dir=base_dir, image_root=image_root, dataset_path=str(data_cfg.dataset_path))
+    try:
+        source.check_image_files()
+    except UserError:
+        raise
+    except Exception:  # noqa: BLE001 - an Arrow layout we do not know: images are still checked when read
+        pass
     if images_column is None:
         # Fail now, not mid-training, if the text asks for images the dataset does not have.
         for i in range(min(len(source), 64)):
