@@ -33,7 +33,8 @@ def _fail(err: UserError, console: Console | None = None) -> None:
 def _print_flag_help(command: str, extra: dict[str, str] | None = None) -> None:
     from mimo_sft.config.loader import EXTRA_FLAGS, flag_table
 
-    console = Console(width=None if sys.stdout.isatty() else 200)
+    width = None if sys.stdout.isatty() or os.environ.get("COLUMNS") else 160
+    console = Console(width=width)
     console.print(f"Usage: mimo-sft {command} [--config FILE] [--component NAME=k=v,...]... [FLAGS]\n")
     table = Table(show_header=True, header_style="bold", box=None)
     table.add_column("flag", no_wrap=True)

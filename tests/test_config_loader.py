@@ -86,3 +86,9 @@ def test_dump_roundtrip(tmp_path):
     cfg = load_config(["--component", "language=dp=2", "--seq-length", "64", "--scalable-dp"])
     again = load_config(["--config", write(tmp_path, dump_config(cfg))])
     assert again == cfg
+
+
+def test_duplicate_yaml_key_is_refused(tmp_path):
+    with pytest.raises(UserError) as e:
+        load_config(["--config", write(tmp_path, "train:\n  train_iters: 3\n  train_iters: 5\n")])
+    assert "'train_iters' appears twice (line 3)" in str(e.value)

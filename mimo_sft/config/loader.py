@@ -209,12 +209,35 @@ def config_from_dict(raw: dict, *, source: str = "config") -> ExperimentConfig:
     return ExperimentConfig(**sections)
 
 
+class _StrictLoader(yaml.SafeLoader):
+    """SafeLoader that refuses a key given twice in one mapping (YAML would keep the last silently)."""
+
+
+def _mapping_without_duplicates(loader, node, deep=False):
+    seen = set()
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        if key in seen:
+            raise UserError(f"--config {getattr(loader, 'source_path', '')}: key '{key}' appears twice "
+                            f"(line {key_node.start_mark.line + 1}); keep one")
+        seen.add(key)
+    return loader.construct_mapping(node, deep=deep)
+
+
+_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _mapping_without_duplicates)
+
+
 def load_yaml(path: str) -> dict:
     if not os.path.isfile(path):
         raise UserError(f"--config {path}: file not found")
     try:
         with open(path) as fh:
-            data = yaml.safe_load(fh)
+            loader = _StrictLoader(fh)
+            loader.source_path = path
+            try:
+                data = loader.get_single_data()
+            finally:
+                loader.dispose()
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         at = f" at line {mark.line + 1}" if mark else ""

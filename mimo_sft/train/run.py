@@ -123,9 +123,9 @@ def _train(cfg, layout) -> int:
     if ctx.is_metrics_rank:
         layout_text = " ".join(s.to_flag() for s in layout.components)
         start = f"resuming at step {step} ({consumed} samples consumed)" if step else "starting at step 0"
-        print(f"mimo-sft: {layout.world_size} ranks ({'colocated' if layout.colocated else 'non-colocated'}: "
-              f"{layout_text}), {cfg.train.train_iters} steps of {gbs} samples ({num_mb} micro-batches of {mbs}), "
-              f"reordering {'on' if cfg.reorder.enabled else 'off'}; {start}; output {out_dir}", flush=True)
+        print(f"mimo-sft: {layout.world_size} ranks, {'colocated' if layout.colocated else 'non-colocated'}: {layout_text}\n"
+              f"mimo-sft: {cfg.train.train_iters} steps of {gbs} samples ({num_mb} micro-batches of {mbs}), "
+              f"reordering {'on' if cfg.reorder.enabled else 'off'}, {start}, output {out_dir}", flush=True)
     lang = pstate.modules.get("language")
     lang_last = lang is not None and lang.member and layout.coords(rank)["language"].pp == layout.language.pp - 1
     o = cfg.optimizer
