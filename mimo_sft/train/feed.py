@@ -130,7 +130,7 @@ class Feed:
         lang_sl, enc_sl = self.colocated_slices
         records = split_samples(batch)
         lang = merge_samples([{k: v for k, v in r.items() if k not in PIXEL_KEYS} for r in records[lang_sl]])
-        enc = merge_samples([{k: v for k, v in r.items() if k in PIXEL_KEYS + ("image_counts",)} for r in records[enc_sl]])
+        enc = merge_samples([{k: v for k, v in r.items() if k in PIXEL_KEYS} for r in records[enc_sl]])
         if self.encoder_dp and len(set(self.encoder_dp.values()) | {self.layout.language.dp}) > 1:
             # megatron's ColocatedBridgeCommunicator splits and gathers encoder output in equal
             # parts per sample: every sample of the global micro-batch needs the same image-token
@@ -146,7 +146,6 @@ class Feed:
                     "single-image data (--min-pixels equal to --max-pixels), or equal DP sizes")
         lang["pixel_values"] = enc.get("pixel_values")
         lang["image_grid_thw"] = enc.get("image_grid_thw")
-        lang["encoder_image_counts"] = enc["image_counts"]
         return lang
 
     # ---- loop side ------------------------------------------------------------------------------

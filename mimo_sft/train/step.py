@@ -35,9 +35,7 @@ LANGUAGE = MIMO_LANGUAGE_MODULE_KEY
 class StepOutput:
     loss_sum: float  # on the last language stage: sum over this rank's micro-batches
     num_tokens: float
-    grad_norm: float | None
-    update_ok: bool
-    global_tokens: float
+    global_tokens: float  # supervised tokens of the whole global batch (every rank)
 
 
 def _language_loss(loss_mask: torch.Tensor, output: torch.Tensor):
@@ -153,4 +151,4 @@ class StepRunner:
             if isinstance(item, dict) and "loss_sum_and_tokens" in item:
                 loss_sum += float(item["loss_sum_and_tokens"][0])
                 tokens += float(item["loss_sum_and_tokens"][1])
-        return StepOutput(loss_sum, tokens, None, True, self.global_tokens())
+        return StepOutput(loss_sum, tokens, self.global_tokens())
