@@ -232,3 +232,17 @@ def test_no_supervised_tokens_is_an_error_not_a_silent_run(tmp_path):
     assert proc.returncode != 0
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert errors and "no supervised tokens" in errors[0], proc.stderr[-2000:]
+
+
+def test_pretrained_checkpoint_loads_into_another_layout(reference_variable):
+    """Weights saved by a 1-rank run start a 4-rank run: same step-1 loss and grad norm as a 1-rank
+    run started from the same weights (dist-checkpoint weights are layout-free)."""
+    ckpt = reference_variable + "/checkpoints"
+    single = run_layout("pre_single", 1, ["language=dp=1", "images=dp=1"], demo_data(),
+                        ["--pretrained-checkpoint", ckpt])
+    multi = run_layout("pre_multi", 4, ["language=dp=2", "images=dp=2,rank_offset=2"], demo_data(),
+                       ["--pretrained-checkpoint", ckpt, "--scalable-dp"])
+    a, b, ref = metrics(single)[0], metrics(multi)[0], metrics(reference_variable)[0]
+    assert a["step"] == b["step"] == 1
+    assert math.isclose(a["loss"], b["loss"], rel_tol=1e-5) and math.isclose(a["grad_norm"], b["grad_norm"], rel_tol=1e-5)
+    assert a["loss"] < ref["loss"], "starting from trained weights should lower the step-1 loss on the same batch"
