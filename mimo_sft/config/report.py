@@ -22,7 +22,7 @@ def print_report(cfg: ExperimentConfig, result: CheckResult, console: Console, *
         title = (f"Layout: {layout.world_size} ranks, {mode}, canonical grid {layout.canonical_grid}, "
                  f"micro-batch {mbs}, global batch {cfg.train.global_batch_size}")
         table = Table(title=title, title_justify="left")
-        for col in ("module", "ranks", "tp", "pp", "cp", "dp", "canonical groups per DP rank", "samples/rank/micro-batch"):
+        for col in ("module", "ranks", "tp", "pp", "cp", "dp", "canonical groups per DP rank", "samples per rank"):
             table.add_column(col, justify="left" if col in ("module", "ranks", "canonical groups per DP rank") else "right")
         for row in layout.rank_rows(mbs):
             groups = row["canonical_groups"]
