@@ -111,5 +111,10 @@ def test_finetune_refuses_to_reuse_another_runs_output_dir(tmp_path):
     (out / "metrics.jsonl").write_text("{}\n")
     proc = _finetune("--component", "language=dp=1", "--component", "images=dp=1", "--hf-model", str(tmp_path),
                      "--dataset-path", str(tmp_path), "--output-dir", str(out))
-    assert proc.returncode == 2 and "already holds a run" in proc.stderr and "--load-checkpoint" in proc.stderr
-    assert "Traceback" not in proc.stderr
+    assert proc.returncode == 2 and "already holds a run" in proc.stderr and "choose a new --output-dir" in proc.stderr
+    assert "Traceback" not in proc.stderr and "--load-checkpoint" not in proc.stderr  # nothing to resume from
+    (out / "checkpoints").mkdir()
+    (out / "checkpoints" / "latest").write_text("iter_0000002\n")
+    proc = _finetune("--component", "language=dp=1", "--component", "images=dp=1", "--hf-model", str(tmp_path),
+                     "--dataset-path", str(tmp_path), "--output-dir", str(out))
+    assert proc.returncode == 2 and f"--load-checkpoint {out}/checkpoints" in proc.stderr

@@ -66,6 +66,8 @@ def c01_positive_sizes(ctx):
                       ("--log-interval", ctx.cfg.logging.log_interval)):
         if val < 1:
             yield f"{name}={val} must be >= 1"
+    if t.dist_timeout_s < 1:
+        yield f"--dist-timeout={t.dist_timeout_s} must be >= 1 (seconds)"
     if d.num_workers < 0:
         yield f"--num-workers={d.num_workers} must be >= 0"
     si = ctx.cfg.checkpoint.save_interval

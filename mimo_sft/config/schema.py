@@ -93,6 +93,7 @@ class TrainConfig:
     global_batch_size: int = opt(8, "--global-batch-size", "samples per optimizer step; a multiple of --micro-batch-size")
     train_iters: int = opt(10, "--train-iters", "optimizer steps")
     seed: int = opt(1234, "--seed", "seed for init, data order and dropout")
+    dist_timeout_s: int = opt(600, "--dist-timeout", "seconds a collective may wait for a silent peer before the run fails")
 
 
 @dataclass

@@ -46,6 +46,7 @@ def finetune(args: list[str]) -> int:
                             f"drop --world-size or start {cfg.parallel.world_size} processes")
         result = require_valid(cfg, world_size=world if "WORLD_SIZE" in os.environ else None, for_run=True)
         _ensure_single_process_env(result.layout.world_size)
+        _refuse_reused_output_dir(cfg, cfg.logging.output_dir)
     except UserError as e:
         if rank == 0:
             for p in e.problems:
@@ -94,8 +95,7 @@ def _train(cfg, layout) -> int:
     from mimo_sft.train.step import StepRunner
 
     out_dir = cfg.logging.output_dir
-    _refuse_reused_output_dir(cfg, out_dir)
-    rank, world = init_distributed()
+    rank, world = init_distributed(timeout_s=cfg.train.dist_timeout_s)
     save_dir = cfg.checkpoint.save or os.path.join(out_dir, "checkpoints")
     if rank == 0:
         os.makedirs(out_dir, exist_ok=True)
@@ -202,8 +202,10 @@ def _refuse_reused_output_dir(cfg, out_dir: str) -> None:
     save_dir = cfg.checkpoint.save or os.path.join(out_dir, "checkpoints")
     traces = [p for p in (os.path.join(out_dir, "metrics.jsonl"), os.path.join(save_dir, "latest")) if os.path.exists(p)]
     if traces:
-        raise UserError(f"--output-dir {out_dir} already holds a run ({traces[0]}); resume it with --load-checkpoint "
-                        f"{save_dir}, or choose a new --output-dir")
+        resume = (f"resume it with --load-checkpoint {save_dir}, or " if os.path.exists(os.path.join(save_dir, "latest"))
+                  else "")
+        raise UserError(f"--output-dir {out_dir} already holds a run ({traces[0]}); {resume}choose a new --output-dir "
+                        f"(or delete the old one)")
 
 
 def _mean(values):
