@@ -35,8 +35,8 @@ def run(components, mbs, world):
 
 
 def main():
-    print(f"| world | layout | verdict | validate wall time (s, median of 3) |")
-    print(f"|---|---|---|---|")
+    print("| world | layout | verdict | validate wall time (s, median of 3) |")
+    print("|---|---|---|---|")
     for world, comps, mbs in LAYOUTS:
         secs, verdict = run(comps, mbs, world)
         print(f"| {world} | {' '.join(comps)} | {verdict} | {secs:.2f} |")

@@ -195,13 +195,9 @@ def test_resume_with_distributed_optimizer_is_exact():
     torchrun(4, [*args, "--output-dir", resumed, "--load-checkpoint", cont + "/checkpoints/iter_0000002"])
     a = checkpoint_tensors(cont + "/checkpoints/iter_0000003")
     b = checkpoint_tensors(resumed + "/checkpoints/iter_0000003")
-    assert a.keys() == b.keys() and all(torch_equal(a[k], b[k]) for k in a)
-
-
-def torch_equal(x, y) -> bool:
     import torch
 
-    return torch.equal(x, y)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_language_pipeline_parallel_matches_single_process(reference_variable):

@@ -65,7 +65,6 @@ def print_plan(plan: dict, console: Console | None = None) -> None:
 
 
 def _print_compare(plan: dict, console: Console) -> None:
-    r = plan["reorder"]
     table = Table(title="what the window size and the language cost weight change", title_justify="left",
                   box=box.SIMPLE_HEAD)
     for col in ("setting", "images\nmax/mean", "images\nmax-min", "images\nidle", "language\nmax/mean", "language\nidle"):

@@ -35,7 +35,6 @@ class StepCounters:
     loss_tokens: float = 0.0
     real_tokens: float = 0.0
     samples: int = 0
-    microbatches: int = 0
     load_before: list = field(default_factory=list)
     load_after: list = field(default_factory=list)
     exchange_s: float = 0.0
@@ -93,11 +92,9 @@ class Feed:
             self._record_load(self._gathered_vision_load(batch), None)
         if self.colocated_slices is not None:
             batch = self._colocated_split(batch)
-        lang = batch
-        self.counters.loss_tokens += float(lang["loss_mask"].sum())
-        self.counters.real_tokens += float(lang["attention_mask"].sum())
-        self.counters.samples += int(lang["input_ids"].shape[0])
-        self.counters.microbatches += 1
+        self.counters.loss_tokens += float(batch["loss_mask"].sum())
+        self.counters.real_tokens += float(batch["attention_mask"].sum())
+        self.counters.samples += int(batch["input_ids"].shape[0])
         return batch
 
     def _record_load(self, before, after):

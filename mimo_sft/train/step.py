@@ -57,7 +57,6 @@ class StepRunner:
         self.model = model            # MimoModel with DDP-wrapped submodules
         self.modules = modules        # {module name: DDP-wrapped nn.Module on this rank}
         self.pstate = pstate
-        self.layout = layout
         self.feed = feed
         self.modality_inputs_fn = modality_inputs_fn
         self.seq_length = seq_length

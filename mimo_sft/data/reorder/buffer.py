@@ -27,7 +27,7 @@ from typing import Any, Iterator, Mapping
 
 import torch
 
-from mimo_sft.data.reorder import exchange, serialize
+from mimo_sft.data.reorder import exchange
 from mimo_sft.errors import UserError
 
 _DONE = object()
