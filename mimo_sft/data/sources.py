@@ -4,11 +4,14 @@ Why one form: preprocessing should not care whether a row came from a ``messages
 ShareGPT/LLaVA one. ``SFTSource[i]`` returns ``(messages, image_refs)`` where ``messages`` holds only
 ``{"type": "image"}`` / ``{"type": "text", "text": ...}`` parts and ``image_refs`` are undecoded
 references (bytes, a resolved path, or an in-memory PIL image). Images are never decoded here:
-image columns are cast to ``decode=False`` so the metadata-only path can read just the header.
+image columns are read as stored (Arrow) so the metadata-only path can read just the header.
+A sample's images come from an images column (LLaVA's ``image`` may be one path or a list) or,
+in Qwen's own format, from the content parts that name them (``{"type": "image", "image": ...}``).
 """
 
 from __future__ import annotations
 
+import base64
 import io
 import json
 import logging
@@ -85,10 +88,123 @@ def load_raw_dataset(dataset_path: str | None, split: str = "train"):
     return ds
 
 
+# --------------------------------------------------------------------------- image references
+
+_INLINE_KEYS = ("image", "url", "path")  # where Qwen / transformers chat messages name an image
+_INLINE_HINT = r'"(image|url|path)"\s*:'  # JSON text that may hold such a part (cheap pre-filter)
+
+
+def _decode_json_text(value):
+    """The object a JSON-text value encodes; any other value unchanged.
+
+    Why: when rows of a JSON file give one key different shapes (LLaVA's ``"image": "a.png"`` next
+    to ``"image": ["b.png", "c.png"]``), ``datasets`` stores that column as JSON text, so Arrow
+    holds ``'"a.png"'``. Only text that starts like JSON and parses is decoded: ``a.png`` stays a path.
+    """
+    if isinstance(value, str) and value[:1] in ('"', "[", "{"):
+        try:
+            return json.loads(value)
+        except ValueError:
+            pass
+    return value
+
+
+def _image_list(raw) -> list:
+    """One images-column value (None, one reference, a list, or JSON text of those) as a list."""
+    raw = _decode_json_text(raw)
+    if raw is None:
+        return []
+    if not isinstance(raw, (list, tuple)):
+        raw = [raw]
+    return [_decode_json_text(r) for r in raw if r is not None]
+
+
+def _part_ref(part):
+    """The image a content part names inline (``{"type": "image", "image"|"url"|"path": ...}``), or None."""
+    if not isinstance(part, dict):
+        return None
+    kind = part.get("type")
+    keys = _INLINE_KEYS if kind == "image" else ("image",) if kind is None else ()
+    for key in keys:
+        value = part.get(key)
+        if value is not None and not (isinstance(value, str) and not value):
+            return value
+    return None
+
+
+def _path_of(ref) -> str | None:
+    """The file path a stored reference points at, or None for in-dataset bytes and data URIs."""
+    if isinstance(ref, dict):
+        return None if ref.get("bytes") else ref.get("path")
+    if isinstance(ref, str) and not ref.startswith("data:"):
+        return ref
+    return None
+
+
+def _walk_json(value, row: int, out: list) -> None:
+    """Collect ``(row, ref)`` of the inline image parts inside decoded JSON (lists/dicts)."""
+    if isinstance(value, list):
+        for v in value:
+            _walk_json(v, row, out)
+    elif isinstance(value, dict):
+        ref = _part_ref(value)
+        if ref is not None:
+            out.append((row, ref))
+            return
+        for v in value.values():
+            if isinstance(v, (list, dict)):
+                _walk_json(v, row, out)
+
+
+def _storage(arr):
+    """An Arrow array without its extension wrapper: ``datasets``' Json feature is ``arrow.json`` over strings."""
+    import pyarrow as pa
+
+    while isinstance(arr.type, pa.BaseExtensionType):
+        arr = arr.storage
+    return arr
+
+
+def _walk_arrow(arr, rows, out: list) -> None:
+    """Collect ``(row, ref)`` of inline image parts under an Arrow array, whatever its nesting.
+
+    Why Arrow: this scans the whole dataset when it opens; only the parts that carry an
+    image/url/path value (or JSON text mentioning one) are converted to Python objects.
+    """
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    is_json = getattr(arr.type, "extension_name", None) == "arrow.json"  # plain text is never parsed
+    arr = _storage(arr)
+    t = arr.type
+    if pa.types.is_list(t) or pa.types.is_large_list(t):
+        _walk_arrow(pc.list_flatten(arr), pc.take(rows, pc.list_parent_indices(arr)), out)
+    elif pa.types.is_struct(t):
+        names = [t.field(i).name for i in range(t.num_fields)]
+        keys = [k for k in _INLINE_KEYS if k in names]
+        if keys:  # content parts: convert only those naming something
+            has = pc.is_valid(pc.struct_field(arr, keys[0]))
+            for k in keys[1:]:
+                has = pc.or_(has, pc.is_valid(pc.struct_field(arr, k)))
+            for row, part in zip(pc.filter(rows, has).to_pylist(), pc.filter(arr, has).to_pylist()):
+                _walk_json(part, row, out)
+        for name in names:
+            if name not in _INLINE_KEYS:
+                _walk_arrow(pc.struct_field(arr, name), rows, out)
+    elif is_json and (pa.types.is_string(t) or pa.types.is_large_string(t)):  # Json feature: parts as text
+        hit = pc.fill_null(pc.match_substring_regex(arr, _INLINE_HINT), False)
+        for row, text in zip(pc.filter(rows, hit).to_pylist(), pc.filter(arr, hit).to_pylist()):
+            _walk_json(_decode_json_text(text), row, out)
+
+
 # --------------------------------------------------------------------------- the canonical source
 
 class SFTSource:
-    """Rows of a dataset as ``(messages, image_refs)``; picklable for DataLoader workers."""
+    """Rows of a dataset as ``(messages, image_refs)``; picklable for DataLoader workers.
+
+    A sample's images come from the images column, or (datasets without one) from the message
+    content itself (Qwen's ``{"type": "image", "image": "a.png"}``); a dataset using both is refused.
+    """
 
     def __init__(self, ds, *, schema: str, text_column: str, images_column: str | None, base_dir: Path | None,
                  image_root: Path | None, dataset_path: str):
@@ -108,43 +224,62 @@ class SFTSource:
     def __getitem__(self, idx: int) -> tuple[list[dict], list[Any]]:
         text = self._text[int(idx)][self.text_column]
         if self.schema == "messages":
-            messages = _canonical_messages(text, idx, self.text_column)
+            messages, inline = _canonical_messages(text, idx, self.text_column)
         else:
-            messages = _sharegpt_messages(text, idx, self.text_column)
-        refs = []
-        if self.images_column is not None:
-            raw = self._images[int(idx)].column(0).to_pylist()[0]
-            if raw is None:
-                raw = []
-            elif not isinstance(raw, (list, tuple)):
-                raw = [raw]
-            refs = [self._resolve(r, idx) for r in raw if r is not None]
-        n_parts = sum(1 for m in messages for p in m["content"] if p["type"] == "image")
-        if n_parts != len(refs):
-            if self.images_column is None:
-                raise UserError(f"sample {idx} of {self.dataset_path}: {n_parts} image placeholder(s) in the text but the "
-                                f"dataset has no images column; name it with --images-column")
-            raise UserError(f"sample {idx} of {self.dataset_path}: {n_parts} image placeholder(s) in the text but "
-                            f"{len(refs)} image(s) in column '{self.images_column}'; fix the row or point "
-                            f"--images-column at the images")
+            messages, inline = _sharegpt_messages(text, idx, self.text_column), []
+        if inline and self.images_column is not None:
+            raise self._both_error(idx)
+        raw = inline if inline else self._column_refs(idx)
+        refs = [self._resolve(r, idx) for r in raw]
+        self._check_count(messages, refs, idx, inline=bool(inline))
         return messages, refs
 
-    def image_paths(self) -> list[tuple[int, str]]:
-        """(row, path) of every image stored as a file path, read from Arrow without decoding.
+    def _column_refs(self, idx: int) -> list:
+        if self.images_column is None:
+            return []
+        return _image_list(self._images[int(idx)].column(0).to_pylist()[0])
 
-        Only path references are listed (in-dataset bytes need no file); used to find missing
-        files before step 0 instead of hours into a run.
-        """
+    def _check_count(self, messages, refs, idx, *, inline: bool) -> None:
+        """Every image part needs exactly one image; say which source to fix when not."""
+        n_parts = sum(1 for m in messages for p in m["content"] if p["type"] == "image")
+        if n_parts == len(refs):
+            return
+        where = f"sample {idx} of {self.dataset_path}: {n_parts} image placeholder(s) in the text but"
+        if inline:
+            raise UserError(f"{where} only {len(refs)} of them name an image; give every image part an "
+                            "'image', 'url' or 'path' key")
+        if self.images_column is None:
+            raise UserError(f"{where} the dataset has no images column; name it with --images-column, or name "
+                            "each image in its content part ({\"type\": \"image\", \"image\": \"a.png\"})")
+        raise UserError(f"{where} {len(refs)} image(s) in column '{self.images_column}'; fix the row or point "
+                        f"--images-column at the images")
+
+    def _both_error(self, row: int) -> UserError:
+        return UserError(f"--dataset-path {self.dataset_path}: sample {row} names its images inside the messages "
+                         f"and the dataset also has an images column '{self.images_column}'; keep only one of the "
+                         "two (remove the column or the in-content image references)")
+
+    def _content_refs(self) -> list[tuple[int, Any]]:
+        """(row, reference) of every image named inside message content, in row order."""
+        import pyarrow as pa
+
+        if self.schema != "messages":
+            return []
+        column = self.ds.data.table.column(self.text_column).combine_chunks()
+        out: list = []
+        _walk_arrow(column, pa.array(range(len(column)), pa.int64()), out)
+        return sorted(out, key=lambda x: x[0])
+
+    def _column_paths(self) -> list[tuple[int, str]]:
+        """(row, path) of the images column's file paths, read from Arrow without decoding."""
         import pyarrow as pa
         import pyarrow.compute as pc
 
-        if self.images_column is None:
-            return []
-        column = self.ds.data.table.column(self.images_column).combine_chunks()
+        column = _storage(self.ds.data.table.column(self.images_column).combine_chunks())
         rows = pa.array(range(len(column)), pa.int64())
         if pa.types.is_list(column.type) or pa.types.is_large_list(column.type):
             rows = pc.list_parent_indices(column)
-            column = pc.list_flatten(column)
+            column = _storage(pc.list_flatten(column))
         if pa.types.is_struct(column.type):
             names = [column.type.field(i).name for i in range(column.type.num_fields)]
             if "path" not in names:
@@ -153,15 +288,31 @@ class SFTSource:
             keep = pc.is_valid(paths)
             if "bytes" in names:
                 keep = pc.and_(keep, pc.is_null(pc.struct_field(column, "bytes")))
-        elif pa.types.is_string(column.type) or pa.types.is_large_string(column.type):
-            paths = column
-            keep = pc.is_valid(paths)
-        else:
+            return list(zip(pc.filter(rows, keep).to_pylist(), pc.filter(paths, keep).to_pylist()))
+        if not (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)):
             return []
-        rows, paths = pc.filter(rows, keep).to_pylist(), pc.filter(paths, keep).to_pylist()
-        return [(r, p) for r, p in zip(rows, paths) if not str(p).startswith("{")]
+        # plain paths, or JSON text (a Json feature) holding a path, a list of paths or a dict
+        valid = pc.is_valid(column)
+        return [(row, p) for row, value in zip(pc.filter(rows, valid).to_pylist(), pc.filter(column, valid).to_pylist())
+                for p in map(_path_of, _image_list(value)) if p is not None]
+
+    def image_paths(self) -> list[tuple[int, str]]:
+        """(row, path) of every image stored as a file path, without decoding any image.
+
+        Only path references are listed (in-dataset bytes need no file); used to find missing
+        files before step 0 instead of hours into a run. Paths come from the images column, or for
+        a dataset without one from the message content.
+        """
+        if self.images_column is not None:
+            return self._column_paths()
+        return [(row, p) for row, ref in self._content_refs() if (p := _path_of(ref)) is not None]
 
     def check_image_files(self) -> None:
+        """Refuse mixed image sources and missing files when the dataset opens, naming the first."""
+        if self.images_column is not None:
+            inline = self._content_refs()
+            if inline:
+                raise self._both_error(inline[0][0])
         missing = []
         for row, ref in self.image_paths():
             path = self._resolve(ref, row)
@@ -173,30 +324,50 @@ class SFTSource:
             raise UserError(f"sample {row}: image file {path} not found{more}; check the paths or set --image-root")
 
     def _resolve(self, ref, idx):
-        """bytes -> ``bytes``; path -> absolute ``Path``; PIL image -> itself."""
+        """bytes -> ``bytes``; path or URI -> absolute ``Path`` / ``bytes``; PIL image -> itself."""
+        where = f"column '{self.images_column}'" if self.images_column else "the message content"
         if isinstance(ref, dict):
             if ref.get("bytes"):
                 return bytes(ref["bytes"])
             ref = ref.get("path")
             if not ref:
-                raise UserError(f"sample {idx} of {self.dataset_path}: image entry has neither bytes nor path; fix the '{self.images_column}' column")
+                raise UserError(f"sample {idx} of {self.dataset_path}: image entry has neither bytes nor path; "
+                                f"fix {where}")
         if isinstance(ref, (bytes, bytearray)):
             return bytes(ref)
-        if isinstance(ref, str) and ref.startswith("{"):  # a Json-typed column holds dicts as text
-            try:
-                return self._resolve(json.loads(ref), idx)
-            except ValueError:
-                pass
-        if isinstance(ref, (str, os.PathLike)):
-            p = Path(ref).expanduser()
-            if not p.is_absolute():
-                root = self.image_root or self.base_dir or Path.cwd()
-                p = root / p
-            return p
+        if isinstance(ref, str):
+            return self._resolve_string(ref, idx)
+        if isinstance(ref, os.PathLike):
+            return self._under_root(Path(ref))
         if hasattr(ref, "size") and hasattr(ref, "mode"):  # PIL image held in memory
             return ref
         raise UserError(f"sample {idx} of {self.dataset_path}: unsupported image value of type {type(ref).__name__} "
-                        f"in column '{self.images_column}'; use paths, bytes or images")
+                        f"in {where}; use paths, bytes or images")
+
+    def _resolve_string(self, ref: str, idx):
+        """A path, ``file://`` URI or base64 ``data:`` URI; http(s) is refused (no network at run time)."""
+        if ref.lower().startswith(("http://", "https://")):
+            raise UserError(f"sample {idx} of {self.dataset_path}: image {ref} is a remote URL; remote images are not "
+                            "fetched (no network at run time): download them and use local paths")
+        if ref.startswith("data:"):
+            head, _, payload = ref.partition(",")
+            try:
+                if not head.endswith(";base64"):
+                    raise ValueError("not base64")
+                return base64.b64decode(payload, validate=True)
+            except ValueError:
+                raise UserError(f"sample {idx} of {self.dataset_path}: image data URI '{head}' is not base64 image "
+                                "data; use 'data:image/...;base64,...' or a path") from None
+        if ref.startswith("file://"):  # file:///abs/a.png -> /abs/a.png; file://a.png -> a.png (relative)
+            ref = ref[len("file://"):]
+        return self._under_root(Path(ref))
+
+    def _under_root(self, p: Path) -> Path:
+        """Relative paths resolve against --image-root, else the dataset's folder, else the cwd."""
+        p = p.expanduser()
+        if not p.is_absolute():
+            p = (self.image_root or self.base_dir or Path.cwd()) / p
+        return p
 
 
 def _clean_part(part, idx, col) -> dict:
@@ -212,18 +383,21 @@ def _clean_part(part, idx, col) -> dict:
     raise UserError(f"sample {idx}: content part type '{kind}' in column '{col}' is not supported; use 'text' or 'image'")
 
 
-def _canonical_messages(messages, idx, col) -> list[dict]:
+def _canonical_messages(messages, idx, col) -> tuple[list[dict], list]:
+    """(canonical messages, the images their parts name inline, in message order)."""
     if not isinstance(messages, (list, tuple)) or not messages:
         raise UserError(f"sample {idx}: column '{col}' must hold a non-empty list of messages")
-    out = []
+    out, inline = [], []
     for m in messages:
         role = _ROLE_MAP.get(str(m.get("role", "")).lower()) if isinstance(m, dict) else None
         if role is None:
             raise UserError(f"sample {idx}: every message in '{col}' needs a role of system/user/assistant")
         content = m.get("content")
-        parts = [_clean_part(content, idx, col)] if isinstance(content, str) else [_clean_part(p, idx, col) for p in (content or [])]
+        raw = [content] if isinstance(content, str) else list(content or [])
+        parts = [_clean_part(p, idx, col) for p in raw]
+        inline += [r for p, c in zip(raw, parts) if c["type"] == "image" and (r := _part_ref(p)) is not None]
         out.append({"role": role, "content": parts})
-    return out
+    return out, inline
 
 
 def _split_markers(text: str) -> list[dict]:
