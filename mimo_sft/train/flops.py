@@ -1,0 +1,288 @@
+"""Model FLOPs of a Qwen2.5-VL training step, GPU peak throughput, and MFU.
+
+Pure arithmetic on a transformers ``Qwen2_5_VLConfig`` (no torch, no torch.distributed, no megatron),
+so the trainer can log *model* TFLOP/s per GPU and MFU the way torchtitan and Megatron-Bridge do.
+
+Conventions (all counts are FLOPs, i.e. one multiply-add = 2):
+
+* Only matrix multiplies are counted (``2 * m * n * k``): linear layers, the vision patch-embedding
+  convolution, attention scores ``Q K^T`` and ``softmax(.) V``, the LM head. Norms, activations,
+  rotary embeddings, softmax, residual adds, biases and the embedding lookup are not counted (they are
+  a fraction of a percent of the total and do not run on the tensor cores anyway).
+* Causal language attention is counted as the **full S x S square** (what Megatron's and torchtitan's
+  formulas do, and what eager / unfused attention computes). Causal flash kernels skip roughly half
+  of it, so MFU computed this way slightly flatters long sequences; it is the common convention, so
+  numbers stay comparable with other frameworks.
+* Training = forward + backward = **3 x forward** (backward computes gradients for both the inputs and
+  the weights of every matmul). ``training_flops`` takes per-part factors for runs with frozen parts.
+* Language: what was *computed* counts. A sample padded to length S costs S (padded positions go
+  through every layer); with packing pass the real per-sequence lengths. Attention is per sequence
+  (``sum S_i^2``), everything else per token (``sum S_i``). The LM head runs on every position.
+* Vision: per image/video ``(t, h, w)`` grid in patches (``image_grid_thw``). Full-attention blocks
+  (``fullatt_block_indexes``) attend within one frame (``h*w`` patches, ``t`` times), as transformers
+  does. Windowed blocks attend within windows of ``window_size`` pixels, tiled over the merged-token
+  grid from the top-left corner; edge windows are smaller. We sum ``n_window^2`` over the actual
+  windows, which is exact for transformers' tiling (no approximation beyond the conventions above).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Iterable
+
+#: backward ~= 2 x forward (activation gradients + weight gradients), so a training step is 3 x forward
+TRAIN_FACTOR = 3.0
+
+
+@dataclass(frozen=True)
+class StepFlops:
+    """FLOPs of one step (forward only or forward+backward, depending on who built it)."""
+
+    language: float
+    vision: float
+    total: float = field(init=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "total", float(self.language) + float(self.vision))
+
+    def scaled(self, language: float, vision: float | None = None) -> "StepFlops":
+        """A copy with the language part times ``language`` and the vision part times ``vision``."""
+        return StepFlops(self.language * language, self.vision * (language if vision is None else vision))
+
+
+# --------------------------------------------------------------------------------------- language
+
+def _text_dims(text_config):
+    t = text_config
+    heads = t.num_attention_heads
+    kv = getattr(t, "num_key_value_heads", None) or heads
+    head_dim = getattr(t, "head_dim", None) or t.hidden_size // heads
+    return t.hidden_size, t.num_hidden_layers, heads, kv, head_dim, t.intermediate_size, t.vocab_size
+
+
+def language_forward_flops(text_config, seq_lengths: Iterable[int], *, vocab_size: int | None = None) -> float:
+    """Forward matmul FLOPs of the decoder over sequences of the given (computed) lengths.
+
+    ``text_config``: ``Qwen2_5_VLConfig.text_config`` (or any config with hidden_size,
+    num_hidden_layers, num_attention_heads, num_key_value_heads, intermediate_size, vocab_size and
+    optionally head_dim). ``vocab_size`` overrides the LM-head width (e.g. megatron's padded vocab).
+    Per layer and sequence of length S: Q/O ``2*2*S*h*(heads*hd)``, K/V ``2*2*S*h*(kv*hd)``, attention
+    ``2*2*S*S*heads*hd`` (full square), gated MLP ``3*2*S*h*ffn``; plus the LM head ``2*S*h*vocab``.
+    """
+    h, layers, heads, kv, hd, ffn, vocab = _text_dims(text_config)
+    vocab = vocab if vocab_size is None else vocab_size
+    lengths = [int(s) for s in seq_lengths]
+    if any(s < 0 for s in lengths):
+        raise ValueError(f"sequence lengths must be >= 0, got {lengths}")
+    tokens = sum(lengths)
+    sq = sum(s * s for s in lengths)
+    q_dim, kv_dim = heads * hd, kv * hd
+    per_token_layer = 2 * h * (2 * q_dim + 2 * kv_dim) + 2 * 3 * h * ffn
+    per_sq_layer = 2 * 2 * q_dim
+    return float(layers * (tokens * per_token_layer + sq * per_sq_layer) + tokens * 2 * h * vocab)
+
+
+def language_matmul_params(text_config, *, vocab_size: int | None = None) -> int:
+    """Weights that take part in a matmul per token: all decoder linears plus the LM head
+    (counted even when tied to the embedding, because the head matmul runs either way); the embedding
+    lookup and norms are excluded."""
+    h, layers, heads, kv, hd, ffn, vocab = _text_dims(text_config)
+    vocab = vocab if vocab_size is None else vocab_size
+    per_layer = h * (2 * heads * hd + 2 * kv * hd) + 3 * h * ffn
+    return layers * per_layer + h * vocab
+
+
+def dense_flops_per_token(config, *, vocab_size: int | None = None) -> float:
+    """The classic ``6 * N`` training FLOPs per language token (N = ``language_matmul_params``).
+
+    It leaves out attention's ``S^2`` term and the vision tower, so it is below ``training_flops``
+    per token; the gap grows with sequence length and image count. For comparison only.
+    """
+    text = getattr(config, "text_config", config)
+    return TRAIN_FACTOR * 2.0 * language_matmul_params(text, vocab_size=vocab_size)
+
+
+# ----------------------------------------------------------------------------------------- vision
+
+def _grids(image_grids) -> list[tuple[int, int, int]]:
+    if image_grids is None:
+        return []
+    if hasattr(image_grids, "tolist"):  # a torch tensor / numpy array [n, 3]
+        image_grids = image_grids.tolist()
+    out = []
+    for g in image_grids:
+        t, h, w = (int(x) for x in g)
+        if min(t, h, w) < 0:
+            raise ValueError(f"image grid {g} has a negative size")
+        out.append((t, h, w))
+    return out
+
+
+def _block_sizes(n: int, block: int) -> list[int]:
+    """Sizes of consecutive blocks of ``block`` covering ``n`` (the last one may be smaller)."""
+    full, rest = divmod(n, block)
+    return [block] * full + ([rest] if rest else [])
+
+
+def vision_attention_pairs(vision_config, image_grids) -> tuple[int, int]:
+    """``(sum over full-attention segments of n^2, sum over windows of n^2)`` in patches.
+
+    Full attention: one segment per frame of ``h*w`` patches. Windows: the merged-token grid
+    ``(h/m, w/m)`` is cut into squares of ``window_size // m // patch_size`` merged tokens from the
+    top-left (edge windows smaller); a window of ``a x b`` merged tokens holds ``a*b*m^2`` patches.
+    """
+    v = vision_config
+    m = v.spatial_merge_size
+    win = v.window_size // m // v.patch_size
+    if win < 1:
+        raise ValueError(f"window_size {v.window_size} is smaller than one merged token ({m} x {v.patch_size} pixels)")
+    full = windowed = 0
+    for t, h, w in _grids(image_grids):
+        full += t * (h * w) ** 2
+        rows = sum(a * a for a in _block_sizes(h // m, win))
+        cols = sum(b * b for b in _block_sizes(w // m, win))
+        windowed += t * rows * cols * m ** 4
+    return full, windowed
+
+
+def vision_forward_flops(vision_config, image_grids) -> float:
+    """Forward matmul FLOPs of the vision tower + patch merger for the given ``(t, h, w)`` grids.
+
+    Patch embedding (a conv whose kernel covers a whole patch) ``2*N*d*(C*tp*p*p)``; per block
+    QKV ``2*N*d*3d``, output projection ``2*N*d*d``, gated MLP ``3*2*N*d*ffn`` and attention
+    ``2*2*d*sum(n^2)`` over its segments (frames or windows, see ``vision_attention_pairs``);
+    merger ``2*N/m^2*(d m^2)^2 + 2*N/m^2*(d m^2)*out``.
+    """
+    v = vision_config
+    grids = _grids(image_grids)
+    n = sum(t * h * w for t, h, w in grids)
+    if n == 0:
+        return 0.0
+    d, ffn, m = v.hidden_size, v.intermediate_size, v.spatial_merge_size
+    patch_in = v.in_channels * v.temporal_patch_size * v.patch_size ** 2
+    full_blocks = sum(1 for i in set(v.fullatt_block_indexes or ()) if 0 <= i < v.depth)
+    window_blocks = v.depth - full_blocks
+    full_sq, window_sq = vision_attention_pairs(v, grids)
+    embed = 2 * n * d * patch_in
+    per_block_linear = n * (2 * d * 3 * d + 2 * d * d + 2 * 3 * d * ffn)
+    attention = 2 * 2 * d * (full_blocks * full_sq + window_blocks * window_sq)
+    ctx = d * m * m
+    merged = n // (m * m)
+    merger = 2 * merged * ctx * ctx + 2 * merged * ctx * v.out_hidden_size
+    return float(embed + v.depth * per_block_linear + attention + merger)
+
+
+# ------------------------------------------------------------------------------------------ steps
+
+def forward_flops(config, seq_lengths: Iterable[int], image_grids=None, *,
+                  vocab_size: int | None = None) -> StepFlops:
+    """Forward FLOPs of one step: ``seq_lengths`` are the computed language sequence lengths (padded
+    length for padded samples), ``image_grids`` the ``(t, h, w)`` patch grids of every image the
+    vision tower encoded in the step."""
+    lang = language_forward_flops(config.text_config, seq_lengths, vocab_size=vocab_size)
+    vis = vision_forward_flops(config.vision_config, image_grids)
+    return StepFlops(lang, vis)
+
+
+def training_flops(config, seq_lengths: Iterable[int], image_grids=None, *, vocab_size: int | None = None,
+                   language_factor: float = TRAIN_FACTOR, vision_factor: float = TRAIN_FACTOR) -> StepFlops:
+    """Forward + backward FLOPs of one training step (3 x forward by default).
+
+    The factors are for frozen parts: a frozen vision tower whose inputs need no gradient costs
+    ``vision_factor=1``; a frozen language model still back-propagates to its inputs when the vision
+    side trains (``language_factor=2``). The usual MFU convention keeps 3 for everything.
+    """
+    return forward_flops(config, seq_lengths, image_grids, vocab_size=vocab_size).scaled(language_factor, vision_factor)
+
+
+# ----------------------------------------------------------------------------------- peak and MFU
+
+#: Dense (no structured sparsity) BF16 tensor-core peak TFLOP/s per GPU, from the vendors' spec
+#: sheets. NVIDIA sheets print the sparse figure with a "with sparsity" footnote; the dense value
+#: is half of it (the sheet figure is quoted in each comment).
+PEAK_TFLOPS: dict[str, float] = {
+    "GB200": 2500.0,      # GB200 NVL72 sheet: 360 PFLOPS FP16/BF16 sparse / 72 GPUs = 5 PF sparse per GPU
+    "B200": 2250.0,       # HGX B200 sheet: 4.5 PFLOPS FP16/BF16 per GPU, with sparsity
+    "GH200": 989.0,       # GH200 sheet: 1,979 TFLOPS FP16/BF16, with sparsity
+    "H200 NVL": 835.0,    # H200 NVL sheet: 1,671 TFLOPS BF16, with sparsity
+    "H200": 989.0,        # H200 SXM sheet: 1,979 TFLOPS BF16, with sparsity
+    "H100 NVL": 835.0,    # H100 NVL sheet: 1,671 TFLOPS BF16, with sparsity
+    "H100 PCIe": 756.0,   # H100 PCIe sheet: 1,513 TFLOPS BF16, with sparsity
+    "H100 SXM": 989.0,    # H100 SXM sheet: 1,979 TFLOPS BF16, with sparsity
+    "H800 PCIe": 756.0,   # H800 PCIe sheet: 1,513 TFLOPS BF16, with sparsity
+    "H800": 989.0,        # H800 SXM sheet: 1,979 TFLOPS BF16, with sparsity
+    "H20": 148.0,         # H20 sheet: 148 TFLOPS BF16 dense (296 with sparsity)
+    "A100": 312.0,        # A100 sheet (SXM and PCIe): 312 TFLOPS BF16 (624 with sparsity)
+    "A800": 312.0,        # A800 sheet (SXM and PCIe): 312 TFLOPS BF16 (624 with sparsity)
+    "L40S": 362.05,       # L40S sheet: 362.05 TFLOPS BF16 (733 with sparsity)
+    "L40": 181.05,        # L40 sheet: 181.05 TFLOPS BF16 (362.1 with sparsity)
+    "L4": 121.0,          # L4 sheet: 242 TFLOPS BF16, with sparsity
+    "A10": 125.0,         # A10 sheet: 125 TFLOPS BF16 (250 with sparsity)
+    "RTX 4090": 165.2,    # Ada GPU architecture whitepaper: 165.2 BF16 TFLOPS with FP32 accumulate (330.3 sparse)
+    "RTX 3090": 71.0,     # Ampere GA102 whitepaper: 71 BF16 TFLOPS with FP32 accumulate (142 sparse)
+    "MI325X": 1307.4,     # AMD Instinct MI325X sheet: 1307.4 TFLOPS peak BF16 (2614.9 with sparsity)
+    "MI300X": 1307.4,     # AMD Instinct MI300X sheet: 1307.4 TFLOPS peak BF16 (2614.9 with sparsity)
+    "MI250X": 383.0,      # AMD Instinct MI250X sheet: 383 TFLOPS peak BF16
+}
+
+# (pattern on the upper-cased name with '-' and '_' as spaces, PEAK_TFLOPS key), first match wins;
+# the order puts specific names (NVL / PCIe variants, GB200 before B200, L40S before L40) first.
+_NAME_PATTERNS: tuple[tuple[str, str], ...] = (
+    (r"\bGB200\b", "GB200"),
+    (r"\bB200\b", "B200"),
+    (r"\bGH200\b", "GH200"),
+    (r"\bH200\b.*\bNVL\b", "H200 NVL"),
+    (r"\bH200\b", "H200"),
+    (r"\bH100\b.*\bNVL\b", "H100 NVL"),
+    (r"\bH100\b.*\bPCIE\b", "H100 PCIe"),
+    (r"\bH100\b", "H100 SXM"),  # "NVIDIA H100 80GB HBM3" is the SXM part
+    (r"\bH800\b.*\bPCIE\b", "H800 PCIe"),
+    (r"\bH800\b", "H800"),
+    (r"\bH20\b", "H20"),
+    (r"\bA100\b", "A100"),
+    (r"\bA800\b", "A800"),
+    (r"\bL40S\b", "L40S"),
+    (r"\bL40\b", "L40"),
+    (r"\bL4\b", "L4"),
+    (r"\bA10\b", "A10"),  # not A10G, whose peak NVIDIA does not publish
+    (r"\bRTX 4090\b(?! ?D\b)", "RTX 4090"),  # not the cut-down 4090 D
+    (r"\bRTX 3090\b(?! ?TI\b)", "RTX 3090"),  # not the 3090 Ti
+    (r"\bMI325X\b", "MI325X"),
+    (r"\bMI300X\b", "MI300X"),
+    (r"\bMI250X\b", "MI250X"),
+)
+
+
+def peak_tflops_for(device_name: str | None) -> float | None:
+    """Dense BF16 peak TFLOP/s for a device name as ``torch.cuda.get_device_name()`` reports it
+    (e.g. "NVIDIA H200", "NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB"), or a ``PEAK_TFLOPS`` key;
+    None when the GPU is unknown."""
+    if not device_name:
+        return None
+    if device_name in PEAK_TFLOPS:
+        return PEAK_TFLOPS[device_name]
+    name = " ".join(re.sub(r"[-_]", " ", device_name).upper().split())
+    for pattern, key in _NAME_PATTERNS:
+        if re.search(pattern, name):
+            return PEAK_TFLOPS[key]
+    return None
+
+
+def achieved_tflops_per_gpu(step_flops: float, step_time_s: float, num_gpus: int) -> float | None:
+    """Model TFLOP/s per GPU: the step's FLOPs over its wall time and all GPUs of the job."""
+    if step_time_s <= 0 or num_gpus <= 0:
+        return None
+    return step_flops / step_time_s / num_gpus / 1e12
+
+
+def mfu(achieved_tflops_per_gpu: float | None, peak: float | None) -> float | None:
+    """Model FLOPs utilisation as a fraction (0.42 = 42 %); None when either number is unknown."""
+    if achieved_tflops_per_gpu is None or peak is None or peak <= 0:
+        return None
+    return achieved_tflops_per_gpu / peak
+
+
+__all__ = ["PEAK_TFLOPS", "TRAIN_FACTOR", "StepFlops", "achieved_tflops_per_gpu", "dense_flops_per_token",
+           "forward_flops", "language_forward_flops", "language_matmul_params", "mfu", "peak_tflops_for",
+           "training_flops", "vision_attention_pairs", "vision_forward_flops"]
