@@ -7,6 +7,8 @@ export HF_DATASETS_OFFLINE := 1
 
 .PHONY: install demo test test-fast clean bench
 
+# make install [PYTHON=/path/to/python] [WHEELHOUSE=dir] [MIMO_SFT_KEEP_TORCH=1]: PYTHON's CUDA torch is
+# reused, never replaced; WHEELHOUSE installs without network (docs/install.md).
 install:
 	@bash scripts/install.sh
 
