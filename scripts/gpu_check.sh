@@ -1,26 +1,76 @@
 #!/usr/bin/env bash
-# GPU check (one GPU): a single-process colocated fine-tune in bf16 over NCCL, on a locally made
-# Qwen2.5-VL-shaped checkpoint (no download), printing step time and tokens/s.
+# GPU check, one command on a GPU node (no network needed once installed):
 #   bash scripts/gpu_check.sh [OUT_DIR]
-# Prints the run summary; figures go to docs/benchmarks.md ("GPU check").
+#   WHEELHOUSE=/path/to/wheels PYTHON=/usr/bin/python3 bash scripts/gpu_check.sh   # offline install first
+#
+# 1. check-model: a mid-sized Qwen2.5-VL-shaped checkpoint (random weights, made here) through
+#    transformers and through mimo-sft's megatron model on the GPU, fp32: logits must agree.
+# 2. bf16 fine-tunes of a Qwen2.5-VL-3B-shaped model (the public 3B architecture, random init, no
+#    download) with the distributed optimizer, on synthetic document data with mixed image sizes,
+#    multi-image and text-only samples:
+#      - colocated on every GPU (reordering does not apply to colocated layouts);
+#      - with >= 4 GPUs also non-colocated (language on half the GPUs, vision tower on the other
+#        half), reordering off and on.
+#    Each prints tokens/s, step time, model TFLOP/s per GPU, MFU and peak GPU memory per module.
+# Knobs: GPU_CHECK_STEPS (20), GPU_CHECK_SEQ (2048), GPU_CHECK_MBS (4, at least the GPU count),
+#        GPU_CHECK_GBS (4 micro-batches),
+#        GPU_CHECK_PEAK_TFLOPS (default: looked up from the GPU name).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-runs/gpu-check}
-make install >/dev/null
-PY=.venv/bin/python
-$PY - <<'PY'
-import torch, sys
+STEPS=${GPU_CHECK_STEPS:-20}
+SEQ=${GPU_CHECK_SEQ:-2048}
+PY=${GPU_CHECK_PYTHON:-.venv/bin/python}
+[ -n "${GPU_CHECK_PYTHON:-}" ] || make install >/dev/null
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-4} TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
+export HF_DATASETS_DISABLE_PROGRESS_BARS=1 HF_HUB_DISABLE_PROGRESS_BARS=1
+NGPU=$($PY - <<'PY'
+import sys, torch
 if not torch.cuda.is_available():
     sys.exit("gpu_check: torch.cuda.is_available() is False; run this on a GPU machine")
-print("GPU:", torch.cuda.get_device_name(0), "torch", torch.__version__)
+print(torch.cuda.device_count())
 PY
+)
+$PY -c "import torch; print('GPU:', torch.cuda.get_device_name(0), 'x', torch.cuda.device_count(), '| torch', torch.__version__, '| CUDA', torch.version.cuda)"
+MBS=${GPU_CHECK_MBS:-$(( NGPU > 4 ? NGPU : 4 ))}
+GBS=${GPU_CHECK_GBS:-$(( 4 * MBS ))}
 mkdir -p "$OUT"
-# a mid-sized model so the GPU has work: vision hidden 256 x 4 blocks, text hidden 1024 x 8 layers
-[ -f "$OUT/model/config.json" ] || $PY scripts/make_tiny_qwen_vl.py "$OUT/model" --vision-hidden 256 --vision-depth 4 \
+PEAK=()
+[ -z "${GPU_CHECK_PEAK_TFLOPS:-}" ] || PEAK=(--peak-tflops "$GPU_CHECK_PEAK_TFLOPS")
+
+echo "== check-model (fp32, GPU): transformers vs mimo-sft on a mid-sized Qwen2.5-VL-shaped checkpoint"
+[ -f "$OUT/mid/config.json" ] || $PY scripts/make_tiny_qwen_vl.py "$OUT/mid" --vision-hidden 256 --vision-depth 4 \
   --vision-heads 4 --text-hidden 1024 --text-layers 8 --heads 16 --kv-heads 4 --intermediate 2816 >/dev/null
-[ -d "$OUT/data" ] || $PY scripts/make_demo_data.py "$OUT/data" --samples 512 >/dev/null
-rm -rf "$OUT/run"
-.venv/bin/torchrun --nproc-per-node 1 -m mimo_sft finetune --component language=dp=1 --component images=dp=1 \
-  --hf-model "$OUT/model" --dataset-path "$OUT/data" --dtype bf16 --seq-length 1024 --micro-batch-size 8 \
-  --global-batch-size 32 --train-iters 20 --lr 1e-4 --lr-warmup-iters 2 --output-dir "$OUT/run" --no-tensorboard
-$PY scripts/summarize_run.py "$OUT/run"
+$PY -m mimo_sft check-model --hf-model "$OUT/mid"
+
+echo "== model and data"
+[ -f "$OUT/qwen2.5-vl-3b/config.json" ] || $PY scripts/make_tiny_qwen_vl.py "$OUT/qwen2.5-vl-3b" --preset qwen2.5-vl-3b --config-only
+[ -d "$OUT/data" ] || $PY scripts/make_demo_data.py "$OUT/data" --samples 1024 >/dev/null
+TORCHRUN="$(dirname "$PY")/torchrun"
+[ -x "$TORCHRUN" ] || TORCHRUN="$PY -m torch.distributed.run"
+
+run() {  # run NAME NPROC ARGS...
+  local name=$1 nproc=$2
+  shift 2
+  echo "== $name ($nproc GPU(s))"
+  rm -rf "$OUT/$name"
+  $TORCHRUN --nproc-per-node "$nproc" -m mimo_sft finetune --hf-model "$OUT/qwen2.5-vl-3b" --allow-random-init \
+    --dataset-path "$OUT/data" --dtype bf16 --use-distributed-optimizer --seq-length "$SEQ" \
+    --micro-batch-size "$MBS" --global-batch-size "$GBS" --train-iters "$STEPS" --lr 1e-5 --lr-warmup-iters 2 \
+    --dataloader-type cyclic --log-interval 5 --no-tensorboard --output-dir "$OUT/$name" "${PEAK[@]}" "$@" \
+    2>&1 | grep --line-buffered -v -E "Warning|warnings.warn|^\s*$"
+  local status=${PIPESTATUS[0]}
+  [ "$status" -eq 0 ] || { echo "gpu_check: $name failed (exit $status)" >&2; exit "$status"; }
+  $PY scripts/summarize_run.py "$OUT/$name"
+}
+
+run colocated "$NGPU" --component "language=dp=$NGPU" --component "images=dp=$NGPU" --scalable-dp
+if [ "$NGPU" -ge 4 ]; then
+  HALF=$((NGPU / 2))
+  NONCO=(--component "language=dp=$HALF" --component "images=dp=$HALF,rank_offset=$HALF" --scalable-dp)
+  run noncolocated-reorder-off "$NGPU" "${NONCO[@]}"
+  run noncolocated-reorder-on "$NGPU" "${NONCO[@]}" --intra-microbatch-reorder
+else
+  echo "== reordering: skipped (needs >= 4 GPUs: a non-colocated layout with a data-parallel vision tower;"
+  echo "   NCCL cannot put two ranks on one GPU)"
+fi

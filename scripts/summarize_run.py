@@ -38,6 +38,15 @@ def main() -> int:
           f"{sum(r['tokens_per_s'] for r in steady) / len(steady):.0f} tokens/s, "
           f"reorder exchange {sum(r['reorder_exchange_s'] for r in steady) / len(steady) * 1000:.1f} ms/step "
           f"(on the background thread when overlapped)")
+    tflops = [r["model_tflops_per_gpu"] for r in steady if r.get("model_tflops_per_gpu") is not None]
+    if tflops:
+        mfu = [r["mfu"] for r in steady if r.get("mfu") is not None]
+        print(f"model {sum(tflops) / len(tflops):.2f} TFLOP/s per GPU"
+              + (f", MFU {100 * sum(mfu) / len(mfu):.1f} %" if mfu else " (MFU: unknown peak; pass --peak-tflops)"))
+    peaks = {k[len("peak_memory_bytes_"):]: max(r[k] for r in rows) for k in rows[-1] if k.startswith("peak_memory_bytes_")}
+    if peaks:
+        print("peak memory per module (largest rank, GiB): "
+              + ", ".join(f"{name} {value / 2**30:.2f}" for name, value in peaks.items()))
     print(f"metrics: {path}; checkpoints: {os.path.join(run, 'checkpoints')}")
     return 0
 

@@ -1,6 +1,7 @@
 """Run a test body in N real gloo processes (torch.multiprocessing spawn, localhost rendezvous).
 
-Each worker initialises torch.distributed with gloo, runs ``fn(rank, world, *args)`` and reports
+Each worker initialises torch.distributed the way ``finetune`` does (``init_distributed``: device
+choice, then the process group; gloo on these CPU machines), runs ``fn(rank, world, *args)`` and reports
 its return value (or its traceback) to the parent, which fails the test with the first error.
 """
 
@@ -22,10 +23,12 @@ def free_port() -> int:
 def _worker(rank, world, port, fn, args, queue):
     import torch.distributed as dist
 
+    from mimo_sft.parallel.groups import init_distributed
+
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world)
+        init_distributed(timeout_s=120)
         out = fn(rank, world, *args)
         queue.put((rank, "ok", out))
         dist.barrier()

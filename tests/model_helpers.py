@@ -138,12 +138,13 @@ def worker_tp2_colocated(rank: int, world: int, hf_dir: str, ref_path: str) -> f
     from mimo_sft.model.builder import build_mimo_model
     from mimo_sft.model.check import compare
     from mimo_sft.model.family import modality_inputs_from_batch
-    from mimo_sft.parallel.cpu_shims import apply_cpu_shims
+    from mimo_sft.parallel import runtime
     from mimo_sft.parallel.groups import build_parallel_state
+    from mimo_sft.train.setup import megatron_ranks
 
-    apply_cpu_shims()
     layout = _layout("language=tp=2,dp=1", "images=dp=2")
     state = build_parallel_state(layout)
+    runtime.init_megatron(0, **megatron_ranks(state))
     model, info = build_mimo_model(hf_dir, layout=layout, parallel_state=state, attn_implementation="eager")
     model.eval()
     ref = torch.load(ref_path)
@@ -166,14 +167,15 @@ def worker_tp2_colocated(rank: int, world: int, hf_dir: str, ref_path: str) -> f
 def _non_colocated_setup(hf_dir: str, ref_path: str, *components):
     """Model, bridge communicator and reference batch for a non-colocated parity worker."""
     from mimo_sft.model.builder import build_mimo_model
-    from mimo_sft.parallel.cpu_shims import apply_cpu_shims
+    from mimo_sft.parallel import runtime
     from mimo_sft.parallel.groups import build_parallel_state
+    from mimo_sft.train.setup import megatron_ranks
 
     from megatron.core.pipeline_parallel.multimodule_communicator import MultiModulePipelineCommunicator
 
-    apply_cpu_shims()
     layout = _layout(*components)
     state = build_parallel_state(layout)
+    runtime.init_megatron(0, **megatron_ranks(state))
     model, info = build_mimo_model(hf_dir, layout=layout, parallel_state=state, attn_implementation="eager")
     model.eval()
     comm = MultiModulePipelineCommunicator(state.grids, {"images": ["language"], "language": []},

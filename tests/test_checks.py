@@ -12,9 +12,9 @@ GOOD = ["--component", "language=tp=1,pp=1,dp=2,rank_offset=0", "--component", "
         "--micro-batch-size", "4", "--global-batch-size", "8", "--scalable-dp", "--intra-microbatch-reorder"]
 
 
-def problems(args, env=None, **kw):
+def problems(args, **kw):
     cfg = load_config(args)
-    res = check_config(cfg, env=env or {}, **kw)
+    res = check_config(cfg, **kw)
     return [str(p) for p in res.problems], res
 
 
@@ -76,10 +76,10 @@ def test_each_bad_input_is_refused(name, args, needle):
     assert all("\n" not in p for p in probs)
 
 
-def test_overlap_refused_under_single_connection():
-    probs, _ = problems(GOOD, env={"CUDA_DEVICE_MAX_CONNECTIONS": "1"})
-    assert any("--no-overlap-intra-microbatch-reorder" in p for p in probs)
-    probs, _ = problems(GOOD + ["--no-overlap-intra-microbatch-reorder"], env={"CUDA_DEVICE_MAX_CONNECTIONS": "1"})
+def test_overlap_allowed_under_single_connection(monkeypatch):
+    # the overlap thread exchanges host tensors over gloo, so one CUDA hardware queue cannot deadlock it
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    probs, _ = problems(GOOD)
     assert probs == []
 
 
@@ -110,9 +110,9 @@ def test_model_divisibility_from_config_json(tmp_path):
 def test_finetune_requires_model_and_data():
     cfg = load_config(GOOD)
     with pytest.raises(UserError) as e:
-        require_valid(cfg, env={}, for_run=True)
+        require_valid(cfg, for_run=True)
     assert "--hf-model" in str(e.value) and "--dataset-path" in str(e.value)
-    assert check_config(cfg, env={}).ok  # validate only notes them
+    assert check_config(cfg).ok  # validate only notes them
 
 
 def test_missing_dataset_path_is_refused_but_hub_names_pass(tmp_path):

@@ -32,7 +32,7 @@ def _build(rank, world, component_texts):
         assert got["tp"] == want_tp and got["dp"] == want_dp and got["pp"] == want_pp, got
         assert got["embd"] == sorted({want_pp[0], want_pp[-1]})
         assert dist.get_process_group_ranks(mg.dp_gloo) == want_dp
-        assert dist.get_process_group_ranks(mg.reorder_side) == want_dp
+        assert dist.get_process_group_ranks(mg.reorder_side_gloo) == want_dp
         assert pgc.dp.rank() == c.dp and pgc.tp.rank() == c.tp
         # the groups really communicate: all-reduce over dp sums the dp coordinates
         import torch
@@ -57,3 +57,27 @@ def test_colocated_2_ranks_heterogeneous_tp_dp():
 def test_language_tp_pp_4_ranks():
     res = run_distributed(_build, 4, ["language=tp=2,pp=2,dp=1"])
     assert [r["language"] for r in res] == [(0, 0, 0), (1, 0, 0), (0, 0, 1), (1, 0, 1)]
+
+
+def _timeouts(rank, world):
+    """Every group of a run waits --dist-timeout: ours (explicit) and megatron's (created without one)."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    from mimo_sft.parallel.components import parse_component
+    from mimo_sft.parallel.groups import build_parallel_state
+    from mimo_sft.parallel.layout import Layout
+
+    layout = Layout.from_specs([parse_component("language=dp=1"), parse_component("images=dp=1,rank_offset=1")], world)
+    build_parallel_state(layout, reorder_side_group=True)
+    dist.new_group([0, 1], backend="gloo")  # as megatron's bridge communicator creates its groups
+    cpu = torch.device("cpu")
+    return sorted({int(pg._get_backend(cpu).options._timeout.total_seconds()) for pg in c10d._world.pg_map})
+
+
+def test_dist_timeout_reaches_every_group():
+    # dist_utils starts the workers through init_distributed(timeout_s=120)
+    assert run_distributed(_timeouts, 2) == [[120], [120]]

@@ -84,10 +84,8 @@ def test_qkv_grouping_is_per_kv_head():
 def test_cpu_shims_idempotent_and_redirect():
     from mimo_sft.parallel.cpu_shims import apply_cpu_shims
 
-    if torch.cuda.is_available():
-        assert apply_cpu_shims() is False
-        return
-    assert apply_cpu_shims() is True and apply_cpu_shims() is True
+    apply_cpu_shims()
+    apply_cpu_shims()
     from megatron.core import parallel_state
     from megatron.core.models.mimo import optimizer as mimo_opt
     from megatron.core.pipeline_parallel import schedules
@@ -99,6 +97,38 @@ def test_cpu_shims_idempotent_and_redirect():
     assert mimo_opt.torch.tensor([1.0], device="cuda").device.type == "cpu"
     assert torch.cuda.current_device() == torch.device("cpu")
     assert torch.ones(2).cuda().device.type == "cpu"
-    assert parallel_state.get_global_memory_buffer() is not None
-    assert mrandom.get_cuda_rng_tracker().is_inference_rng_tracker
     assert torch.ones(1).type() == "torch.FloatTensor"  # the type-name shim is scoped, not global
+    # the shims replace calls, they initialise nothing: that is runtime.init_megatron's job
+    assert mrandom._get_cuda_rng_state().dtype == torch.uint8
+    del parallel_state
+
+
+def test_init_megatron_sets_up_what_gpu_layers_use_without_global_groups():
+    """The set-up a GPU run executes, run here: memory buffer and the real (training) RNG tracker,
+    seeded from explicit ranks -- megatron's global tensor-parallel group is never created, so a
+    call that falls back to it (defect: tp_rank omitted) fails here as on a GPU."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import random as mrandom
+
+    from mimo_sft.parallel import runtime
+
+    if not runtime.device_chosen():
+        runtime.use_device(runtime.select_device("cpu"))
+    assert not parallel_state.model_parallel_is_initialized()
+    draws = {}
+    for tp_rank in (0, 1, 0):
+        runtime.init_megatron(11, tp_rank=tp_rank, ep_rank=0, etp_rank=tp_rank)
+        tracker = mrandom.get_cuda_rng_tracker()
+        assert not tracker.is_inference_rng_tracker
+        assert set(tracker.get_states()) >= {"model-parallel-rng", "data-parallel-rng", "expert-parallel-rng"}
+        outside = torch.rand(3)
+        with tracker.fork():  # what dropout inside tensor-parallel regions does
+            inside = torch.rand(3)
+        # the forked stream is separate: the default stream continues as if fork never happened
+        runtime.seed_everything(11)
+        assert torch.equal(torch.rand(3), outside)
+        draws.setdefault(tp_rank, []).append(inside)
+    assert torch.equal(draws[0][0], draws[0][1])  # same seed and rank, same stream
+    assert not torch.equal(draws[0][0], draws[1][0])  # another tp rank draws differently
+    buf = parallel_state.get_global_memory_buffer().get_tensor((2, 3), torch.float32, "test")
+    assert buf.shape == (2, 3) and buf.device.type == "cpu"

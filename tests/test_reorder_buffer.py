@@ -13,16 +13,6 @@ from tests.reorder_helpers import IMAGE_TOKEN_ID, MERGE, assert_batch_intact, ma
 COST = make_cost_fn(image_token_id=IMAGE_TOKEN_ID, merge_size=MERGE)
 
 
-def test_overlap_refused_under_single_device_connection(monkeypatch):
-    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
-    with pytest.raises(UserError, match="--no-overlap-intra-microbatch-reorder"):
-        ReorderingBuffer(iter([]), dp_rank=0, dp_size=2, n_groups=2, cost_fn=COST, group=object(), side_group=object())
-    # without overlap the same setting is fine
-    ReorderingBuffer(iter([]), dp_rank=0, dp_size=1, n_groups=2, cost_fn=COST, overlap=False)
-    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "8")
-    ReorderingBuffer(iter([]), dp_rank=0, dp_size=1, n_groups=2, cost_fn=COST, overlap=True)
-
-
 @pytest.mark.parametrize("w", [0, -1, 1.5])
 def test_window_size_below_one_refused(w):
     with pytest.raises(UserError, match="window size"):

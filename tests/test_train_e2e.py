@@ -33,6 +33,8 @@ def assert_same_step(ref_dir, run_dir, *, weights_tol=1e-5):
     ref, got = metrics(ref_dir)[0], metrics(run_dir)[0]
     assert math.isclose(got["loss"], ref["loss"], rel_tol=1e-5), (got["loss"], ref["loss"])
     assert math.isclose(got["grad_norm"], ref["grad_norm"], rel_tol=1e-5), (got["grad_norm"], ref["grad_norm"])
+    # every sample's model FLOPs counted on exactly one rank: the step's total is layout-free
+    assert math.isclose(got["model_flops"], ref["model_flops"], rel_tol=1e-12), (got["model_flops"], ref["model_flops"])
     a = checkpoint_tensors(ref_dir + "/checkpoints/iter_0000001")
     b = checkpoint_tensors(run_dir + "/checkpoints/iter_0000001")
     assert set(a) == set(b)
@@ -56,7 +58,7 @@ def reference_fixed():
 
 def test_equal_dp_non_colocated_with_reordering_matches_single_process(reference_variable):
     run = run_layout("equal", 4, ["language=dp=2", "images=dp=2,rank_offset=2"], demo_data(),
-                     ["--scalable-dp", "--intra-microbatch-reorder", "--tensorboard"])
+                     ["--scalable-dp", "--intra-microbatch-reorder", "--tensorboard", "--peak-tflops", "0.5"])
     assert_same_step(reference_variable, run)
     m = metrics(run)[0]
     assert m["vision_load_max_over_mean_after"] <= m["vision_load_max_over_mean_before"]
@@ -64,6 +66,10 @@ def test_equal_dp_non_colocated_with_reordering_matches_single_process(reference
 
     assert all(m[k] is not None for k in REQUIRED_KEYS), m
     assert m["tokens_per_s"] > 0 and m["peak_memory_bytes"] > 0 and m["reorder_exchange_s"] >= 0
+    assert m["peak_memory_bytes"] == max(m["peak_memory_bytes_language"], m["peak_memory_bytes_images"])
+    assert m["model_tflops_per_gpu"] == m["model_flops"] / m["step_time_s"] / 4 / 1e12
+    assert math.isclose(m["mfu"], m["model_tflops_per_gpu"] / 0.5, rel_tol=1e-12)
+    assert metrics(reference_variable)[0]["mfu"] is None  # no --peak-tflops and no GPU: unknown peak
     events = [f for f in os.listdir(os.path.join(run, "tensorboard")) if f.startswith("events.out.tfevents")]
     assert events and os.path.isfile(os.path.join(run, "config.yaml"))
 
@@ -242,3 +248,25 @@ def test_pretrained_checkpoint_loads_into_another_layout(reference_variable):
     assert a["step"] == b["step"] == 1
     assert math.isclose(a["loss"], b["loss"], rel_tol=1e-5) and math.isclose(a["grad_norm"], b["grad_norm"], rel_tol=1e-5)
     assert a["loss"] < ref["loss"], "starting from trained weights should lower the step-1 loss on the same batch"
+
+
+def test_export_hf_at_the_end_equals_the_export_command():
+    """--export-hf exports in rank 0's process after training: the same files `mimo-sft export` writes
+    from the final checkpoint, and transformers loads them."""
+    import subprocess
+    import sys
+
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForImageTextToText
+
+    out = new_dir("export_hf_run")
+    run = run_layout("export_hf_run", 2, ["language=tp=2,dp=1", "images=dp=2"], fixed_size_data(),
+                     ["--scalable-dp", "--export-hf", out + "/hf"])
+    assert os.path.isfile(run + "/hf/model.safetensors")
+    again = new_dir("export_hf_cmd")
+    subprocess.run([sys.executable, "-m", "mimo_sft", "export", "--checkpoint", run + "/checkpoints", "--out", again],
+                   check=True, capture_output=True)
+    a, b = load_file(run + "/hf/model.safetensors"), load_file(again + "/model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert AutoModelForImageTextToText.from_pretrained(run + "/hf").config.model_type == "qwen2_5_vl"

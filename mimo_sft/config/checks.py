@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
-from typing import Callable, Mapping
+from typing import Callable
 
 from mimo_sft.config.schema import ExperimentConfig
 from mimo_sft.errors import UserError
@@ -42,7 +42,6 @@ class CheckContext:
     specs: list[ComponentSpec]
     layout: Layout | None
     world_size: int | None
-    env: Mapping[str, str]
     for_run: bool
     hf_config: dict | None
 
@@ -227,9 +226,6 @@ def c13_reorder(ctx):
         yield "both reorder cost weights are 0; set --reorder-encoder-cost-weight (only their ratio matters)"
     if r.window_size < 1:
         yield f"--reorder-window-size={r.window_size} must be >= 1"
-    if r.overlap and ctx.env.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1":
-        yield ("overlapped reordering deadlocks under CUDA_DEVICE_MAX_CONNECTIONS=1 (the exchange and the "
-               "DDP all-reduce share one hardware queue); add --no-overlap-intra-microbatch-reorder or unset it")
     if ctx.layout is not None and all(s.dp == 1 for s in ctx.specs):
         yield ("--intra-microbatch-reorder with every module at dp=1 has nothing to balance", "note")
 
@@ -387,10 +383,8 @@ def read_hf_config(path: str | None) -> dict | None:
         return None
 
 
-def check_config(cfg: ExperimentConfig, *, world_size: int | None = None, env: Mapping[str, str] | None = None,
-                 for_run: bool = False) -> CheckResult:
+def check_config(cfg: ExperimentConfig, *, world_size: int | None = None, for_run: bool = False) -> CheckResult:
     """Run every check; never raises for config problems (they come back in ``problems``)."""
-    env = os.environ if env is None else env
     try:
         specs = cfg.parallel.specs()
     except UserError as e:
@@ -398,7 +392,7 @@ def check_config(cfg: ExperimentConfig, *, world_size: int | None = None, env: M
     world = world_size if world_size is not None else cfg.parallel.world_size
     sane = specs and all(min(s.tp, s.pp, s.cp, s.dp, s.etp) >= 1 and s.rank_offset >= 0 for s in specs)
     layout = Layout.from_specs(specs, world) if sane else None
-    ctx = CheckContext(cfg, specs, layout, world, env, for_run,
+    ctx = CheckContext(cfg, specs, layout, world, for_run,
                        read_hf_config(cfg.model.hf_model))
     problems, notes = [], []
     for number, _title, fn in CHECKS:

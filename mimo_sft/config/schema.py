@@ -123,6 +123,7 @@ class LoggingConfig:
     output_dir: str = opt("runs/mimo-sft", "--output-dir", "metrics.jsonl, TensorBoard events, resolved config, checkpoints")
     log_interval: int = opt(1, "--log-interval", "print a progress line every N steps")
     tensorboard: bool = opt(True, "--tensorboard", "write TensorBoard event files", negatable=True)
+    peak_tflops: Optional[float] = opt(None, "--peak-tflops", "dense bf16 peak TFLOP/s of one GPU, for MFU (default: looked up from the GPU's name; docs/benchmarks.md has the table)")
 
 
 @dataclass

@@ -169,6 +169,9 @@ def build_microbatch_iterator(data_cfg, *, model_dir, micro_batch_size: int, can
         dataset, sampler=sampler, batch_size=None, collate_fn=_identity, num_workers=workers,
         persistent_workers=workers > 0, prefetch_factor=2 if workers > 0 else None,
         worker_init_fn=_worker_init if workers > 0 else None,
+        # its own generator: starting an iterator draws a base seed, which must not move the global
+        # torch RNG (a resumed run starts its iterator at another step than the continuous run)
+        generator=torch.Generator().manual_seed(seed),
     )
     return MicroBatchIterator(loader, sampler, dataset)
 

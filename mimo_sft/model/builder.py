@@ -13,7 +13,6 @@ Limits enforced here with a ``UserError`` (``validate`` should refuse them earli
 from __future__ import annotations
 
 import os
-import socket
 from typing import Optional
 
 import torch
@@ -22,7 +21,8 @@ import torch.distributed as dist
 from mimo_sft.errors import UserError
 from mimo_sft.model.family import IMAGES, ModelInfo, get_family
 from mimo_sft.model.hf_checkpoint import HFCheckpoint, read_config_json
-from mimo_sft.parallel.cpu_shims import apply_cpu_shims, ensure_megatron_importable
+from mimo_sft.parallel import runtime
+from mimo_sft.parallel.cpu_shims import ensure_megatron_importable
 from mimo_sft.parallel.layout import LANGUAGE
 
 ensure_megatron_importable()
@@ -78,20 +78,24 @@ def _freeze(model, adapter, model_cfg) -> None:
 
 def build_mimo_model(hf_dir: str, *, layout, parallel_state, model_cfg=None, random_init: Optional[bool] = None,
                      config_overrides: Optional[dict] = None, max_seq_len: int = DEFAULT_MAX_SEQ_LEN,
-                     attn_implementation: str = "sdpa"):
+                     attn_implementation: str = "sdpa", cpu_init: Optional[bool] = None):
     """Build ``MimoModel`` (this rank's modules) with weights from ``hf_dir``; returns ``(model, ModelInfo)``.
 
     ``model_cfg`` is a ``config.schema.ModelConfig`` (family, dtype, freeze flags, allow_random_init);
     ``random_init`` overrides ``model_cfg.allow_random_init``. ``config_overrides`` is applied to the
     language ``TransformerConfig`` (and the encoder's DDP config), e.g. ``calculate_per_token_loss``.
+    ``cpu_init``: create the parameters in host memory (default: when the process's device is the CPU;
+    export asks for it on GPU machines too). ``runtime.init_megatron`` must have run.
     """
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.mimo import MimoModel, MimoModelConfig
     from megatron.core.models.mimo.submodules.vision import VisionModalitySubmodules
     from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-    apply_cpu_shims()
+    if cpu_init is None:
+        cpu_init = runtime.device().type == "cpu"
     raw = read_config_json(hf_dir)
     adapter = get_family(raw, hf_dir=hf_dir, requested=getattr(model_cfg, "family", "auto"))
     hf_cfg = adapter.load_hf_config(hf_dir, raw)
@@ -111,17 +115,19 @@ def build_mimo_model(hf_dir: str, *, layout, parallel_state, model_cfg=None, ran
     info.prefix_style = ckpt.prefix_style if ckpt is not None else "legacy"
     info.modules_on_rank = parallel_state.mine()
     lang_cfg = adapter.language_transformer_config(hf_cfg, tp=lang.tp, pp=lang.pp, dtype=dtype,
-                                                   random_init=random_init, overrides=overrides)
+                                                   random_init=random_init, cpu_init=cpu_init, overrides=overrides)
     info.language_config = lang_cfg
     lang_groups = parallel_state.modules[LANGUAGE]
     pp_rank = lang_groups.pg_collection.pp.rank() if lang_groups.member else 0
     pre, post = pp_rank == 0, pp_rank == lang.pp - 1
-    lm_params = dict(config=lang_cfg, transformer_layer_spec=adapter.layer_spec(hf_cfg), pre_process=pre,
+    num_local_layers = get_num_layers_to_build(lang_cfg, pp_rank=pp_rank)
+    lm_params = dict(config=lang_cfg, transformer_layer_spec=adapter.block_spec(hf_cfg, num_local_layers), pre_process=pre,
                      post_process=post, pg_collection=lang_groups.pg_collection,
                      **adapter.language_model_params(hf_cfg, padded_vocab=info.padded_vocab_size, max_seq_len=max_seq_len))
     modality_specs = {}
     if IMAGES in layout.names:
-        info.vision_config = adapter.vision_transformer_config(hf_cfg, dtype=dtype, overrides=overrides)
+        info.vision_config = adapter.vision_transformer_config(hf_cfg, dtype=dtype, cpu_init=cpu_init,
+                                                               overrides=overrides)
         enc_spec = ModuleSpec(module=adapter.encoder_class(),
                               params=adapter.encoder_params(hf_cfg, attn_implementation=attn_implementation))
         modality_specs[IMAGES] = ModuleSpec(module=VisionModalitySubmodules,
@@ -144,52 +150,71 @@ def build_mimo_model(hf_dir: str, *, layout, parallel_state, model_cfg=None, ran
             copy_into(model.language_model, tensors, where=f"{hf_dir} language")
     if IMAGES in model.modality_submodules:
         for enc in model.modality_submodules[IMAGES].encoders.values():
-            enc.to(dtype)
+            _cast_keeping_fp32_buffers(enc, dtype)
             if ckpt is not None:
                 copy_into(enc, adapter.load_encoder(ckpt, hf_cfg), where=f"{hf_dir} vision")
     _freeze(model, adapter, model_cfg)
     return model, info
 
 
+def _cast_keeping_fp32_buffers(module: torch.nn.Module, dtype: torch.dtype) -> None:
+    """``module.to(dtype)`` except floating buffers, which keep their (fp32) values.
+
+    The only floating buffers of the vision tower are rotary frequencies (``inv_freq``): computed in
+    fp32 they cost nothing, rounded to bf16 they put a 0.35 % error into every position.
+    """
+    kept = {name: buf for name, buf in module.named_buffers() if buf.is_floating_point()}
+    module.to(dtype)
+    for name, buf in kept.items():
+        owner = module.get_submodule(name.rpartition(".")[0]) if "." in name else module
+        setattr(owner, name.rpartition(".")[2], buf)
+
+
 # ---- single process (export, check-model, tests) --------------------------------------------------
 _SINGLE_STATE = None
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def ensure_single_process_group() -> None:
-    """Start a 1-rank gloo process group on a free local port unless one is already running."""
+    """Start a 1-rank gloo process group unless one is already running.
+
+    Its store lives in this process (no port, nothing to rendezvous with): inside torchrun a TCP
+    init would connect to torchrun's agent store instead (``TORCHELASTIC_USE_AGENT_STORE``) and hang,
+    which is where ``finetune --export-hf`` runs it.
+    """
     if dist.is_initialized():
         return
-    port = _free_port()
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 
 
-def single_process_parallel_state():
-    """The colocated 1-rank layout ``language=dp=1`` + ``images=dp=1`` (built once per process)."""
+def single_process_parallel_state(prefer: str = "auto"):
+    """The colocated 1-rank layout ``language=dp=1`` + ``images=dp=1`` (built once per process), with
+    the device chosen (``prefer="cpu"`` keeps a GPU machine's GPUs out of it) and megatron set up."""
     global _SINGLE_STATE
     from mimo_sft.parallel.components import parse_component
     from mimo_sft.parallel.groups import build_parallel_state
     from mimo_sft.parallel.layout import Layout
 
+    if not runtime.device_chosen():  # a finetune process exporting at the end keeps its device
+        runtime.use_device(runtime.select_device(prefer))
     ensure_single_process_group()
     if dist.get_world_size() != 1:
         raise RuntimeError("single_process_parallel_state() needs a 1-rank process group")
+    runtime.init_megatron(0, tp_rank=0)
     if _SINGLE_STATE is None:
-        os.environ.setdefault("WORLD_SIZE", "1")
+        os.environ["WORLD_SIZE"] = "1"
         layout = Layout.from_specs([parse_component("language=dp=1"), parse_component("images=dp=1")])
         _SINGLE_STATE = build_parallel_state(layout)
     return _SINGLE_STATE
 
 
 def build_single_process_model(hf_dir: str, *, random_init: bool = False, model_cfg=None,
-                               config_overrides: Optional[dict] = None, attn_implementation: str = "sdpa"):
-    """``build_mimo_model`` on a 1-rank colocated layout (TP=1, both modules); for export and checks."""
-    state = single_process_parallel_state()
+                               config_overrides: Optional[dict] = None, attn_implementation: str = "sdpa",
+                               prefer: str = "auto", cpu_init: Optional[bool] = None):
+    """``build_mimo_model`` on a 1-rank colocated layout (TP=1, both modules); for export and checks.
+
+    The parameters live on this process's device unless ``cpu_init`` (export builds in host memory).
+    """
+    state = single_process_parallel_state(prefer)
     return build_mimo_model(hf_dir, layout=state.layout, parallel_state=state, model_cfg=model_cfg,
                             random_init=random_init, config_overrides=config_overrides,
-                            attn_implementation=attn_implementation)
+                            attn_implementation=attn_implementation, cpu_init=cpu_init)

@@ -1,7 +1,8 @@
 """check-model: does our megatron MimoModel reproduce transformers' logits for a checkpoint folder?
 
 Both sides load the same folder (transformers: ``AutoModelForImageTextToText``, eager attention, fp32;
-ours: ``build_single_process_model``, fp32, CPU) and run one random batch built from config.json alone
+ours: ``build_single_process_model``, fp32) on this process's device -- one after the other, so only
+one copy of the model is ever resident -- and run one random batch built from config.json alone
 (no processor needed): several images of different sizes, one text-only sample, right padding,
 ``mm_token_type_ids`` for transformers and the same mRoPE positions for megatron. We report the
 largest relative logit difference over real tokens (max|ours - hf| / max|hf|) and the loss
@@ -113,19 +114,30 @@ def check_model(hf_dir: str, *, tolerance: float = DEFAULT_TOLERANCE, seed: int 
 
     from mimo_sft.model.builder import build_single_process_model
 
+    from mimo_sft.model.builder import single_process_parallel_state
+    from mimo_sft.model.family import get_family
+    from mimo_sft.model.hf_checkpoint import read_config_json
+    from mimo_sft.parallel import runtime
+
     t0 = time.time()
-    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-    model, info = build_single_process_model(hf_dir, attn_implementation="eager")
-    model.to(device).eval()
+    single_process_parallel_state()  # chooses the device and sets megatron up, as training does
+    device = runtime.device()
+    raw = read_config_json(hf_dir)
+    hf_cfg = get_family(raw, hf_dir=hf_dir).load_hf_config(hf_dir, raw)
+    batch = {k: v.to(device) for k, v in random_batch(hf_cfg, seed=seed).items()}
+    # transformers first; keep only its outputs (on the host) before building ours
     hf_model = AutoModelForImageTextToText.from_pretrained(hf_dir, attn_implementation="eager", dtype=torch.float32)
     hf_model.to(device).eval()
-    batch = {k: v.to(device) for k, v in random_batch(info.hf_config, seed=seed).items()}
-    ref_logits, ref_loss = hf_forward(hf_model, batch)
+    ref_logits, ref_loss = (t.cpu() for t in hf_forward(hf_model, batch))
     pos = hf_position_ids(hf_model, batch)
-    logits = mimo_forward(model, info, batch, pos)
+    del hf_model
+    runtime.release_cached_memory()
+    model, info = build_single_process_model(hf_dir, attn_implementation="eager")
+    model.to(device).eval()
+    logits = mimo_forward(model, info, batch, pos).cpu()
     per_token = mimo_forward(model, info, batch, pos, labels=True)
     loss = float((per_token * batch["loss_mask"]).sum() / batch["loss_mask"].sum())
-    rel = compare(logits, ref_logits, batch["attention_mask"])
+    rel = compare(logits, ref_logits, batch["attention_mask"].cpu())
     loss_diff = abs(loss - float(ref_loss))
     ok = rel <= tolerance and loss_diff <= tolerance * max(1.0, abs(float(ref_loss)))
     return dict(ok=bool(ok), max_rel_logit_diff=rel, loss=loss, hf_loss=float(ref_loss), loss_diff=loss_diff,

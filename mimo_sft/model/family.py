@@ -83,17 +83,18 @@ class FamilyAdapter:
         raise NotImplementedError
 
     def language_transformer_config(self, hf_cfg, *, tp: int, pp: int, dtype: torch.dtype,
-                                    random_init: bool, overrides: dict):
+                                    random_init: bool, cpu_init: bool, overrides: dict):
         raise NotImplementedError
 
-    def vision_transformer_config(self, hf_cfg, *, dtype: torch.dtype, overrides: dict):
+    def vision_transformer_config(self, hf_cfg, *, dtype: torch.dtype, cpu_init: bool, overrides: dict):
         raise NotImplementedError
 
     def language_model_params(self, hf_cfg, *, padded_vocab: int, max_seq_len: int) -> dict:
         """Extra ``GPTModel`` constructor arguments (position embedding, rotary base, ...)."""
         raise NotImplementedError
 
-    def layer_spec(self, hf_cfg):
+    def block_spec(self, hf_cfg, num_local_layers: int):
+        """megatron ``TransformerBlockSubmodules`` for this pipeline stage's layers."""
         raise NotImplementedError
 
     def encoder_class(self) -> type:

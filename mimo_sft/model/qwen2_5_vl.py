@@ -86,7 +86,7 @@ class Qwen25VLAdapter(FamilyAdapter):
             encoder_name=self.encoder_name, hf_config=hf_cfg)
 
     def language_transformer_config(self, hf_cfg, *, tp: int, pp: int, dtype: torch.dtype, random_init: bool,
-                                    overrides: dict):
+                                    cpu_init: bool, overrides: dict):
         from megatron.core.transformer.transformer_config import TransformerConfig
 
         t = hf_cfg.text_config
@@ -100,7 +100,7 @@ class Qwen25VLAdapter(FamilyAdapter):
             init_method_std=t.initializer_range,
             tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, sequence_parallel=False,
             params_dtype=dtype, bf16=dtype == torch.bfloat16, pipeline_dtype=dtype,
-            use_cpu_initialization=not torch.cuda.is_available(), perform_initialization=random_init,
+            use_cpu_initialization=cpu_init, perform_initialization=random_init,
             apply_rope_fusion=False, bias_activation_fusion=False, masked_softmax_fusion=False,
             bias_dropout_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
             cross_entropy_loss_fusion=False,
@@ -111,7 +111,7 @@ class Qwen25VLAdapter(FamilyAdapter):
         kwargs.update(overrides)
         return TransformerConfig(**kwargs)
 
-    def vision_transformer_config(self, hf_cfg, *, dtype: torch.dtype, overrides: dict):
+    def vision_transformer_config(self, hf_cfg, *, dtype: torch.dtype, cpu_init: bool, overrides: dict):
         """A TransformerConfig for wrapping the (HF) encoder in megatron DDP: TP=PP=1, the dtype."""
         from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -119,7 +119,7 @@ class Qwen25VLAdapter(FamilyAdapter):
         kwargs = dict(num_layers=v.depth, hidden_size=v.hidden_size, num_attention_heads=v.num_heads,
                       ffn_hidden_size=v.intermediate_size, tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
                       params_dtype=dtype, bf16=dtype == torch.bfloat16, pipeline_dtype=dtype,
-                      use_cpu_initialization=not torch.cuda.is_available(), gradient_accumulation_fusion=False,
+                      use_cpu_initialization=cpu_init, gradient_accumulation_fusion=False,
                       variable_seq_lengths=True, moe_token_dispatcher_type="alltoall")
         kwargs.update({k: v_ for k, v_ in overrides.items()
                        if k not in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "num_layers",
@@ -133,10 +133,18 @@ class Qwen25VLAdapter(FamilyAdapter):
                     rotary_base=int(t.rope_parameters.get("rope_theta", 1e6)),
                     share_embeddings_and_output_weights=bool(hf_cfg.tie_word_embeddings), parallel_output=True)
 
-    def layer_spec(self, hf_cfg):
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    def block_spec(self, hf_cfg, num_local_layers: int):
+        """megatron's local layer spec for ``num_local_layers`` layers, every norm torch's RMSNorm.
 
-        return get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=False)
+        Spelled out as block submodules because megatron picks the final norm itself otherwise:
+        apex's ``FusedLayerNorm`` whenever apex is importable, which asserts on RMSNorm.
+        """
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+        from megatron.core.transformer.torch_norm import WrappedTorchNorm
+        from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+        layer = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=False)
+        return TransformerBlockSubmodules(layer_specs=[layer] * num_local_layers, layer_norm=WrappedTorchNorm)
 
     def encoder_class(self) -> type:
         return Qwen25VisionEncoder

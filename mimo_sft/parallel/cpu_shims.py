@@ -7,8 +7,11 @@ Two kinds of shims live here and nowhere else:
   Where triton is missing we register a stand-in for that single module (never a fake top-level
   ``triton``, which breaks ``torch._dynamo``). Dense models never call those kernels.
 * ``apply_cpu_shims()``: the CUDA-only call sites megatron reaches during MIMO training, bridged
-  for gloo on CPU. Applied only when ``torch.cuda.is_available()`` is False, so CPU and GPU runs
-  go through the same megatron code. Every shim names the megatron call site it serves.
+  for gloo on CPU. Applied by ``runtime.use_device`` when the process's device is the CPU (also on
+  a machine with GPUs: export builds on the CPU), so CPU and GPU runs go through the same megatron
+  code. Every shim names the megatron call site it serves. Shims only replace CUDA-only calls:
+  what megatron needs initialised (memory buffer, RNG tracker) is set up by
+  ``runtime.init_megatron`` on every device.
 
 Never edit installed megatron files; patch here.
 """
@@ -50,8 +53,6 @@ import importlib  # noqa: E402
 
 import torch  # noqa: E402
 
-_SHIMS_APPLIED = False
-
 # Modules whose literal ``device="cuda"`` allocations (and ``torch.cuda.*`` lookups) are
 # redirected to the CPU by replacing their module-level ``torch`` name with a proxy. Each entry
 # names the call sites it serves.
@@ -79,6 +80,9 @@ _CUDA_LITERAL_MODULES = {
     "megatron.core.utils": "global memory buffer and utils",
     # FileSystemWriterAsync.preload_tensors: torch.cuda.synchronize() after the host copy
     "megatron.core.dist_checkpointing.strategies.filesystem_async": "checkpoint save preload",
+    # CudaRNGStatesTracker.add / model_parallel_cuda_manual_seed: torch.cuda.get_rng_state() and
+    # torch.cuda.manual_seed(); on the CPU the tracked streams are CPU generator states
+    "megatron.core.tensor_parallel.random": "model-parallel RNG tracker",
 }
 
 # Modules that create process groups with backend='nccl' hard-coded; their module-level ``dist``
@@ -162,6 +166,19 @@ class _CpuCudaNamespace(types.ModuleType):
     @staticmethod
     def empty_cache():
         return None
+
+    # the RNG tracker's streams: the CPU generator stands in for the CUDA one
+    @staticmethod
+    def get_rng_state(*a, **k):
+        return torch.get_rng_state()
+
+    @staticmethod
+    def set_rng_state(state, *a, **k):
+        torch.set_rng_state(state)
+
+    @staticmethod
+    def manual_seed(seed):
+        torch.manual_seed(seed)
 
 
 def _device_redirect(fn):
@@ -324,44 +341,34 @@ def _patch_module_globals() -> None:
             mod.dist = _GlooDistProxy()
 
 
-def _init_memory_buffer_and_rng() -> None:
-    """Gaps 1 and 7.
+def _patch_rng_state_functions() -> None:
+    """Gap 7: ``tensor_parallel.random._get_cuda_rng_state`` / ``_set_cuda_rng_state`` read and write
+    ``torch.cuda.default_generators``; the tracker's ``fork`` calls them. On the CPU they read and
+    write the CPU generator, so forked regions draw from the tracked stream as they do on a GPU."""
+    mrandom = importlib.import_module("megatron.core.tensor_parallel.random")
+    if getattr(mrandom._get_cuda_rng_state, "_mimo_cpu_shim", False):
+        return
 
-    * Attention's ``get_global_memory_buffer()`` (core attention baddbmm scratch) asserts the
-      buffer exists; megatron only creates it in ``initialize_model_parallel``, which mimo-sft
-      never calls (groups come from HyperCommGrids).
-    * Layers fork ``get_cuda_rng_tracker()`` for initialisation and dropout; the default tracker
-      stores CUDA RNG states. The inference tracker's fork is a null context (CPU RNG), and its
-      ``add`` is a no-op, so ``model_parallel_cuda_manual_seed`` stays harmless.
-    """
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel import random as mrandom
+    def get_state(*a, clone: bool = False, **k):
+        return torch.get_rng_state()
 
-    if getattr(parallel_state, "_GLOBAL_MEMORY_BUFFER", None) is None:
-        parallel_state._set_global_memory_buffer()
-    tracker = getattr(mrandom, "_CUDA_RNG_STATE_TRACKER", None)
-    if tracker is None or not getattr(tracker, "is_inference_rng_tracker", False):
-        mrandom.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+    def set_state(new_state, *a, **k):
+        torch.set_rng_state(new_state)
+
+    get_state._mimo_cpu_shim = True
+    mrandom._get_cuda_rng_state = get_state
+    mrandom._set_cuda_rng_state = set_state
 
 
-def apply_cpu_shims() -> bool:
+def apply_cpu_shims() -> None:
     """Bridge megatron-core's CUDA-only call sites for CPU + gloo. Idempotent.
 
-    Does nothing (returns False) when CUDA is available, so GPU runs execute megatron unchanged.
-    Call after ``init_distributed()`` and before building models, DDP, optimizers or schedules.
+    Called by ``runtime.use_device`` for a CPU device only, before process groups, models, DDP,
+    optimizers or schedules exist.
     """
-    global _SHIMS_APPLIED
-    if torch.cuda.is_available():
-        return False
     ensure_megatron_importable()
     _patch_cuda_namespace()
     _patch_tensor_cuda()
     _patch_module_globals()
     _patch_type_assertions()
-    _init_memory_buffer_and_rng()
-    _SHIMS_APPLIED = True
-    return True
-
-
-def cpu_shims_applied() -> bool:
-    return _SHIMS_APPLIED
+    _patch_rng_state_functions()

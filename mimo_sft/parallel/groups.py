@@ -9,12 +9,17 @@ each creates, in this order:
    tp-dp-cp;
 2. the ``expert`` view ``[expt_tp, ep, expt_dp, pp]`` groups megatron's MIMO optimizer asks for;
 3. embedding groups (first + last pipeline stage) and position-embedding groups (first stage);
-4. per-module gloo DP groups for metadata all-gathers (reorder costs, data checks), and, when
-   reordering overlaps, a second DP group (default backend) plus a second gloo DP group, used only
-   by the background exchange thread so its collectives never interleave with the training thread's.
+4. per-module gloo DP groups for host-side traffic (reorder costs and sample bytes, data checks),
+   and, when reordering overlaps, a second gloo DP group used only by the background exchange
+   thread, so its collectives never interleave with the training thread's. The exchanged samples
+   are host tensors at both ends, so the thread never touches NCCL: driving an NCCL communicator
+   from a second thread while the training thread runs DDP reductions and bridge sends is a known
+   deadlock pattern.
 
 Then one world-wide gloo group for control messages. Nothing else in mimo-sft calls
-``new_group``; megatron's own bridge communicators create their groups inside megatron.
+``new_group``; megatron's own bridge communicators create their groups inside megatron. Every group
+gets the run's ``--dist-timeout`` (megatron's through torch's default, see
+``runtime.set_default_group_timeout``).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from mimo_sft.parallel import runtime
 from mimo_sft.parallel.cpu_shims import ensure_megatron_importable
 from mimo_sft.parallel.layout import Layout, rank_of
 
@@ -48,10 +54,9 @@ class ModuleGroups:
     grid: HyperCommGrid
     pg_collection: Optional[ProcessGroupCollection]
     dp_gloo: Optional[dist.ProcessGroup]
-    reorder_side: Optional[dist.ProcessGroup]
+    #: gloo DP group for the reorder thread only (never shared with the training thread)
+    reorder_side_gloo: Optional[dist.ProcessGroup]
     member: bool
-    #: gloo group for the reorder thread's metadata all-gather (never shared with the training thread)
-    reorder_side_gloo: Optional[dist.ProcessGroup] = None
 
 
 @dataclass
@@ -69,26 +74,27 @@ class ParallelState:
         return [n for n, m in self.modules.items() if m.member]
 
 
-def default_backend() -> str:
-    return "nccl" if torch.cuda.is_available() else "gloo"
-
-
-def init_distributed(timeout_s: float = 600.0) -> tuple[int, int]:
-    """Initialise torch.distributed from torchrun's environment (NCCL with CUDA, gloo without)."""
-    import datetime
-
+def init_distributed(timeout_s: float = 600.0, prefer: str = "auto") -> tuple[int, int]:
+    """Choose this process's device, then start torch.distributed from torchrun's environment
+    (NCCL on a GPU, gloo on the CPU). ``timeout_s`` applies to every group of the run."""
     if not dist.is_initialized():
-        backend = default_backend()
-        if backend == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+        runtime.use_device(runtime.select_device(prefer))
+        timeout = runtime.set_default_group_timeout(timeout_s)
+        dist.init_process_group(backend=runtime.backend(), timeout=timeout)
     return dist.get_rank(), dist.get_world_size()
 
 
 def _enum_groups(ranks_list: list[list[int]], backend: Optional[str] = None) -> Optional[dist.ProcessGroup]:
     """Create one group per rank list (collectively); return the one this rank is in."""
-    pg, _ = dist.new_subgroups_by_enumeration(ranks_list, backend=backend)
+    pg, _ = dist.new_subgroups_by_enumeration(ranks_list, backend=backend, timeout=_timeout())
     return pg
+
+
+def _timeout():
+    """The default group timeout ``init_distributed`` set (``--dist-timeout``), passed explicitly."""
+    from torch.distributed import distributed_c10d as c10d
+
+    return c10d.default_pg_timeout
 
 
 def _embedding_rank_lists(spec) -> tuple[list[list[int]], list[list[int]]]:
@@ -115,7 +121,7 @@ def _dp_rank_lists(spec) -> list[list[int]]:
 def build_grid(spec) -> HyperCommGrid:
     """A module's HyperCommGrid with its expert view registered (no groups yet; not collective)."""
     grid = HyperCommGrid(shape=[spec.tp, spec.cp, spec.dp, spec.pp], dim_names=["tp", "cp", "dp", "pp"],
-                         rank_offset=spec.rank_offset, backend=default_backend())
+                         rank_offset=spec.rank_offset, backend=runtime.backend())
     expt_dp = spec.tp * spec.cp * spec.dp // spec.etp
     grid.register_view(EXPERT_VIEW, shape=[spec.etp, 1, expt_dp, spec.pp],
                        dim_names=["expt_tp", "ep", "expt_dp", "pp"], shared_dims=["pp"])
@@ -133,15 +139,14 @@ def build_parallel_state(layout: Layout, *, reorder_side_group: bool = False) ->
     for spec in layout.components:
         grid = build_grid(spec)
         for dims in BASE_GROUPS:
-            grid.create_pg(dims)
+            grid.create_pg(dims, timeout=_timeout())
         for dims in EXPERT_GROUPS:
-            grid.create_pg(dims, view=EXPERT_VIEW)
+            grid.create_pg(dims, view=EXPERT_VIEW, timeout=_timeout())
         embd_lists, pos_lists = _embedding_rank_lists(spec)
         embd = _enum_groups(embd_lists)
         pos_embd = _enum_groups(pos_lists)
         dp_lists = _dp_rank_lists(spec)
         dp_gloo = _enum_groups(dp_lists, backend="gloo")
-        side = _enum_groups(dp_lists) if reorder_side_group else None
         side_gloo = _enum_groups(dp_lists, backend="gloo") if reorder_side_group else None
         member = rank in spec.ranks
         pgc = None
@@ -166,9 +171,8 @@ def build_parallel_state(layout: Layout, *, reorder_side_group: bool = False) ->
             pgc.tp_ep = grid.get_pg(["expt_tp", "ep"], view=EXPERT_VIEW)
             pgc.tp_ep_pp = grid.get_pg(["expt_tp", "ep", "pp"], view=EXPERT_VIEW)
         state.modules[spec.name] = ModuleGroups(spec.name, grid, pgc, dp_gloo if member else None,
-                                                side if member else None, member,
-                                                side_gloo if member else None)
-    state.world_gloo = dist.new_group(backend="gloo")
+                                                side_gloo if member else None, member)
+    state.world_gloo = dist.new_group(backend="gloo", timeout=_timeout())
     _register_language_dp_rank(layout, rank)
     return state
 

@@ -92,8 +92,7 @@ def _valid_layout(cfg):
     """The layout, or one UserError line naming the first problem training would refuse."""
     from mimo_sft.config.checks import check_config
 
-    # env={}: the CUDA_DEVICE_MAX_CONNECTIONS rule is about the overlap thread, which planning never runs
-    result = check_config(cfg, env={}, for_run=True)
+    result = check_config(cfg, for_run=True)
     if result.problems:
         msgs = [str(p) for p in result.problems]
         more = f" (+{len(msgs) - 1} more; `mimo-sft validate` lists them all)" if len(msgs) > 1 else ""

@@ -6,7 +6,8 @@ Layout of ``SAVE_DIR``::
     iter_0000020/
         meta.json          step, consumed samples, layout, source model, config
         model/             megatron dist-checkpoint of MimoModel.sharded_state_dict (layout-free)
-        rank_00000.pt      this rank's optimizer state, RNG states
+        rank_00000.pt      this rank's optimizer state (with the fp32 main weights of a bf16 run:
+                           the plain optimizer's copies, or the distributed optimizer's shards), RNG states
     iter_0000030.tmp/      a save in progress: never read, removed by the next save
 
 Every rank writes into ``iter_N.tmp``; after a barrier rank 0 writes ``meta.json``, renames the
@@ -21,36 +22,20 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import shutil
 from contextlib import contextmanager
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 from mimo_sft.errors import UserError
+from mimo_sft.parallel import runtime
 
 LATEST = "latest"
 
 
 def iter_dir(root: str, step: int) -> str:
     return os.path.join(root, f"iter_{step:07d}")
-
-
-def _rng_state() -> dict:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def _set_rng_state(state: dict) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if torch.cuda.is_available() and "cuda" in state:
-        torch.cuda.set_rng_state(state["cuda"])
 
 
 def layout_signature(layout) -> list[dict]:
@@ -134,9 +119,9 @@ def save_checkpoint(root: str, *, step: int, consumed_samples: int, ctx, extra_m
         os.makedirs(os.path.join(tmp, "model"))
     dist.barrier()
     dist_checkpointing.save(model_sharded_state_dict(ctx.model, encoder_replica_rank(ctx)), os.path.join(tmp, "model"))
-    torch.save({"optimizer": ctx.optimizer.state_dict(), "rng": _rng_state(), "step": step,
+    torch.save({"optimizer": ctx.optimizer.state_dict(), "rng": runtime.rng_state(), "step": step,
                 "consumed_samples": consumed_samples,
-                "distributed_optimizer": [o.optimizer.state_dict() for o in _distributed_optimizers(ctx.optimizer)]},
+                "distributed_optimizer": [_distributed_optimizer_state(o) for o in _distributed_optimizers(ctx.optimizer)]},
                os.path.join(tmp, f"rank_{rank:05d}.pt"))
     dist.barrier()
     if rank == 0:
@@ -191,8 +176,29 @@ def load_model_weights(model, ckpt: str) -> None:
         raise UserError(f"checkpoint {ckpt}: weights for {bad[:3]} are missing; was it saved from another model?")
 
 
+def restore(cfg, ctx) -> tuple[int, int]:
+    """Load what the run starts from into the built model and optimizer; returns (step, consumed).
+
+    ``--load-checkpoint``: everything (see :func:`load_checkpoint`). ``--pretrained-checkpoint``: the
+    weights, then the optimizer's fp32 main weights refreshed from them -- megatron copies those when
+    the optimizer is built, so without the refresh a bf16 run's first step would overwrite the
+    loaded weights with the initial ones plus one update.
+    """
+    if cfg.checkpoint.load_checkpoint:
+        return load_checkpoint(cfg.checkpoint.load_checkpoint, ctx)
+    if cfg.model.pretrained_checkpoint:
+        load_model_weights(ctx.model, resolve_checkpoint(cfg.model.pretrained_checkpoint))
+        ctx.optimizer.reload_model_params()
+    return 0, 0
+
+
 def load_checkpoint(path: str, ctx) -> tuple[int, int]:
-    """Resume: model, optimizer, RNG and data position. Returns (step, consumed_samples)."""
+    """Resume: model, optimizer (with fp32 main weights), RNG and data position.
+
+    Order matters: weights into the model, main weights refreshed from them (covers parameters a
+    checkpoint has no main copy of), then the optimizer state, which for a bf16 run overwrites the
+    main weights with the saved fp32 values. Returns (step, consumed_samples).
+    """
     ckpt = resolve_checkpoint(path)
     meta = read_meta(ckpt)
     here = layout_signature(ctx.layout)
@@ -208,10 +214,11 @@ def load_checkpoint(path: str, ctx) -> tuple[int, int]:
     if not os.path.isfile(rank_file):
         raise UserError(f"--load-checkpoint {ckpt}: {os.path.basename(rank_file)} is missing; the checkpoint is incomplete")
     load_model_weights(ctx.model, ckpt)
+    ctx.optimizer.reload_model_params()
     state = torch.load(rank_file, map_location="cpu", weights_only=False)
     ctx.optimizer.load_state_dict(state["optimizer"])
     _load_distributed_optimizer_state(ctx.optimizer, state.get("distributed_optimizer") or [])
-    _set_rng_state(state["rng"])
+    runtime.set_rng_state(state["rng"])
     return int(meta["step"]), int(meta["consumed_samples"])
 
 
@@ -235,12 +242,24 @@ def _distributed_optimizers(optimizer) -> list:
     return found
 
 
+def _distributed_optimizer_state(opt) -> dict:
+    """This rank's shard of one DistributedOptimizer: the inner torch optimizer's state (Adam moments,
+    step) and, for bf16/fp16 parameters, the fp32 main weights it keeps apart from the model."""
+    return {"inner": opt.optimizer.state_dict(),
+            "fp32_from_float16": [[t.detach().clone() for t in group] for group in opt.shard_fp32_from_float16_groups]}
+
+
 def _load_distributed_optimizer_state(optimizer, saved: list) -> None:
-    """Restore each DistributedOptimizer's inner torch optimizer (this rank's shard: Adam moments and
-    step); the fp32 main weights are views of the model weights, which the model load restored."""
+    """Restore each DistributedOptimizer's shard (fp32 params' main weights are views of the model
+    weights, which the model load restored; bf16 params' main weights come from the file)."""
     opts = _distributed_optimizers(optimizer)
     if len(opts) != len(saved):
         raise UserError("--load-checkpoint: the checkpoint was saved with a different --use-distributed-optimizer "
                         "setting; resume with the setting it was saved with")
     for opt, state in zip(opts, saved):
-        opt.optimizer.load_state_dict(state)
+        opt.optimizer.load_state_dict(state["inner"])
+        groups = opt.shard_fp32_from_float16_groups
+        assert [len(g) for g in groups] == [len(g) for g in state["fp32_from_float16"]], "main-weight shards differ"
+        for group, saved_group in zip(groups, state["fp32_from_float16"]):
+            for main, value in zip(group, saved_group):
+                main.data.copy_(value)

@@ -11,7 +11,9 @@ micro-batch). It
   this rank's language part and its encoder part (DP sizes divide one another, so one contains the
   other); megatron's ColocatedBridgeCommunicator then moves encoder output between the two;
 * counts, per step, the supervised tokens (for the per-token gradient scale), real tokens and
-  samples, and the vision-load spread before/after reordering for the metrics.
+  samples, the vision-load spread before/after reordering, and the model FLOPs this rank's share of
+  the work represents (each sample's language and vision work counted on exactly one rank, so a sum
+  over all ranks is the step's model FLOPs).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from mimo_sft.data.reorder import ReorderingBuffer, load_spread, make_cost_fn, m
 from mimo_sft.data.reorder.serialize import merge_samples, split_samples
 from mimo_sft.errors import UserError
 from mimo_sft.parallel.layout import LANGUAGE
+from mimo_sft.train.flops import training_flops
 
 PIXEL_KEYS = ("pixel_values", "image_grid_thw")
 
@@ -39,6 +42,7 @@ class StepCounters:
     load_after: list = field(default_factory=list)
     exchange_s: float = 0.0
     data_wait_s: float = 0.0
+    model_flops: float = 0.0
 
 
 class Feed:
@@ -58,6 +62,12 @@ class Feed:
         spec = layout.spec(self.stats_module)
         self.dp_size = spec.dp
         self.dp_rank = layout.coords(pstate.rank)[self.stats_module].dp
+        self.hf_config, self.padded_vocab = model_info.hf_config, model_info.padded_vocab_size
+        coords = layout.coords(pstate.rank)
+        lang = coords.get(LANGUAGE)
+        # count each sample's work once: language on tp/cp/pp rank 0 of its DP rank, vision on encoder tp rank 0
+        self.count_language = lang is not None and lang.tp == 0 and lang.cp == 0 and lang.pp == 0
+        self.count_vision = any(coords.get(s.name) is not None and coords[s.name].tp == 0 for s in layout.encoders)
         self.reorder = None
         src = iter(source)
         if reorder_cfg.enabled and not layout.colocated:
@@ -65,13 +75,11 @@ class Feed:
             cost_fn = make_cost_fn(encoder_cost_weight=reorder_cfg.encoder_cost_weight,
                                    language_cost_weight=reorder_cfg.language_cost_weight,
                                    image_token_id=self.image_token_id, merge_size=self.merge)
-            on_gpu = torch.cuda.is_available()
             self.reorder = ReorderingBuffer(
                 src, dp_rank=self.dp_rank, dp_size=self.dp_size, n_groups=layout.canonical_grid, cost_fn=cost_fn,
-                group=mg.pg_collection.dp if on_gpu else mg.dp_gloo,
-                side_group=mg.reorder_side, meta_group=mg.dp_gloo, side_meta_group=mg.reorder_side_gloo,
+                group=mg.dp_gloo, side_group=mg.reorder_side_gloo,
                 overlap=reorder_cfg.overlap, window_size=reorder_cfg.window_size, load_fn=self.patch_fn,
-                stats_dp_sizes={"vision": self.vision_dp}, comm_device="cuda" if on_gpu else None)
+                stats_dp_sizes={"vision": self.vision_dp})
             src = self.reorder
         self._src = src
         self.counters = StepCounters()
@@ -92,10 +100,21 @@ class Feed:
             self._record_load(self._gathered_vision_load(batch), None)
         if self.colocated_slices is not None:
             batch = self._colocated_split(batch)
+        self._count_flops(batch)
         self.counters.loss_tokens += float(batch["loss_mask"].sum())
         self.counters.real_tokens += float(batch["attention_mask"].sum())
         self.counters.samples += int(batch["input_ids"].shape[0])
         return batch
+
+    def _count_flops(self, batch) -> None:
+        """Model FLOPs (forward + backward) of the work this rank counts; padded positions are computed."""
+        if not (self.count_language or self.count_vision) or self.hf_config is None:
+            return
+        ids = batch["input_ids"]
+        grids = batch.get("image_grid_thw") if self.count_vision else None
+        f = training_flops(self.hf_config, [ids.shape[1]] * ids.shape[0] if self.count_language else [],
+                           grids.tolist() if grids is not None and grids.numel() else None, vocab_size=self.padded_vocab)
+        self.counters.model_flops += f.total
 
     def _record_load(self, before, after):
         if before is not None:

@@ -16,18 +16,45 @@ from rich.console import Console
 
 REQUIRED_KEYS = ("step", "loss", "grad_norm", "lr", "step_time_s", "tokens_per_s", "samples_per_s",
                  "vision_load_max_over_mean_before", "vision_load_max_over_mean_after",
-                 "reorder_exchange_s", "peak_memory_bytes")
+                 "reorder_exchange_s", "peak_memory_bytes", "model_tflops_per_gpu", "mfu")
 
 
-def peak_memory_bytes() -> int:
-    """Peak device memory on GPU; peak resident set size of this process on CPU."""
+def step_model_flops(local_flops: float, pstate) -> float:
+    """The step's model FLOPs: the sum of every rank's counted share (collective, every rank)."""
     import torch
+    import torch.distributed as dist
 
-    if torch.cuda.is_available():
-        return int(torch.cuda.max_memory_allocated())
-    import resource
+    t = torch.tensor([local_flops], dtype=torch.float64)
+    dist.all_reduce(t, group=pstate.world_gloo)
+    return float(t.item())
 
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+def throughput(step_flops: float, step_time_s: float, world_size: int, peak_tflops: float | None) -> dict:
+    """``model_tflops_per_gpu`` and ``mfu`` (a fraction; None without a known peak, e.g. on CPU)."""
+    from mimo_sft.train.flops import achieved_tflops_per_gpu, mfu
+
+    achieved = achieved_tflops_per_gpu(step_flops, step_time_s, world_size)
+    return {"model_tflops_per_gpu": achieved, "mfu": mfu(achieved, peak_tflops)}
+
+
+def peak_memory_by_module(pstate) -> dict[str, int]:
+    """This step's peak memory, the largest over all ranks and per module (collective, every rank).
+
+    ``peak_memory_bytes`` is the largest of any rank (GPU: device memory since the step began; CPU:
+    the process's peak resident set size, which cannot be reset); ``peak_memory_bytes_<module>`` the
+    largest over that module's ranks, so encoder GPUs are reported as well as language ones.
+    """
+    import torch
+    import torch.distributed as dist
+
+    from mimo_sft.parallel import runtime
+
+    names = list(pstate.modules)
+    mine = runtime.peak_memory_bytes()
+    t = torch.tensor([mine if pstate.modules[n].member else 0 for n in names], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=pstate.world_gloo)
+    per = {f"peak_memory_bytes_{n}": int(v) for n, v in zip(names, t.tolist())}
+    return {"peak_memory_bytes": max(per.values()), **per}
 
 
 class MetricsLogger:
@@ -74,10 +101,11 @@ class MetricsLogger:
             load = ""
             if before is not None:
                 load = f" | vision load max/mean {before:.3f}" + (f" -> {after:.3f}" if after is not None else "")
+            mfu = f" | MFU {100 * record['mfu']:.1f}%" if record.get("mfu") is not None else ""
             self.console.print(
                 f"step {step:>5}/{self.total_steps} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
                 f"grad norm {record['grad_norm']:.3f} | {record['step_time_s']:.2f} s/step | "
-                f"{record['tokens_per_s']:.0f} tok/s{load} | ETA {eta:.0f} s"
+                f"{record['tokens_per_s']:.0f} tok/s{mfu}{load} | ETA {eta:.0f} s"
             )
 
     def close(self) -> None:

@@ -86,11 +86,13 @@ def _train(cfg, layout) -> int:
     import torch
     import torch.distributed as dist
 
+    from mimo_sft.parallel import runtime
     from mimo_sft.parallel.groups import init_distributed
-    from mimo_sft.train.checkpoint import load_checkpoint, load_model_weights, resolve_checkpoint, save_checkpoint
+    from mimo_sft.train.checkpoint import restore, save_checkpoint
     from mimo_sft.train.data_source import build_feed
     from mimo_sft.train.lr import lr_at, set_lr
-    from mimo_sft.train.metrics import MetricsLogger, peak_memory_bytes
+    from mimo_sft.train.flops import peak_tflops_for
+    from mimo_sft.train.metrics import MetricsLogger, peak_memory_by_module, step_model_flops, throughput
     from mimo_sft.train.setup import build_model_and_optimizer, build_state
     from mimo_sft.train.step import StepRunner
 
@@ -103,11 +105,7 @@ def _train(cfg, layout) -> int:
             fh.write(dump_config(cfg))
     pstate = build_state(cfg, layout)
     ctx = build_model_and_optimizer(cfg, layout, pstate, rank)
-    step, consumed = 0, 0
-    if cfg.checkpoint.load_checkpoint:
-        step, consumed = load_checkpoint(cfg.checkpoint.load_checkpoint, ctx)
-    elif cfg.model.pretrained_checkpoint:
-        load_model_weights(ctx.model, resolve_checkpoint(cfg.model.pretrained_checkpoint))
+    step, consumed = restore(cfg, ctx)
     if step >= cfg.train.train_iters:
         raise UserError(f"nothing to do: the checkpoint is at step {step} and --train-iters is "
                         f"{cfg.train.train_iters}; raise --train-iters to train further")
@@ -129,12 +127,14 @@ def _train(cfg, layout) -> int:
     lang = pstate.modules.get("language")
     lang_last = lang is not None and lang.member and layout.coords(rank)["language"].pp == layout.language.pp - 1
     o = cfg.optimizer
+    peak_tflops = cfg.logging.peak_tflops or (peak_tflops_for(runtime.device_name()) if runtime.on_gpu() else None)
     try:
         while step < cfg.train.train_iters:
             t0 = time.perf_counter()
             lr = lr_at(step, lr=o.lr, min_lr=o.min_lr, warmup=o.lr_warmup_iters, total=cfg.train.train_iters,
                        style=o.lr_decay_style)
             set_lr(ctx.optimizer, lr)
+            runtime.reset_peak_memory()
             ctx.optimizer.zero_grad()
             out = runner.run(num_mb)
             if out.global_tokens <= 0:
@@ -146,6 +146,8 @@ def _train(cfg, layout) -> int:
             consumed += gbs
             step_time = time.perf_counter() - t0
             c = feed.counters
+            peaks = peak_memory_by_module(pstate)  # collective: every rank's peak of this step
+            model_flops = step_model_flops(c.model_flops, pstate)  # collective
             if lang_last:
                 t = torch.tensor([out.loss_sum, out.num_tokens, c.real_tokens, float(c.samples)], dtype=torch.float64)
                 if lang.dp_gloo is not None and dist.get_world_size(lang.dp_gloo) > 1:
@@ -160,7 +162,9 @@ def _train(cfg, layout) -> int:
                     "vision_load_max_over_mean_before": _mean(c.load_before),
                     "vision_load_max_over_mean_after": _mean(c.load_after),
                     "reorder_exchange_s": c.exchange_s, "data_wait_s": c.data_wait_s,
-                    "peak_memory_bytes": peak_memory_bytes(), "update_ok": bool(ok),
+                    **peaks, "model_flops": model_flops,
+                    **throughput(model_flops, step_time, layout.world_size, peak_tflops),
+                    "update_ok": bool(ok),
                     "consumed_samples": consumed,
                 })
             interval = cfg.checkpoint.save_interval
@@ -169,30 +173,33 @@ def _train(cfg, layout) -> int:
                 path = save_checkpoint(save_dir, step=step, consumed_samples=consumed, ctx=ctx)
                 if ctx.is_metrics_rank:
                     print(f"saved checkpoint {path}", flush=True)
-        if cfg.checkpoint.export_hf:
-            # a fresh single-process interpreter: export builds its own 1-rank model
-            import subprocess
-
-            dist.barrier()
-            if rank == 0:
-                # without torchrun's variables: export starts its own 1-rank process group
-                env = {k: v for k, v in os.environ.items()
-                       if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
-                                    "ROLE_RANK", "MASTER_ADDR", "MASTER_PORT") and not k.startswith("TORCHELASTIC")}
-                proc = subprocess.run([sys.executable, "-m", "mimo_sft", "export", "--checkpoint", save_dir,
-                                       "--out", cfg.checkpoint.export_hf, "--hf-model", cfg.model.hf_model],
-                                      env=env, capture_output=True, text=True, timeout=1800)
-                if proc.returncode != 0:
-                    raise UserError(f"--export-hf {cfg.checkpoint.export_hf}: export failed: "
-                                    f"{(proc.stderr.strip().splitlines() or ['no output'])[-1]}")
-                print(f"exported Hugging Face checkpoint to {cfg.checkpoint.export_hf}", flush=True)
-            dist.barrier()
     finally:
         feed.close()
         logger.close()
     dist.barrier()
     dist.destroy_process_group()
+    if cfg.checkpoint.export_hf and rank == 0:
+        _export_in_process(ctx, runner, save_dir, cfg)
     return 0
+
+
+def _export_in_process(ctx, runner, save_dir: str, cfg) -> None:
+    """``--export-hf``: rank 0 exports the final checkpoint after the other ranks have finished.
+
+    The training model, optimizer and process groups are released first, and export builds its
+    1-rank model in host memory, so the export never holds more than one copy of the model and
+    never waits on (or keeps waiting) any other rank.
+    """
+    import gc
+
+    from mimo_sft.parallel import runtime
+    from mimo_sft.train.export import export_checkpoint
+
+    ctx.model = ctx.optimizer = ctx.modules = runner.model = runner.modules = None
+    gc.collect()
+    runtime.release_cached_memory()
+    out = export_checkpoint(save_dir, cfg.checkpoint.export_hf, hf_model=cfg.model.hf_model)
+    print(f"exported Hugging Face checkpoint to {out}", flush=True)
 
 
 def _refuse_reused_output_dir(cfg, out_dir: str) -> None:

@@ -1,22 +1,22 @@
-"""Build everything one rank needs for training, in the order megatron requires.
+"""Build the model and optimizer one rank trains, in the order megatron requires.
 
-validate checks (every rank) -> process groups -> CPU shims and seeds -> MimoModel for this rank's
-modules -> megatron DDP per module -> megatron's MIMO optimizer -> resume state -> data feed ->
-schedule runner. Each piece comes from its own package; this file only wires them.
+(process groups, built by ``parallel.groups``) -> megatron's process-local state with this rank's
+tensor/expert ranks (``parallel.runtime.init_megatron``, the same call on CPU and GPU) -> MimoModel
+for this rank's modules on this rank's device -> megatron DDP per module -> megatron's MIMO
+optimizer. Loading weights or a checkpoint into it is ``train.checkpoint``'s job; this file only wires.
 """
 
 from __future__ import annotations
 
 import os
-import random
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
 from mimo_sft.config.schema import ExperimentConfig
-from mimo_sft.parallel.cpu_shims import apply_cpu_shims, ensure_megatron_importable
+from mimo_sft.parallel import runtime
+from mimo_sft.parallel.cpu_shims import ensure_megatron_importable
 from mimo_sft.parallel.groups import ParallelState, build_parallel_state
 from mimo_sft.parallel.layout import LANGUAGE, Layout
 
@@ -46,36 +46,26 @@ class TrainContext:
         return c is not None and c.tp == 0 and c.dp == 0 and c.cp == 0 and c.pp == self.layout.language.pp - 1
 
 
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed % (2**32))
-    torch.manual_seed(seed)
-    if torch.cuda.is_available():
-        torch.cuda.manual_seed_all(seed)
-
-
-def _init_rng_tracker(seed: int) -> None:
-    """Megatron's model-parallel RNG tracker (dropout regions, initialisation) seeded like megatron does."""
-    from megatron.core import tensor_parallel
-
-    if torch.cuda.is_available():
-        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+def megatron_ranks(pstate: ParallelState) -> dict[str, int]:
+    """This rank's tensor, expert and expert-tensor ranks for megatron's RNG tracker, read from the
+    groups of the module whose layers it builds (the language model where it runs one)."""
+    mine = pstate.mine()
+    name = LANGUAGE if LANGUAGE in mine else mine[0]
+    pgc = pstate.modules[name].pg_collection
+    return {"tp_rank": pgc.tp.rank(), "ep_rank": pgc.ep.rank(), "etp_rank": pgc.expt_tp.rank()}
 
 
 def build_model_and_optimizer(cfg: ExperimentConfig, layout: Layout, pstate: ParallelState, rank: int) -> TrainContext:
     from mimo_sft.model import build_mimo_model
 
-    apply_cpu_shims()
-    seed_everything(cfg.train.seed)
-    _init_rng_tracker(cfg.train.seed)
+    runtime.init_megatron(cfg.train.seed, **megatron_ranks(pstate))
     bf16 = cfg.model.dtype == "bf16"
     model, info = build_mimo_model(
         cfg.model.hf_model, layout=layout, parallel_state=pstate, model_cfg=cfg.model,
         random_init=cfg.model.allow_random_init,
         config_overrides={"calculate_per_token_loss": True, "attention_dropout": 0.0, "hidden_dropout": 0.0},
         max_seq_len=cfg.data.seq_length)
-    if torch.cuda.is_available():
-        model.cuda()
+    model.to(runtime.device())
     model.model_type = ModelType.encoder_or_decoder  # forward_backward_no_pipelining looks it up
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, overlap_grad_reduce=False,

@@ -28,6 +28,8 @@ from megatron.core.pipeline_parallel import schedules
 from megatron.core.pipeline_parallel.multimodule_communicator import MultiModulePipelineCommunicator
 from megatron.core.process_groups_config import MultiModuleProcessGroupCollection
 
+from mimo_sft.parallel import runtime
+
 LANGUAGE = MIMO_LANGUAGE_MODULE_KEY
 
 
@@ -62,7 +64,6 @@ class StepRunner:
         self.seq_length = seq_length
         self.local_mbs = local_mbs
         self.mine = pstate.mine()
-        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         self.colocated = layout.colocated
         cfg = model.config
         cfg.no_sync_func = self._no_sync
@@ -113,10 +114,7 @@ class StepRunner:
 
     # ---- the forward step ---------------------------------------------------------------------
     def _forward_step(self, data_iterator, model):
-        batch = next(data_iterator)
-        if self.device.type == "cuda":
-            batch = {k: (v.to(self.device, non_blocking=True) if isinstance(v, torch.Tensor) else v)
-                     for k, v in batch.items()}
+        batch = runtime.to_device(next(data_iterator))
         has_lang = LANGUAGE in self.mine
         has_enc = any(n != LANGUAGE for n in self.mine)
         kwargs = {"input_ids": batch["input_ids"]}

@@ -5,7 +5,7 @@ Pure planning (:mod:`.planning`) and byte packing (:mod:`.serialize`) import no 
 the data iterator (optionally overlapping the next window's exchange on a background thread).
 """
 
-from mimo_sft.data.reorder.buffer import ReorderingBuffer, check_overlap_allowed
+from mimo_sft.data.reorder.buffer import ReorderingBuffer
 from mimo_sft.data.reorder.exchange import exchange_window, reorder_local, window_plan_info
 from mimo_sft.data.reorder.planning import (
     assignment_from_order,
@@ -41,7 +41,6 @@ __all__ = [
     "balanced_groups",
     "balanced_index_order",
     "batch_costs",
-    "check_overlap_allowed",
     "deserialize_records",
     "exchange_window",
     "load_spread",

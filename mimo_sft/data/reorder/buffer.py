@@ -5,21 +5,19 @@ exchange (:func:`exchange.exchange_window`) and then served one at a time, each 
 in :attr:`ReorderingBuffer.last_stats`.
 
 With ``overlap=True`` a background thread pulls and exchanges the NEXT window on ``side_group``
-(and on GPU its own CUDA stream) while the training thread consumes the current one. At most three
-windows are resident: the one being consumed, one finished in the queue, one being exchanged.
-The side group matters: collectives on one process group must be issued in the same order on every
-rank, and the training thread's own collectives (DDP all-reduce, bridge sends) interleave with the
-thread's at random, so the thread gets a group of its own.
+while the training thread consumes the current one. At most three windows are resident: the one
+being consumed, one finished in the queue, one being exchanged. The side group matters: collectives
+on one process group must be issued in the same order on every rank, and the training thread's own
+collectives interleave with the thread's at random, so the thread gets a group of its own.
 
-Overlap is refused under ``CUDA_DEVICE_MAX_CONNECTIONS=1``: with one hardware queue the thread's
-all-to-all and the training thread's all-reduce execute in issue order, which differs between ranks,
-and training deadlocks (seed 000/002: reproduced on 4 and 6 ranks).
+Both groups are gloo and the exchanged samples are host tensors at both ends, on CPU and GPU runs
+alike: the thread never drives an NCCL communicator or a CUDA stream. That removes the deadlock the
+upstream design has when a side NCCL all-to-all and the DDP all-reduce share one hardware queue
+(``CUDA_DEVICE_MAX_CONNECTIONS=1``), and the thread-safety question of NCCL use from two threads.
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
 import queue
 import threading
 import time
@@ -40,16 +38,6 @@ class _Failure:
         self.exc = exc
 
 
-def check_overlap_allowed(overlap: bool) -> None:
-    """UserError when overlap is asked for under ``CUDA_DEVICE_MAX_CONNECTIONS=1`` (see module doc)."""
-    if overlap and os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "").strip() == "1":
-        raise UserError(
-            "overlapped intra-microbatch reordering deadlocks under CUDA_DEVICE_MAX_CONNECTIONS=1 "
-            "(the reorder all-to-all and the gradient all-reduce share one hardware queue); "
-            "use --no-overlap-intra-microbatch-reorder or unset CUDA_DEVICE_MAX_CONNECTIONS"
-        )
-
-
 class _Producer:
     """Pulls windows from the source and exchanges them; runs on the caller or on the worker thread.
 
@@ -57,9 +45,9 @@ class _Producer:
     the worker never references the :class:`ReorderingBuffer` itself.
     """
 
-    def __init__(self, source, window_size: int, kw: dict, group: Any, meta_group: Any):
+    def __init__(self, source, window_size: int, kw: dict, group: Any):
         self.source, self.window_size, self.kw = source, window_size, kw
-        self.group, self.meta_group = group, meta_group
+        self.group = group
         self.scratch = exchange.ScratchBuffers()  # used by one thread only
         self.stop = threading.Event()
         self.queue: queue.Queue = queue.Queue(maxsize=1)
@@ -75,7 +63,7 @@ class _Producer:
         if not batches:
             return None
         out, infos = exchange.exchange_window(
-            batches, group=self.group, meta_group=self.meta_group, scratch=self.scratch, **self.kw
+            batches, group=self.group, scratch=self.scratch, **self.kw
         )
         w = len(out)
         served = []
@@ -90,20 +78,15 @@ class _Producer:
             served.append((b, stats))
         return served
 
-    def run(self, stream: Any) -> None:
+    def run(self) -> None:
         """Worker thread body: produce until exhausted or stopped; failures go to the consumer."""
         try:
-            ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
-            with ctx:
-                while not self.stop.is_set():
-                    served = self.produce()
-                    if served is None:
-                        break
-                    if stream is not None:
-                        # hand tensors over only once the side stream's work on them is done
-                        stream.synchronize()
-                    if not self._put(served):
-                        return
+            while not self.stop.is_set():
+                served = self.produce()
+                if served is None:
+                    break
+                if not self._put(served):
+                    return
             self._put(_DONE)
         except BaseException as exc:  # noqa: BLE001 - everything must reach the consumer
             self._put(_Failure(exc))
@@ -128,17 +111,14 @@ class ReorderingBuffer:
             every module must pass the same value and the same ``cost_fn``.
         cost_fn: ``batch -> per-sample costs`` from fields all modules hold; see
             :func:`planning.make_cost_fn`.
-        group: DP process group for the sample bytes (unused when ``dp_size == 1``).
-        side_group: a second DP group used by the overlap thread (required when overlapping).
-        meta_group / side_meta_group: gloo groups for the small object all-gather; default to
-            ``group`` / ``side_group`` (fine on CPU; on GPU pass gloo groups here).
+        group: gloo DP group for costs and sample bytes (unused when ``dp_size == 1``).
+        side_group: a second gloo DP group used only by the overlap thread (required when overlapping).
         overlap: exchange the next window on a background thread.
         window_size: micro-batches balanced together in one exchange (>= 1).
         load_fn: per-sample loads for statistics (e.g. :func:`planning.make_patch_count_fn`);
             defaults to ``cost_fn``.
         stats_dp_sizes: ``{name: dp}`` modules whose per-rank load spread to report, e.g.
             ``{"vision": 2}`` gives ``last_stats["vision_load_max_over_mean_before"/"_after"]``.
-        comm_device: device for the exchange buffer; ``"cuda"`` with NCCL groups.
     """
 
     def __init__(
@@ -151,13 +131,10 @@ class ReorderingBuffer:
         cost_fn,
         group: Any = None,
         side_group: Any = None,
-        meta_group: Any = None,
-        side_meta_group: Any = None,
         overlap: bool = True,
         window_size: int = 1,
         load_fn=None,
         stats_dp_sizes: Mapping[str, int] | None = None,
-        comm_device: torch.device | str | None = None,
     ):
         if not isinstance(window_size, int) or window_size < 1:
             raise UserError(f"reorder window size must be an integer >= 1, got {window_size!r}")
@@ -168,7 +145,6 @@ class ReorderingBuffer:
         for name, d in (stats_dp_sizes or {}).items():
             if d < 1 or n_groups % d:
                 raise ValueError(f"stats module {name!r}: DP size {d} does not divide the canonical grid {n_groups}")
-        check_overlap_allowed(overlap)
         # A DP-1 module only permutes locally: there is nothing to overlap, and keeping it on the
         # training thread avoids a thread per rank for a sub-millisecond job.
         self._threaded = overlap and dp_size > 1
@@ -180,13 +156,9 @@ class ReorderingBuffer:
         self.window_size = window_size
         kw = dict(
             dp_rank=dp_rank, dp_size=dp_size, n_groups=n_groups, cost_fn=cost_fn,
-            load_fn=load_fn, stats_dp_sizes=dict(stats_dp_sizes or {}), comm_device=comm_device,
+            load_fn=load_fn, stats_dp_sizes=dict(stats_dp_sizes or {}),
         )
-        if self._threaded:
-            side_meta = side_meta_group if side_meta_group is not None else side_group
-            self._producer = _Producer(iter(source_iterator), window_size, kw, side_group, side_meta)
-        else:
-            self._producer = _Producer(iter(source_iterator), window_size, kw, group, meta_group)
+        self._producer = _Producer(iter(source_iterator), window_size, kw, side_group if self._threaded else group)
         self._ready: list[tuple[dict, dict]] = []  # current window, served front to back
         self._exhausted = False
         self._thread: threading.Thread | None = None
@@ -194,11 +166,10 @@ class ReorderingBuffer:
         self.windows_done = 0
 
     def _start_thread(self) -> None:
-        stream = torch.cuda.Stream() if torch.cuda.is_available() else None
         # the target is the producer, not self: a dropped buffer can still be collected and its
         # __del__ stop the thread
         self._thread = threading.Thread(
-            target=self._producer.run, args=(stream,), name=f"reorder-dp{self.dp_rank}", daemon=True
+            target=self._producer.run, name=f"reorder-dp{self.dp_rank}", daemon=True
         )
         self._thread.start()
 
@@ -267,4 +238,4 @@ class ReorderingBuffer:
             pass
 
 
-__all__ = ["ReorderingBuffer", "check_overlap_allowed"]
+__all__ = ["ReorderingBuffer"]

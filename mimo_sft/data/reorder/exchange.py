@@ -3,7 +3,7 @@
 Per window, every rank of the module:
 
 1. computes its samples' costs (and optional stats loads) and record metadata;
-2. all-gathers those with ONE ``all_gather_object`` on ``meta_group`` (gloo on GPU runs);
+2. all-gathers those with ONE ``all_gather_object`` on the module's gloo DP group;
 3. plans every slot with :func:`planning.balanced_assignment` over the canonical grid — the same
    pure function of the same numbers on every rank, so nobody has to send a plan;
 4. packs the samples it gives away into one uint8 buffer, ordered by destination rank and then by
@@ -122,16 +122,14 @@ def exchange_window(
     n_groups: int,
     cost_fn: CostFn,
     group: Any,
-    meta_group: Any = None,
     load_fn: CostFn | None = None,
     stats_dp_sizes: Mapping[str, int] | None = None,
-    comm_device: torch.device | str | None = None,
     scratch: ScratchBuffers | None = None,
 ) -> tuple[list[dict[str, torch.Tensor]], list[dict[str, Any]]]:
     """Balance ``batches`` (this rank's shards of W micro-batches) across the DP group.
 
-    ``group`` carries the sample bytes (NCCL on GPU, then pass ``comm_device="cuda"``);
-    ``meta_group`` (default ``group``) carries the small object all-gather and should be gloo.
+    ``group`` is a gloo DP group: it carries the small object all-gather and the sample bytes, which
+    are host tensors at both ends (the forward step moves a micro-batch to the GPU).
     Returns this rank's W rebalanced micro-batches (CPU tensors, slot order kept) and per-slot info
     from :func:`window_plan_info` plus ``exchange_s`` for the whole window. ``scratch`` reuses
     staging buffers across calls (see :class:`ScratchBuffers`).
@@ -146,7 +144,6 @@ def exchange_window(
         for info in infos:
             info["exchange_s"] = time.perf_counter() - t0
         return out, infos
-    meta_group = group if meta_group is None else meta_group
     n_local = serialize.batch_size_of(batches[0])
     records, metas, costs, loads = [], [], [], []
     for w, b in enumerate(batches):
@@ -159,7 +156,7 @@ def exchange_window(
         loads.append(_local_costs(b, load_fn, n_local, "load_fn") if load_fn else costs[-1])
 
     gathered: list[Any] = [None] * dp_size
-    dist.all_gather_object(gathered, (len(batches), n_local, costs, loads, metas), group=meta_group)
+    dist.all_gather_object(gathered, (len(batches), n_local, costs, loads, metas), group=group)
     for r, g in enumerate(gathered):
         if g[0] != len(batches) or g[1] != n_local:
             raise RuntimeError(
@@ -201,11 +198,8 @@ def exchange_window(
     ]
     scratch = ScratchBuffers() if scratch is None else scratch
     cpu = torch.device("cpu")
-    device = torch.device(comm_device) if comm_device is not None else cpu
     send_buf = serialize.serialize_records(send_recs, send_metas, out=scratch.get("send", sum(send_splits), cpu))
-    if device != cpu:
-        send_buf = scratch.get("send_dev", send_buf.numel(), device).copy_(send_buf, non_blocking=True)
-    recv_buf = scratch.get("recv", sum(recv_splits), device)
+    recv_buf = scratch.get("recv", sum(recv_splits), cpu)
     # Every rank knows the whole plan, so all agree to skip the collective when nothing crosses ranks.
     crosses = any(owner != g // n_local for route in routes for g, (owner, _pos) in enumerate(route))
     if crosses:
@@ -214,8 +208,6 @@ def exchange_window(
         )
     else:
         assert recv_buf.numel() == 0 and send_buf.numel() == 0
-    if device != cpu:
-        recv_buf = scratch.get("recv_host", recv_buf.numel(), cpu).copy_(recv_buf)
 
     slots: list[list[serialize.Record | None]] = [[None] * n_local for _ in range(W)]
 

@@ -1,0 +1,179 @@
+"""The device switch and megatron's process-local set-up: one path for CPU and GPU, every entry point.
+
+Why this module exists: megatron-core expects state that only its own ``initialize_model_parallel``
+creates (the global memory buffer that local attention borrows scratch space from, and the
+model-parallel RNG tracker seeded with this rank's tensor and expert ranks). mimo-sft builds its
+process groups from HyperCommGrids and never calls that function, so :func:`init_megatron` creates
+exactly that state. ``finetune``, ``export``, ``check-model`` and the tests all go through it, on CPU
+and GPU alike, so a CPU test runs every line a GPU run executes.
+
+The device is chosen here and nowhere else (:func:`use_device`); the rest of the package asks
+:func:`device`. On the CPU the shims in :mod:`mimo_sft.parallel.cpu_shims` replace megatron's
+CUDA-only calls; on a GPU nothing is patched.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import random
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+_DEVICE: Optional[torch.device] = None
+
+
+# ---- the device switch ----------------------------------------------------------------------------
+def select_device(prefer: str = "auto") -> torch.device:
+    """``cuda:LOCAL_RANK`` when CUDA is usable and not declined (``prefer="cpu"``), else the CPU."""
+    if prefer not in ("auto", "cpu"):
+        raise ValueError(f"prefer must be 'auto' or 'cpu', got {prefer!r}")
+    if prefer == "cpu" or not torch.cuda.is_available():
+        return torch.device("cpu")
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    return torch.device("cuda", local % torch.cuda.device_count())
+
+
+def use_device(dev: torch.device) -> torch.device:
+    """Make ``dev`` this process's device (before the process group starts: NCCL needs it set).
+
+    A CPU device applies the CPU shims, even on a machine with GPUs (export builds on the CPU so it
+    never competes with training memory); a CUDA device patches nothing.
+    """
+    global _DEVICE
+    if _DEVICE is not None and _DEVICE != dev:
+        raise RuntimeError(f"device already chosen ({_DEVICE}); cannot switch this process to {dev}")
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    else:
+        from mimo_sft.parallel.cpu_shims import apply_cpu_shims
+
+        apply_cpu_shims()
+    _DEVICE = dev
+    return dev
+
+
+def device_chosen() -> bool:
+    return _DEVICE is not None
+
+
+def device() -> torch.device:
+    """This process's device; :func:`use_device` (or ``init_distributed``) must have run."""
+    assert _DEVICE is not None, "no device chosen yet: call runtime.use_device() or init_distributed() first"
+    return _DEVICE
+
+
+def on_gpu() -> bool:
+    return device().type == "cuda"
+
+
+def backend() -> str:
+    """The process-group backend for model traffic on this device."""
+    return "nccl" if on_gpu() else "gloo"
+
+
+def set_default_group_timeout(seconds: float) -> datetime.timedelta:
+    """Every process group created without an explicit timeout gets ``seconds``.
+
+    megatron's bridge and colocated communicators create their groups without a timeout, so torch
+    would give them its backend default (NCCL: 10 minutes) whatever ``--dist-timeout`` says. torch
+    reads these two module constants for that default; groups mimo-sft creates also pass the
+    timeout explicitly.
+    """
+    from torch.distributed import distributed_c10d as c10d
+
+    timeout = datetime.timedelta(seconds=seconds)
+    c10d.default_pg_timeout = timeout
+    c10d.default_pg_nccl_timeout = timeout
+    return timeout
+
+
+# ---- megatron's process-local state ----------------------------------------------------------------
+def seed_everything(seed: int) -> None:
+    """Python, numpy and torch (every device) from one seed."""
+    random.seed(seed)
+    np.random.seed(seed % (2**32))
+    torch.manual_seed(seed)
+
+
+def init_megatron(seed: int, *, tp_rank: int, ep_rank: int = 0, etp_rank: int = 0) -> None:
+    """Create what megatron's layers need before a model is built (idempotent; resets the RNG tracker).
+
+    * the global memory buffer (local ``DotProductAttention`` takes its scratch tensor from it);
+    * the model-parallel RNG tracker (dropout and GPU initialisation fork it), seeded the way
+      megatron seeds it but with ranks taken from our layout: megatron would otherwise ask its global
+      tensor-parallel group, which mimo-sft never creates.
+    """
+    from megatron.core import parallel_state, tensor_parallel
+
+    device()  # the device must be chosen first: on the CPU the shims make the tracker work
+    seed_everything(seed)
+    if getattr(parallel_state, "_GLOBAL_MEMORY_BUFFER", None) is None:
+        parallel_state._set_global_memory_buffer()
+    tensor_parallel.model_parallel_cuda_manual_seed(seed, tp_rank=tp_rank, ep_rank=ep_rank, etp_rank=etp_rank,
+                                                    force_reset_rng=True)
+
+
+# ---- moving data and measuring ---------------------------------------------------------------------
+def to_device(batch: dict) -> dict:
+    """A micro-batch's tensors on this process's device (the CPU keeps them as they are).
+
+    Host tensors are pinned first so the copy really is asynchronous: ``non_blocking`` from pageable
+    memory is a synchronous copy.
+    """
+    dev = device()
+    if dev.type == "cpu":
+        return batch
+    return {k: (v.pin_memory().to(dev, non_blocking=True) if isinstance(v, torch.Tensor) and v.device.type == "cpu"
+                else v) for k, v in batch.items()}
+
+
+def reset_peak_memory() -> None:
+    """Start a new peak-memory window (per step on GPU; the CPU's peak RSS cannot be reset)."""
+    if on_gpu():
+        torch.cuda.reset_peak_memory_stats(device())
+
+
+def peak_memory_bytes() -> int:
+    """Peak device memory since the last reset on GPU; peak resident set size of this process on CPU."""
+    if on_gpu():
+        return int(torch.cuda.max_memory_allocated(device()))
+    import resource
+
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def release_cached_memory() -> None:
+    """Give the device allocator's cached blocks back (after a model is dropped); nothing on the CPU."""
+    if on_gpu():
+        torch.cuda.empty_cache()
+
+
+def device_name() -> str:
+    return torch.cuda.get_device_name(device()) if on_gpu() else "cpu"
+
+
+# ---- RNG state for checkpoints ----------------------------------------------------------------------
+def rng_state() -> dict[str, Any]:
+    """Every RNG stream a step can draw from: Python, numpy, torch CPU, the device, megatron's tracker."""
+    from megatron.core import tensor_parallel
+
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+             "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
+    if on_gpu():
+        state["cuda"] = torch.cuda.get_rng_state(device())
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    from megatron.core import tensor_parallel
+
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "tracker" in state:
+        tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+    if on_gpu() and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device())
