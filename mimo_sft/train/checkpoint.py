@@ -1,6 +1,6 @@
-"""Atomic checkpoints: a run killed mid-save never loses the previous one.
+"""Checkpoints of a run's state: a run killed mid-save never loses the previous one.
 
-Layout of ``SAVE_DIR``::
+Layout of ``SAVE_DIR`` (folder rules, fsync order and pruning: :mod:`checkpoint_files`)::
 
     latest                 -> text file naming the newest complete checkpoint ("iter_0000020")
     iter_0000020/
@@ -8,11 +8,13 @@ Layout of ``SAVE_DIR``::
         model/             megatron dist-checkpoint of MimoModel.sharded_state_dict (layout-free)
         rank_00000.pt      this rank's optimizer state (with the fp32 main weights of a bf16 run:
                            the plain optimizer's copies, or the distributed optimizer's shards), RNG states
-    iter_0000030.tmp/      a save in progress: never read, removed by the next save
+    iter_0000020.v2/       a re-save of step 20 (a resumed run reached it again); replaces iter_0000020
+    iter_0000030.tmp/      a save in progress: never read, removed by the next save of that step
 
-Every rank writes into ``iter_N.tmp``; after a barrier rank 0 writes ``meta.json``, renames the
-folder to ``iter_N`` (atomic on POSIX) and replaces ``latest`` atomically. A partial ``.tmp``
-folder is never picked up. Model weights are saved with megatron's dist-checkpointing, so
+Every rank writes (and fsyncs) its files into ``iter_N.tmp``; after a barrier rank 0 writes
+``meta.json`` and publishes the folder: fsync, rename, ``latest`` replaced atomically, and only
+then older copies removed (:func:`checkpoint_files.publish`). A partial ``.tmp`` folder is never
+picked up, and ``latest`` always names a complete checkpoint. Model weights are saved with megatron's dist-checkpointing, so
 ``--pretrained-checkpoint`` and ``mimo-sft export`` can read them with any layout; the optimizer
 and RNG files are per rank, so ``--load-checkpoint`` requires the layout it was saved with (and
 says so clearly when it differs).
@@ -30,12 +32,8 @@ import torch.distributed as dist
 
 from mimo_sft.errors import UserError
 from mimo_sft.parallel import runtime
-
-LATEST = "latest"
-
-
-def iter_dir(root: str, step: int) -> str:
-    return os.path.join(root, f"iter_{step:07d}")
+from mimo_sft.train.checkpoint_files import (LATEST, fsync_file, iter_dir, kill_point, publish, read_meta,  # noqa: F401
+                                             resolve_checkpoint)
 
 
 def layout_signature(layout) -> list[dict]:
@@ -105,63 +103,45 @@ def encoder_replica_rank(ctx) -> int:
     return 0
 
 
-def save_checkpoint(root: str, *, step: int, consumed_samples: int, ctx, extra_meta: dict | None = None) -> str:
-    """Collective: every rank calls it. Returns the final folder."""
+def save_checkpoint(root: str, *, step: int, consumed_samples: int, ctx, extra_meta: dict | None = None,
+                    keep_last: int | None = None) -> str:
+    """Collective: every rank calls it. Returns the published folder (see the module docstring).
+
+    ``keep_last`` defaults to the run's ``--keep-last-checkpoints``.
+    """
     from megatron.core import dist_checkpointing
 
+    if keep_last is None:
+        keep_last = ctx.cfg.checkpoint.keep_last_checkpoints
     rank = dist.get_rank()
-    final = iter_dir(root, step)
-    tmp = final + ".tmp"
+    tmp = iter_dir(root, step) + ".tmp"
     if rank == 0:
         os.makedirs(root, exist_ok=True)
-        if os.path.isdir(tmp):
+        if os.path.isdir(tmp):  # left by a save that was killed
             shutil.rmtree(tmp)
         os.makedirs(os.path.join(tmp, "model"))
     dist.barrier()
+    kill_point("start", step)
     dist_checkpointing.save(model_sharded_state_dict(ctx.model, encoder_replica_rank(ctx)), os.path.join(tmp, "model"))
+    kill_point("after_model", step)
+    rank_file = os.path.join(tmp, f"rank_{rank:05d}.pt")
     torch.save({"optimizer": ctx.optimizer.state_dict(), "rng": runtime.rng_state(), "step": step,
                 "consumed_samples": consumed_samples,
                 "distributed_optimizer": [_distributed_optimizer_state(o) for o in _distributed_optimizers(ctx.optimizer)]},
-               os.path.join(tmp, f"rank_{rank:05d}.pt"))
+               rank_file)
+    fsync_file(rank_file)
     dist.barrier()
+    final = None
     if rank == 0:
+        kill_point("before_meta", step)
         meta = {"step": step, "consumed_samples": consumed_samples, "world_size": dist.get_world_size(),
                 "layout": layout_signature(ctx.layout), "hf_model": ctx.cfg.model.hf_model, **(extra_meta or {})}
         with open(os.path.join(tmp, "meta.json"), "w") as fh:
             json.dump(meta, fh, indent=1)
-        if os.path.isdir(final):
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-        with open(os.path.join(root, LATEST + ".tmp"), "w") as fh:
-            fh.write(os.path.basename(final) + "\n")
-        os.replace(os.path.join(root, LATEST + ".tmp"), os.path.join(root, LATEST))
-    dist.barrier()
-    return final
-
-
-def resolve_checkpoint(path: str) -> str:
-    """A checkpoint folder from either the folder itself or its parent (via ``latest``)."""
-    if not os.path.isdir(path):
-        raise UserError(f"checkpoint {path}: folder not found")
-    if os.path.isfile(os.path.join(path, "meta.json")):
-        return path
-    latest = os.path.join(path, LATEST)
-    if os.path.isfile(latest):
-        with open(latest) as fh:
-            name = fh.read().strip()
-        chosen = os.path.join(path, name)
-        if os.path.isfile(os.path.join(chosen, "meta.json")):
-            return chosen
-        raise UserError(f"checkpoint {path}: 'latest' names {name}, which is incomplete or missing")
-    nested = os.path.join(path, "checkpoints")
-    if os.path.isfile(os.path.join(nested, LATEST)):  # the run's output folder: use its checkpoints
-        return resolve_checkpoint(nested)
-    raise UserError(f"checkpoint {path}: no meta.json and no 'latest' file; point it at a mimo-sft checkpoint folder")
-
-
-def read_meta(ckpt: str) -> dict:
-    with open(os.path.join(ckpt, "meta.json")) as fh:
-        return json.load(fh)
+        final = publish(root, tmp, step, keep_last=keep_last)
+    box = [final]
+    dist.broadcast_object_list(box, src=0, group=ctx.pstate.world_gloo)
+    return box[0]
 
 
 def load_model_weights(model, ckpt: str) -> None:
