@@ -156,7 +156,7 @@ def export(
     from mimo_sft.quiet import quiet_libraries
 
     quiet_libraries()
-    from mimo_sft.train.export import export_checkpoint
+    from mimo_sft.export import export_checkpoint
 
     try:
         path = export_checkpoint(checkpoint, out, hf_model=hf_model)

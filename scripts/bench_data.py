@@ -53,10 +53,10 @@ def main(argv=None) -> int:
     datasets.disable_progress_bars()
     logging.getLogger("mimo_sft.data").setLevel(logging.ERROR)
     from mimo_sft.config.schema import DataConfig
-    from mimo_sft.data.demo import write_demo_dataset
+    from mimo_sft.testing.demo_data import write_demo_dataset
     from mimo_sft.data.loader import build_preprocessor, dataset_stats
     from mimo_sft.data.sources import load_sft_dataset
-    from mimo_sft.data.tiny_checkpoint import write_tiny_checkpoint
+    from mimo_sft.testing.tiny_checkpoint import write_tiny_checkpoint
 
     tmp = tempfile.mkdtemp(prefix="bench_data_")
     model_dir = a.model_dir or str(write_tiny_checkpoint(os.path.join(tmp, "tiny")))

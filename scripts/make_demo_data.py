@@ -4,7 +4,7 @@
     python scripts/make_demo_data.py OUT --samples N [--seed S]
 
 OUT ending in .parquet is the file; otherwise a folder holding train.parquet. See
-``mimo_sft.data.demo`` for the mix (small receipts, some large pages, multi-image, text-only).
+``mimo_sft.testing.demo_data`` for the mix (small receipts, some large pages, multi-image, text-only).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ def main(argv=None) -> int:
     if a.samples <= 0:
         print("error: --samples must be positive", file=sys.stderr)
         return 2
-    from mimo_sft.data.demo import write_demo_dataset
+    from mimo_sft.testing.demo_data import write_demo_dataset
 
     out = write_demo_dataset(a.out, samples=a.samples, seed=a.seed)
     print(f"wrote {a.samples} samples to {out}")

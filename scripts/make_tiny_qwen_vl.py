@@ -8,7 +8,7 @@
 --config-only writes no weights (train the folder with --allow-random-init). The size options
 (--text-hidden ...) only apply to the tiny model.
 
-The logic lives in ``mimo_sft.data.tiny_checkpoint``; this is only the command line.
+The logic lives in ``mimo_sft.testing.tiny_checkpoint``; this is only the command line.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def main(argv=None) -> int:
     p.add_argument("--preset", default=None, help="a released architecture instead of the tiny one: qwen2.5-vl-3b")
     p.add_argument("--config-only", action="store_true", help="write config and processor, no weights")
     a = p.parse_args(argv)
-    from mimo_sft.data.tiny_checkpoint import PRESETS, write_preset_checkpoint, write_tiny_checkpoint
+    from mimo_sft.testing.tiny_checkpoint import PRESETS, write_preset_checkpoint, write_tiny_checkpoint
 
     if a.preset is not None:
         if a.preset not in PRESETS:

@@ -20,14 +20,14 @@ atexit.register(shutil.rmtree, _ROOT, True)
 
 @functools.lru_cache(maxsize=None)
 def tiny_checkpoint_dir() -> Path:
-    from mimo_sft.data.tiny_checkpoint import write_tiny_checkpoint
+    from mimo_sft.testing.tiny_checkpoint import write_tiny_checkpoint
 
     return write_tiny_checkpoint(_ROOT / "tiny_qwen_vl", seed=0)
 
 
 @functools.lru_cache(maxsize=None)
 def demo_dataset_dir(samples: int = 48, seed: int = 0) -> Path:
-    from mimo_sft.data.demo import write_demo_dataset
+    from mimo_sft.testing.demo_data import write_demo_dataset
 
     return write_demo_dataset(_ROOT / f"demo_{samples}_{seed}", samples=samples, seed=seed)
 

@@ -1,6 +1,6 @@
 """Run a test body in N real gloo processes (torch.multiprocessing spawn, localhost rendezvous).
 
-Each worker initialises torch.distributed the way ``finetune`` does (``init_distributed``: device
+Each worker initialises torch.distributed the way ``finetune`` does (``bootstrap.start_world``: device
 choice, then the process group; gloo on these CPU machines), runs ``fn(rank, world, *args)`` and reports
 its return value (or its traceback) to the parent, which fails the test with the first error.
 """
@@ -15,6 +15,7 @@ import torch.multiprocessing as mp
 
 
 def free_port() -> int:
+    """A free localhost port (the one copy for the tests: spawned workers and torchrun's --master-port)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -23,12 +24,12 @@ def free_port() -> int:
 def _worker(rank, world, port, fn, args, queue):
     import torch.distributed as dist
 
-    from mimo_sft.parallel.groups import init_distributed
+    from mimo_sft.parallel.bootstrap import start_world
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
     try:
-        init_distributed(timeout_s=120)
+        start_world(timeout_s=120)
         out = fn(rank, world, *args)
         queue.put((rank, "ok", out))
         dist.barrier()

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from dist_utils import free_port
 from mimo_sft.data.reorder import serialize
 
 IMAGE_TOKEN_ID = 151655
@@ -93,12 +93,6 @@ def assert_batch_intact(batch: dict[str, torch.Tensor], *, with_pixels: bool, te
             a, b = rec[key], ref[key]
             assert a.dtype == b.dtype and a.shape == b.shape, (sid, key, a.dtype, b.dtype, a.shape, b.shape)
             assert torch.equal(a.reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8)), (sid, key)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _entry(rank: int, world: int, port: int, fn, args) -> None:

@@ -79,5 +79,5 @@ def _timeouts(rank, world):
 
 
 def test_dist_timeout_reaches_every_group():
-    # dist_utils starts the workers through init_distributed(timeout_s=120)
+    # dist_utils starts the workers through bootstrap.start_world(timeout_s=120)
     assert run_distributed(_timeouts, 2) == [[120], [120]]

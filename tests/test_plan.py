@@ -3,7 +3,7 @@
 The planner is only useful if what it prints is what training will log. Three levels check that:
 
 * pure: ``simulate.trace`` gives, per micro-batch, exactly the vision-load statistics that
-  ``exchange.window_plan_info`` (what the reorder buffer logs) gives for the same costs;
+  ``planning.window_plan_info`` (what the reorder buffer logs) gives for the same costs;
 * single process: the planner's per-sample numbers (metadata only, no pixels) and sample order
   equal what the real micro-batch iterators hand each language rank (``input_ids`` patches,
   ``attention_mask`` tokens, ``sample_ids``), including truncation replacement;
@@ -60,8 +60,8 @@ def test_own_flags_are_stripped_and_parsed():
 @pytest.mark.parametrize("lang_dp,img_dp,mbs,lang_w,window", [(2, 2, 4, 0.0, 1), (4, 2, 8, 0.5, 2), (2, 1, 6, 1.0, 3),
                                                             (1, 1, 4, 0.0, 1)])
 def test_trace_is_what_the_exchange_logs(lang_dp, img_dp, mbs, lang_w, window):
-    """The buffer's per-micro-batch stats (exchange.window_plan_info) for the same global costs."""
-    from mimo_sft.data.reorder.exchange import window_plan_info
+    """The buffer's per-micro-batch stats (planning.window_plan_info) for the same global costs."""
+    from mimo_sft.data.reorder.planning import window_plan_info
     from mimo_sft.parallel.layout import lcm
 
     rng = random.Random(lang_dp * 100 + mbs)
@@ -104,7 +104,7 @@ def _long_multi_image_data() -> str:
     """Demo-like data plus 3-image pages that do not fit in --seq-length 128 (training replaces them)."""
     import datasets
 
-    from mimo_sft.data.demo import _image
+    from mimo_sft.testing.demo_data import image_png
 
     folder = new_dir("plan_long_multi")
     rng = random.Random(3)
@@ -112,7 +112,7 @@ def _long_multi_image_data() -> str:
     for i in range(40):
         n_img = 3 if i % 5 == 2 else (0 if i % 7 == 6 else 1)
         big = n_img == 3 or i % 3 == 0
-        imgs = [{"bytes": _image(rng, *(rng.randint(300, 400), rng.randint(400, 500)) if big
+        imgs = [{"bytes": image_png(rng, *(rng.randint(300, 400), rng.randint(400, 500)) if big
                                  else (rng.randint(56, 90), rng.randint(90, 160)), "red", i), "path": None}
                 for _ in range(n_img)]
         text = "Describe. " * rng.randint(1, 12)
@@ -132,7 +132,7 @@ def test_planner_numbers_are_the_iterators_numbers():
     from mimo_sft.config.loader import load_config
     from mimo_sft.data.loader import build_microbatch_iterator, build_preprocessor
     from mimo_sft.data.reorder import make_cost_fn, make_patch_count_fn
-    from mimo_sft.data.reorder.exchange import window_plan_info
+    from mimo_sft.data.reorder.planning import window_plan_info
     from mimo_sft.data.sources import load_sft_dataset
     from mimo_sft.plan import PlanOptions, build_plan
 

@@ -60,7 +60,7 @@ def test_processor_and_real_tokenizer(q3b):
     from transformers import AutoProcessor
 
     from mimo_sft.data.processor import QWEN_SPECIAL_TOKENS, QwenVLImageOnlyProcessor, load_processor
-    from mimo_sft.data.tiny_checkpoint import QWEN_EXTRA_ADDED_TOKENS
+    from mimo_sft.testing.tiny_checkpoint import QWEN_EXTRA_ADDED_TOKENS
 
     proc = AutoProcessor.from_pretrained(q3b)
     assert type(proc) is QwenVLImageOnlyProcessor
@@ -134,7 +134,7 @@ def test_script_refuses_bad_preset_usage(tmp_path, q3b):
 def test_tiny_config_only(tmp_path):
     from transformers import Qwen2_5_VLConfig
 
-    from mimo_sft.data.tiny_checkpoint import write_tiny_checkpoint
+    from mimo_sft.testing.tiny_checkpoint import write_tiny_checkpoint
 
     out = write_tiny_checkpoint(tmp_path / "tiny", config_only=True, tokenizer_vocab=512)
     assert (out / "config.json").is_file() and (out / "tokenizer.json").is_file()

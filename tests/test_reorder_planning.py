@@ -9,7 +9,7 @@ import torch
 
 from mimo_sft.data.reorder import planning
 from mimo_sft.errors import UserError
-from tests.reorder_helpers import IMAGE_TOKEN_ID, MERGE, make_batch
+from tests.reorder_helpers import IMAGE_TOKEN_ID, MERGE, assert_batch_intact, make_batch
 
 
 def _bimodal(rng: random.Random, n: int) -> list[float]:
@@ -225,3 +225,142 @@ def test_bisection_refinement_matches_exhaustive_scan():
         planning._refine_by_swaps(costs, fast, max_rounds=10_000)
         _reference_refine(costs, slow)
         assert fast == slow, (trial, costs)
+
+
+# ---------------------------------------------------------------------------------------------
+# routing (planning.plan_exchange and its parts): what every DP rank sends and receives
+# ---------------------------------------------------------------------------------------------
+def _random_window(rng: random.Random, dp: int, n_slots: int, n_local: int):
+    """Per-rank tables ``[rank][slot][sample]``: bimodal costs, distinct sizes (a src/dst mix-up shows)."""
+    costs = [[_bimodal(rng, n_local) for _ in range(n_slots)] for _ in range(dp)]
+    loads = [[[float(rng.randint(0, 99)) for _ in range(n_local)] for _ in range(n_slots)] for _ in range(dp)]
+    nbytes = [[[8 * rng.randint(1, 10_000) for _ in range(n_local)] for _ in range(n_slots)] for _ in range(dp)]
+    return costs, loads, nbytes
+
+
+_ROUTING_CASES = [(2, 1, 1, 2), (2, 3, 2, 2), (3, 2, 2, 3), (4, 2, 3, 4), (4, 1, 4, 8), (2, 2, 4, 8), (6, 1, 2, 6)]
+
+
+@pytest.mark.parametrize("dp,n_slots,n_local,n_groups", _ROUTING_CASES)
+def test_send_and_recv_lists_mirror_each_other_across_ranks(dp, n_slots, n_local, n_groups):
+    rng = random.Random(dp * 1000 + n_slots * 100 + n_local)
+    for _ in range(20):
+        costs, loads, nbytes = _random_window(rng, dp, n_slots, n_local)
+        plans = [planning.plan_exchange(costs, loads, nbytes, dp_rank=r, n_groups=n_groups) for r in range(dp)]
+        # every rank derives the same orders and routes from the same numbers
+        assert all(p.routes == plans[0].routes and [i["order"] for i in p.infos] == [i["order"] for i in plans[0].infos]
+                   for p in plans)
+        for r in range(dp):
+            for q in range(dp):
+                assert plans[r].send[q] == plans[q].recv[r], (r, q)  # same moves, same wire order
+                assert plans[r].send[q] == sorted(plans[r].send[q])
+                if r != q:
+                    assert plans[r].send_splits[q] == plans[q].recv_splits[r], (r, q)
+            assert plans[r].send_splits[r] == plans[r].recv_splits[r] == 0  # what a rank keeps never travels
+            # the receiver's canonical positions of every slot are filled exactly once
+            filled = sorted((w, pos) for moves in plans[r].recv for w, pos, _i in moves)
+            assert filled == [(w, pos) for w in range(n_slots) for pos in range(n_local)]
+            # and every local sample leaves (or stays) exactly once
+            sent = sorted((w, i) for moves in plans[r].send for w, _pos, i in moves)
+            assert sent == [(w, i) for w in range(n_slots) for i in range(n_local)]
+        moved = sum(nbytes[g // n_local][w][g % n_local]
+                    for w, route in enumerate(plans[0].routes) for g, (owner, _pos) in enumerate(route)
+                    if owner != g // n_local)
+        assert sum(sum(p.send_splits) for p in plans) == sum(sum(p.recv_splits) for p in plans) == moved
+
+
+def test_split_sizes_count_the_senders_records():
+    # dp 2, two samples each; rank 0's sample 1 goes to rank 1 (position 0), rank 1's sample 0 to rank 0 (position 1)
+    routes = [[(0, 0), (1, 0), (0, 1), (1, 1)]]
+    nbytes = [[[10, 20]], [[30, 40]]]
+    send, recv = planning.rank_moves(routes, dp_rank=0, dp_size=2, n_local=2)
+    assert send == [[(0, 0, 0)], [(0, 0, 1)]] and recv == [[(0, 0, 0)], [(0, 1, 0)]]
+    assert planning.split_sizes(send, recv, nbytes, dp_rank=0) == ([0, 20], [0, 30])
+    send1, recv1 = planning.rank_moves(routes, dp_rank=1, dp_size=2, n_local=2)
+    assert planning.split_sizes(send1, recv1, nbytes, dp_rank=1) == ([30, 0], [20, 0])
+    with pytest.raises(ValueError, match="routes 3 samples"):
+        planning.rank_moves([routes[0][:3]], dp_rank=0, dp_size=2, n_local=2)
+
+
+def test_unchanged_slots_and_crossing_detection():
+    identity = [(0, 0), (0, 1), (1, 0), (1, 1)]
+    swapped_inside_rank0 = [(0, 1), (0, 0), (1, 0), (1, 1)]  # rank 0 keeps its samples, order flipped
+    crossing = [(1, 0), (0, 1), (0, 0), (1, 1)]  # rank 0's sample 0 and rank 1's sample 0 trade places
+    assert not planning.crosses_ranks([identity, swapped_inside_rank0], 2)
+    assert planning.crosses_ranks([identity, crossing], 2)
+    assert planning.unchanged_slots([identity, swapped_inside_rank0, crossing], dp_rank=0, n_local=2) == [True, False, False]
+    assert planning.unchanged_slots([identity, swapped_inside_rank0, crossing], dp_rank=1, n_local=2) == [True, True, False]
+    # a balanced micro-batch is not shuffled: nothing crosses, every slot unchanged, nothing staged
+    flat = [[[5.0, 5.0]], [[5.0, 5.0]]]
+    sizes = [[[8, 16]], [[24, 32]]]
+    plan = planning.plan_exchange(flat, flat, sizes, dp_rank=1, n_groups=2)
+    assert not plan.crosses and plan.unchanged == [True] and plan.send_splits == plan.recv_splits == [0, 0]
+
+
+def test_dp1_routes_are_the_local_permutation():
+    """The DP-1 path permutes by ``window_plan_info``'s order; the routing plan of one rank agrees."""
+    rng = random.Random(21)
+    for n_groups, n in [(1, 4), (2, 6), (4, 8)]:
+        costs = [[_bimodal(rng, n) for _ in range(3)]]
+        plan = planning.plan_exchange(costs, costs, [[[8] * n] * 3], dp_rank=0, n_groups=n_groups)
+        infos = planning.window_plan_info(costs[0], costs[0], n_groups=n_groups, dp_size=1, stats_dp_sizes=None)
+        assert not plan.crosses and plan.send_splits == plan.recv_splits == [0]
+        for w, info in enumerate(infos):
+            kept = sorted((pos, i) for ww, pos, i in plan.kept if ww == w)
+            assert [i for _pos, i in kept] == info["order"]
+            assert plan.unchanged[w] == (info["order"] == list(range(n)))
+
+
+def test_global_slots_concatenate_ranks_in_rank_order():
+    per_rank = [[["a0", "a1"], ["A0", "A1"]], [["b0", "b1"], ["B0", "B1"]]]
+    assert planning.global_slots(per_rank) == [["a0", "a1", "b0", "b1"], ["A0", "A1", "B0", "B1"]]
+    with pytest.raises(ValueError, match="ranks x"):
+        planning.plan_exchange([[[1.0, 2.0]], [[3.0]]], [[[1.0, 2.0]], [[3.0]]], [[[8, 8]], [[8]]], dp_rank=0, n_groups=2)
+
+
+def test_one_cost_formula_for_training_and_the_planner():
+    """batch_costs (tensors, training) and weighted_costs on plain counts (the planner) agree bit for bit."""
+    from mimo_sft.plan import simulate
+
+    batch = make_batch(list(range(80, 96)), with_pixels=False)
+    patches = planning.patch_counts(batch["input_ids"], image_token_id=IMAGE_TOKEN_ID, merge_size=MERGE)
+    tokens = batch["attention_mask"].sum(-1)
+    for ew, lw in [(1.0, 0.0), (0.7, 0.1), (0.3, 0.9), (1.0, 1 / 3)]:
+        trained = planning.batch_costs(batch, encoder_cost_weight=ew, language_cost_weight=lw,
+                                       image_token_id=IMAGE_TOKEN_ID, merge_size=MERGE)
+        plain = planning.weighted_costs([float(p) for p in patches], [float(t) for t in tokens],
+                                        encoder_cost_weight=ew, language_cost_weight=lw)
+        mb = simulate.MicroBatchLoad(list(range(16)), [float(p) for p in patches], [float(t) for t in tokens])
+        assert trained == plain == simulate.costs_of(mb, ew, lw)
+        assert trained == [ew * float(p) + lw * float(t) for p, t in zip(patches, tokens)]
+    with pytest.raises(ValueError, match="token counts"):
+        planning.weighted_costs([1.0], None, encoder_cost_weight=1.0, language_cost_weight=0.5)
+
+
+@pytest.mark.parametrize("dp,n_slots,n_local,n_groups", [(2, 2, 3, 2), (3, 2, 2, 6), (4, 3, 2, 4)])
+def test_pack_all_to_all_unpack_in_one_process(dp, n_slots, n_local, n_groups):
+    """The exchange's pack and unpack steps around an in-process all-to-all: every rank ends with its
+    canonical slice, byte for byte, and a byte missing from the wire is caught."""
+    from mimo_sft.data.reorder import exchange, serialize
+
+    cost_fn = planning.make_cost_fn(encoder_cost_weight=1.0, image_token_id=IMAGE_TOKEN_ID, merge_size=MERGE)
+    ids = [[list(range(100 * w + n_local * r, 100 * w + n_local * (r + 1))) for w in range(n_slots)] for r in range(dp)]
+    wins = [exchange._split_window([make_batch(s, with_pixels=True) for s in ids[r]], cost_fn, None) for r in range(dp)]
+    gathered = exchange._Gathered(costs=[w.costs for w in wins], loads=[w.loads for w in wins],
+                                  metas=[w.metas for w in wins])
+    nbytes = [[[serialize.record_nbytes(m) for m in slot] for slot in rank] for rank in gathered.metas]
+    plans = [planning.plan_exchange(gathered.costs, gathered.loads, nbytes, dp_rank=r, n_groups=n_groups)
+             for r in range(dp)]
+    sends = [exchange._pack(plans[r], wins[r], exchange.ScratchBuffers())[0] for r in range(dp)]
+    chunks = [list(torch.split(sends[r], plans[r].send_splits)) for r in range(dp)]  # all-to-all by hand
+    for q in range(dp):
+        recv = torch.cat([chunks[r][q] for r in range(dp)])
+        out = exchange._unpack(plans[q], wins[q], gathered, recv)
+        for w, batch in enumerate(out):
+            order = plans[q].infos[w]["order"]
+            want = [ids[g // n_local][w][g % n_local] for g in order[q * n_local:(q + 1) * n_local]]
+            assert batch["sample_ids"].tolist() == want
+            assert_batch_intact(batch, with_pixels=True)
+        if sum(plans[q].recv_splits):
+            with pytest.raises(RuntimeError, match="bytes"):
+                exchange._unpack(plans[q], wins[q], gathered, recv[:-8])

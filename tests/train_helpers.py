@@ -8,10 +8,13 @@ import io
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from dist_utils import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 _TMP = Path(tempfile.mkdtemp(prefix="mimo_sft_train_tests_"))
@@ -21,14 +24,14 @@ TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 
 @functools.lru_cache(maxsize=None)
 def tiny_model() -> str:
-    from mimo_sft.data.tiny_checkpoint import write_tiny_checkpoint
+    from mimo_sft.testing.tiny_checkpoint import write_tiny_checkpoint
 
     return str(write_tiny_checkpoint(_TMP / "tiny", seed=0))
 
 
 @functools.lru_cache(maxsize=None)
 def demo_data(samples: int = 96) -> str:
-    from mimo_sft.data.demo import write_demo_dataset
+    from mimo_sft.testing.demo_data import write_demo_dataset
 
     return str(write_demo_dataset(_TMP / f"demo_{samples}", samples=samples, seed=0))
 
@@ -67,23 +70,31 @@ def fixed_size_data(samples: int = 32, *, broken_image: int | None = None) -> st
     return str(folder)
 
 
-def torchrun(nproc: int, args: list[str], *, timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess:
+def torchrun(nproc: int, args: list[str], *, timeout: float = 300, check: bool = True,
+             extra_env: dict | None = None) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
-               HF_DATASETS_OFFLINE="1", PYTHONWARNINGS="ignore")
-    cmd = [TORCHRUN, "--nproc-per-node", str(nproc), "--master-port", str(_free_port()), "-m", "mimo_sft",
+               HF_DATASETS_OFFLINE="1", PYTHONWARNINGS="ignore", **(extra_env or {}))
+    cmd = [TORCHRUN, "--nproc-per-node", str(nproc), "--master-port", str(free_port()), "-m", "mimo_sft",
            "finetune", *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=str(ROOT), env=env)
+    # Own session, output to files: a rank killed with SIGKILL (the checkpoint tests do that) leaves
+    # megatron's checkpoint-writer processes behind; they would hold a pipe open until the timeout.
+    # The whole session is killed once torchrun returns, as a cluster scheduler would.
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        child = subprocess.Popen(cmd, stdout=out, stderr=err, text=True, cwd=str(ROOT), env=env,
+                                 start_new_session=True)
+        try:
+            code = child.wait(timeout=timeout)
+        finally:
+            try:
+                os.killpg(child.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        out.seek(0)
+        err.seek(0)
+        proc = subprocess.CompletedProcess(cmd, code, out.read(), err.read())
     if check and proc.returncode != 0:
         raise AssertionError(f"torchrun failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     return proc
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def metrics(run_dir: str) -> list[dict]:

@@ -5,8 +5,12 @@ them all; ``finetune`` runs the same function on every rank before step 0 and re
 Each message says what is wrong and what to change. Where a limit is mimo-sft's own choice rather
 than a hard megatron limit, the message says so.
 
+A model family's limits (its modalities, encoder and language parallelism, head and layer
+divisibility, supported ``model_type`` values) are not written here: they come from the family
+descriptors in ``config.families``; the checks below word them and add the layout rules.
+
 Pure: no torch.distributed, no megatron. ``config.json`` of ``--hf-model`` is read when present to
-check head and layer divisibility.
+find the family and check head and layer divisibility.
 """
 
 from __future__ import annotations
@@ -16,14 +20,12 @@ import os
 from dataclasses import dataclass
 from typing import Callable
 
+from mimo_sft.config import families
+from mimo_sft.config.families import FamilySpec
 from mimo_sft.config.schema import ExperimentConfig
 from mimo_sft.errors import UserError
 from mimo_sft.parallel.components import ComponentSpec
 from mimo_sft.parallel.layout import LANGUAGE, Layout
-
-#: modalities each supported model family provides (module names besides ``language``)
-FAMILY_MODALITIES = {"qwen2_5_vl": ("images",)}
-SUPPORTED_MODEL_TYPES = ("qwen2_5_vl",)
 
 
 @dataclass(frozen=True)
@@ -72,6 +74,11 @@ def c01_positive_sizes(ctx):
     si = ctx.cfg.checkpoint.save_interval
     if si is not None and si < 1:
         yield f"--save-interval={si} must be >= 1"
+    keep = ctx.cfg.checkpoint.keep_last_checkpoints
+    if keep is not None and keep < 1:
+        yield f"--keep-last-checkpoints={keep} must be >= 1 (leave it out to keep every checkpoint)"
+    if ctx.cfg.logging.peak_tflops is not None and ctx.cfg.logging.peak_tflops <= 0:
+        yield f"--peak-tflops={ctx.cfg.logging.peak_tflops} must be > 0 (a GPU's dense bf16 peak, e.g. 989 for an H100 SXM)"
     o = ctx.cfg.optimizer
     if o.lr < 0 or o.min_lr < 0:
         yield "--lr and --min-lr must be >= 0"
@@ -95,7 +102,8 @@ def c03_language_present(ctx):
 
 def c04_module_names(ctx):
     family = _family(ctx)
-    allowed = FAMILY_MODALITIES.get(family or "qwen2_5_vl", ())
+    spec = families.family_for_model_type(family) if family else families.default_family()
+    allowed = spec.modalities if spec else ()
     for s in ctx.specs:
         if s.name != LANGUAGE and s.name not in allowed:
             yield (f"module '{s.name}' is not a modality of {family or 'Qwen-VL'} models; "
@@ -170,20 +178,12 @@ def c10_encoder_limits(ctx):
     if ctx.layout is None:
         return
     lang = next((s for s in ctx.specs if s.name == LANGUAGE), None)
+    spec = _family_spec(ctx)
     for s in ctx.specs:
         if s.name == LANGUAGE:
             continue
-        if s.pp > 1:
-            yield f"{s.name}.pp={s.pp}: encoder pipeline parallelism is not supported (mimo-sft's own limit); set pp=1"
-        if s.tp > 1 and not ctx.layout.colocated:
-            yield (f"{s.name}.tp={s.tp}: the Hugging Face Qwen-VL vision tower runs unsharded "
-                   f"(mimo-sft's own limit); set tp=1 and scale the encoder with dp")
-        elif s.tp > 1:
-            yield (f"{s.name}.tp={s.tp} on a colocated layout: the vision tower is replicated (not sharded) on its "
-                   f"{s.tp} tp ranks, so {s.name}.dp={s.dp} replicas serve language.dp={lang.dp if lang else '?'} (fan-out)",
-                   "note")
-        if s.cp > 1:
-            yield f"{s.name}.cp={s.cp}: encoder context parallelism is not supported; set cp=1"
+        yield from families.encoder_findings(spec, s, colocated=ctx.layout.colocated,
+                                             language_dp=lang.dp if lang else None)
         if lang and not ctx.layout.colocated and s.dp > lang.dp:
             yield (f"{s.name}.dp={s.dp} > language.dp={lang.dp}: megatron's bridge fan-in asserts when "
                    f"image-token counts vary per sample; make {s.name}.dp <= language.dp")
@@ -207,8 +207,8 @@ def c11_colocated(ctx):
 
 def c12_language_partition(ctx):
     lang = next((s for s in ctx.specs if s.name == LANGUAGE), None)
-    if lang and lang.cp > 1:
-        yield f"language.cp={lang.cp}: context parallelism is untested with MIMO here (mimo-sft's own limit); set cp=1"
+    if lang:
+        yield from families.language_partition_findings(_family_spec(ctx), lang)
 
 
 def c13_reorder(ctx):
@@ -236,8 +236,6 @@ def c14_scalable_dp(ctx):
     d = ctx.cfg.data
     if not d.drop_last:
         yield "--scalable-dp needs --drop-last: every canonical group must be full in every micro-batch"
-    if d.dataloader_type not in ("single", "cyclic"):
-        yield f"--scalable-dp supports --dataloader-type single or cyclic, not {d.dataloader_type!r}"
     for s in ctx.specs:
         if s.etp > 1:
             yield f"{s.name}.etp={s.etp}: expert tensor parallelism > 1 is rejected with --scalable-dp; set etp=1"
@@ -266,22 +264,13 @@ def c16_model(ctx):
                f"architecture untrained with --allow-random-init")
     if ctx.hf_config is not None:
         mt = ctx.hf_config.get("model_type")
-        if mt not in SUPPORTED_MODEL_TYPES:
-            yield f"--hf-model: model_type {mt!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        spec = families.family_for_model_type(mt)
+        if spec is None:
+            yield f"--hf-model: model_type {mt!r} is not supported; supported: {', '.join(families.model_types())}"
             return
-        text = ctx.hf_config.get("text_config", ctx.hf_config)
-        heads = text.get("num_attention_heads")
-        kv = text.get("num_key_value_heads", heads)
-        layers = text.get("num_hidden_layers")
         for s in ctx.specs:
-            if s.name != LANGUAGE:
-                continue
-            if heads and s.tp >= 1 and heads % s.tp:
-                yield f"language.tp={s.tp} does not divide the model's {heads} attention heads; choose a divisor"
-            if kv and s.tp >= 1 and kv % s.tp:
-                yield f"language.tp={s.tp} does not divide the model's {kv} key/value heads; choose a divisor of {kv}"
-            if layers and s.pp >= 1 and layers % s.pp:
-                yield f"language.pp={s.pp} does not divide the model's {layers} layers; choose a divisor"
+            if s.name == LANGUAGE:
+                yield from families.language_divisibility_findings(spec, s, ctx.hf_config)
     elif ctx.for_run and not m.allow_random_init and not m.pretrained_checkpoint:
         yield "no model: give --hf-model DIR (a Hugging Face Qwen-VL folder)"
     elif not ctx.for_run:
@@ -355,6 +344,12 @@ class CheckResult:
 
 def _family(ctx) -> str | None:
     return (ctx.hf_config or {}).get("model_type")
+
+
+def _family_spec(ctx) -> FamilySpec:
+    """The family of ``--hf-model``'s config.json; the default family without one or for an unsupported
+    ``model_type`` (check 16 refuses that), so the layout is still checked against a family's limits."""
+    return families.family_for_model_type(_family(ctx)) or families.default_family()
 
 
 def _ranges(values: list[int]) -> str:

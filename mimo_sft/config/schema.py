@@ -1,9 +1,10 @@
 """Every setting of an experiment, as typed dataclasses.
 
-Each field's ``metadata`` may carry ``flag`` (the command-line flag that overrides it) and ``help``.
-The flag table in ``config.flags`` is generated from these, so a setting, its YAML key and its flag
-are declared once. YAML mirrors the sections: ``model:``, ``data:``, ``parallel:``, ``reorder:``,
-``train:``, ``optimizer:``, ``checkpoint:``, ``logging:``.
+Each field's ``metadata`` may carry ``flag`` (the command-line flag that overrides it), ``help``,
+``choices`` and ``negatable`` (a ``--no-`` form). The flag table, ``config.loader.flag_table()``, is
+generated from these, so a setting, its YAML key and its flag are declared once; the ``--model-family``
+choices come from the family descriptors in ``config.families``. YAML mirrors the sections: ``model:``,
+``data:``, ``parallel:``, ``reorder:``, ``train:``, ``optimizer:``, ``checkpoint:``, ``logging:``.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+from mimo_sft.config.families import family_names
 from mimo_sft.parallel.components import ComponentSpec
 
 
@@ -25,7 +27,7 @@ def opt(default, flag: str | None = None, help: str = "", choices: tuple | None 
 @dataclass
 class ModelConfig:
     hf_model: Optional[str] = opt(None, "--hf-model", "Hugging Face Qwen-VL checkpoint folder (config.json, safetensors, processor files)")
-    family: str = opt("auto", "--model-family", "model family; 'auto' reads config.json", choices=("auto", "qwen2_5_vl"))
+    family: str = opt("auto", "--model-family", "model family; 'auto' reads config.json", choices=("auto",) + family_names())
     allow_random_init: bool = opt(False, "--allow-random-init", "build the architecture from --hf-model's config without loading weights")
     pretrained_checkpoint: Optional[str] = opt(None, "--pretrained-checkpoint", "start from the weights of a mimo-sft checkpoint (fresh optimizer and step 0)")
     freeze_vision: bool = opt(False, "--freeze-vision", "do not train the vision tower")
@@ -116,6 +118,7 @@ class CheckpointConfig:
     save_interval: Optional[int] = opt(None, "--save-interval", "save every N steps (and at the end)")
     load_checkpoint: Optional[str] = opt(None, "--load-checkpoint", "resume model, optimizer, scheduler, RNG and data position from this folder")
     export_hf: Optional[str] = opt(None, "--export-hf", "write the final weights as a Hugging Face folder here")
+    keep_last_checkpoints: Optional[int] = opt(None, "--keep-last-checkpoints", "after each save, remove all but the newest N checkpoints (default: keep all)")
 
 
 @dataclass

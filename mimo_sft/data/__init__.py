@@ -34,6 +34,9 @@ Resume: pass ``consumed_samples`` = micro-batches consumed so far * micro_batch_
 continues exactly (across epochs, single and cyclic). Every user mistake raises ``UserError``.
 Importing this package registers the image-only processor with ``AutoProcessor`` lazily, on first
 use of ``load_processor`` (import ``mimo_sft.data.processor`` to register eagerly).
+
+The tiny checkpoint and the synthetic demo dataset used by tests and the demo live in
+``mimo_sft.testing``, not here.
 """
 
 from __future__ import annotations
@@ -54,8 +57,6 @@ _EXPORTS = {
     "SamplePreprocessor": "mimo_sft.data.preprocess",
     "collate": "mimo_sft.data.preprocess",
     "CanonicalSampler": "mimo_sft.data.sampler",
-    "write_tiny_checkpoint": "mimo_sft.data.tiny_checkpoint",
-    "write_demo_dataset": "mimo_sft.data.demo",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -153,9 +153,8 @@ def build_microbatch_iterator(data_cfg, *, model_dir, micro_batch_size: int, can
     """
     source = source if source is not None else load_sft_dataset(data_cfg)
     pre = preprocessor if preprocessor is not None else build_preprocessor(data_cfg, model_dir)
-    if micro_batch_size % canonical_grid or canonical_grid % dp_size:
-        raise UserError(f"--micro-batch-size {micro_batch_size} must be a multiple of the canonical grid {canonical_grid} "
-                        f"(lcm of module DP sizes), which must be a multiple of DP size {dp_size}")
+    # micro_batch_size % canonical_grid and canonical_grid % dp_size: check_config refuses the first
+    # (check 8), the grid is the LCM of the DP sizes; the sampler asserts both
     check_fits(source, pre, micro_batch_size=micro_batch_size, global_batch_size=global_batch_size)
     sampler = CanonicalSampler(len(source), micro_batch_size=micro_batch_size, canonical_grid=canonical_grid,
                                dp_size=dp_size, dp_rank=dp_rank, dataloader_type=data_cfg.dataloader_type,

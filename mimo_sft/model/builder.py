@@ -4,62 +4,39 @@
 communicators on all ranks). Each rank builds only the modules it runs (``MimoModel`` reads the
 grids from ``parallel_state.grids``) and reads only its own slices of the safetensors shards.
 
-Limits enforced here with a ``UserError`` (``validate`` should refuse them earlier):
-* the ``images`` encoder runs with tp = pp = cp = 1 (it is transformers' module, not megatron's);
-* ``language`` tp must divide the attention heads and the KV heads, pp must divide the layers,
-  cp must be 1, and pp > 1 only when the encoder has its own ranks (non-colocated).
+The layout limits (the family's, from its descriptor in ``config.families``, and megatron's
+colocated pp = cp = 1) are only asserted here: ``check_config``, which finetune runs first, refuses
+them with a message, and export and check-model build a fixed 1-rank layout within them.
 """
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 
-from mimo_sft.errors import UserError
-from mimo_sft.model.family import IMAGES, ModelInfo, get_family
+from mimo_sft.config.families import layout_problems
+from mimo_sft.model.family import ModelInfo
 from mimo_sft.model.hf_checkpoint import HFCheckpoint, read_config_json
+from mimo_sft.model.registry import get_family
 from mimo_sft.parallel import runtime
-from mimo_sft.parallel.cpu_shims import ensure_megatron_importable
-from mimo_sft.parallel.layout import LANGUAGE
-
-ensure_megatron_importable()
+from mimo_sft.parallel.layout import IMAGES, LANGUAGE
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 DEFAULT_MAX_SEQ_LEN = 32768
 
 
 def _check_layout(layout, hf_cfg, adapter, hf_dir: str) -> None:
-    names = [s.name for s in layout.components]
-    if LANGUAGE not in names:
-        raise UserError("the layout has no 'language' module; add --component language=dp=N")
-    unknown = [n for n in names if n not in (LANGUAGE, IMAGES)]
-    if unknown:
-        raise UserError(f"module(s) {', '.join(unknown)} are not part of a {adapter.name} model; "
-                        f"use the module names 'language' and 'images'")
-    t = hf_cfg.text_config
-    lang = layout.spec(LANGUAGE)
-    if t.num_attention_heads % lang.tp or t.num_key_value_heads % lang.tp:
-        raise UserError(f"language tp={lang.tp} must divide the attention heads ({t.num_attention_heads}) and KV heads "
-                        f"({t.num_key_value_heads}) of {hf_dir}; choose a language tp that divides both")
-    if t.num_hidden_layers % lang.pp:
-        raise UserError(f"language pp={lang.pp} must divide the {t.num_hidden_layers} layers of {hf_dir}; choose another pp")
-    if lang.cp != 1:
-        raise UserError(f"language cp={lang.cp} is not supported; use cp=1")
-    if lang.pp > 1 and layout.colocated:
-        raise UserError(f"language pp={lang.pp} needs the encoder on its own ranks (MimoModel's colocated mode runs "
-                        f"pp=1); give images its own ranks with rank_offset, or use language pp=1")
-    if IMAGES in names:
-        img = layout.spec(IMAGES)
-        # The HF vision tower is not sharded. On a colocated layout an images tp > 1 means the
-        # tower is replicated on its tp ranks (identical inputs, outputs and gradients), which is
-        # what lets the encoder run at a smaller DP than the language model on the same ranks
-        # (ColocatedBridgeCommunicator fan-out). Apart from the language model it would only waste GPUs.
-        if img.pp != 1 or img.cp != 1 or (img.tp != 1 and not layout.colocated):
-            raise UserError(f"images tp={img.tp}, pp={img.pp}, cp={img.cp}: the vision encoder runs without model "
-                            f"parallelism; use images tp=1,pp=1,cp=1 and scale it with dp")
+    """Assert the layout is one ``check_config`` accepts for this checkpoint (an internal error otherwise).
+
+    The family's rules are the descriptor's (checks 3, 4, 10, 12, 16 word them for the user), read
+    on the transformers config (config.json with its defaults); colocated modules need pp = cp = 1
+    (check 11, megatron's ColocatedBridgeCommunicator).
+    """
+    problems = layout_problems(adapter.spec, layout, hf_cfg.to_dict())
+    assert not problems, f"{hf_dir}: layout {layout.names} passed to build_mimo_model unchecked: {'; '.join(problems)}"
+    assert not layout.colocated or all(s.pp == 1 and s.cp == 1 for s in layout.components), (
+        f"colocated layout with pp or cp > 1 passed to build_mimo_model unchecked: {layout.components}")
 
 
 def _freeze(model, adapter, model_cfg) -> None:
@@ -171,50 +148,17 @@ def _cast_keeping_fp32_buffers(module: torch.nn.Module, dtype: torch.dtype) -> N
 
 
 # ---- single process (export, check-model, tests) --------------------------------------------------
-_SINGLE_STATE = None
-
-
-def ensure_single_process_group() -> None:
-    """Start a 1-rank gloo process group unless one is already running.
-
-    Its store lives in this process (no port, nothing to rendezvous with): inside torchrun a TCP
-    init would connect to torchrun's agent store instead (``TORCHELASTIC_USE_AGENT_STORE``) and hang,
-    which is where ``finetune --export-hf`` runs it.
-    """
-    if dist.is_initialized():
-        return
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-
-
-def single_process_parallel_state(prefer: str = "auto"):
-    """The colocated 1-rank layout ``language=dp=1`` + ``images=dp=1`` (built once per process), with
-    the device chosen (``prefer="cpu"`` keeps a GPU machine's GPUs out of it) and megatron set up."""
-    global _SINGLE_STATE
-    from mimo_sft.parallel.components import parse_component
-    from mimo_sft.parallel.groups import build_parallel_state
-    from mimo_sft.parallel.layout import Layout
-
-    if not runtime.device_chosen():  # a finetune process exporting at the end keeps its device
-        runtime.use_device(runtime.select_device(prefer))
-    ensure_single_process_group()
-    if dist.get_world_size() != 1:
-        raise RuntimeError("single_process_parallel_state() needs a 1-rank process group")
-    runtime.init_megatron(0, tp_rank=0)
-    if _SINGLE_STATE is None:
-        os.environ["WORLD_SIZE"] = "1"
-        layout = Layout.from_specs([parse_component("language=dp=1"), parse_component("images=dp=1")])
-        _SINGLE_STATE = build_parallel_state(layout)
-    return _SINGLE_STATE
-
-
 def build_single_process_model(hf_dir: str, *, random_init: bool = False, model_cfg=None,
                                config_overrides: Optional[dict] = None, attn_implementation: str = "sdpa",
                                prefer: str = "auto", cpu_init: Optional[bool] = None):
     """``build_mimo_model`` on a 1-rank colocated layout (TP=1, both modules); for export and checks.
 
     The parameters live on this process's device unless ``cpu_init`` (export builds in host memory).
+    The 1-rank world, its groups and megatron's state come from ``parallel.bootstrap``.
     """
-    state = single_process_parallel_state(prefer)
+    from mimo_sft.parallel.bootstrap import start_single_process
+
+    state = start_single_process(prefer)
     return build_mimo_model(hf_dir, layout=state.layout, parallel_state=state, model_cfg=model_cfg,
                             random_init=random_init, config_overrides=config_overrides,
                             attn_implementation=attn_implementation, cpu_init=cpu_init)

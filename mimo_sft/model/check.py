@@ -113,14 +113,13 @@ def check_model(hf_dir: str, *, tolerance: float = DEFAULT_TOLERANCE, seed: int 
     from transformers import AutoModelForImageTextToText
 
     from mimo_sft.model.builder import build_single_process_model
-
-    from mimo_sft.model.builder import single_process_parallel_state
-    from mimo_sft.model.family import get_family
+    from mimo_sft.model.registry import get_family
     from mimo_sft.model.hf_checkpoint import read_config_json
     from mimo_sft.parallel import runtime
+    from mimo_sft.parallel.bootstrap import start_single_process
 
     t0 = time.time()
-    single_process_parallel_state()  # chooses the device and sets megatron up, as training does
+    start_single_process()  # chooses the device and sets megatron up, as training does
     device = runtime.device()
     raw = read_config_json(hf_dir)
     hf_cfg = get_family(raw, hf_dir=hf_dir).load_hf_config(hf_dir, raw)

@@ -5,8 +5,10 @@ template, processor configs) copied as they are, and safetensors written with th
 names (``visual.*`` / ``model.layers.*`` or ``model.visual.*`` / ``model.language_model.*``), so
 ``AutoModelForImageTextToText.from_pretrained(out_dir)`` loads it and HF -> mimo -> HF is bit-exact.
 
-The training loop's ``export`` command loads a run's dist-checkpoint into a model built by
-``build_single_process_model`` and passes ``model.state_dict()`` here.
+:func:`export_weights` is the model side of exporting a training checkpoint: it builds the 1-rank
+model in host memory without initialisation, lets the caller load the weights into it, and writes
+the folder. Reading the checkpoint is ``train.checkpoint``'s business; ``mimo_sft.export`` joins the
+two (model/ never imports train/).
 """
 
 from __future__ import annotations
@@ -14,12 +16,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
 from mimo_sft.errors import UserError
-from mimo_sft.model.family import IMAGES, get_family
+from mimo_sft.model.registry import get_family
+from mimo_sft.parallel.layout import IMAGES
 from mimo_sft.model.hf_checkpoint import SAFE_INDEX, SAFE_SINGLE, HFCheckpoint, read_config_json
 
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack")
@@ -131,3 +134,18 @@ def export_hf(megatron_state_dict_tp1: dict, src_hf_dir: str, out_dir: str, *, d
 def export_model(model, src_hf_dir: str, out_dir: str, **kw) -> dict:
     """``export_hf(model.state_dict(), ...)`` for a model built by ``build_single_process_model``."""
     return export_hf(model.state_dict(), src_hf_dir, out_dir, **kw)
+
+
+def export_weights(load_weights: Callable[[torch.nn.Module], None], src_hf_dir: str, out_dir: str) -> dict:
+    """Build the 1-rank TP=1 model of ``src_hf_dir``, fill it with ``load_weights(model)``, write ``out_dir``.
+
+    The model is built in host memory with megatron's initialisation off (``load_weights`` supplies
+    every weight), so export never uses a GPU, never competes with training memory on a GPU node,
+    and holds one copy of the model.
+    """
+    from mimo_sft.model.builder import build_single_process_model
+
+    model, _info = build_single_process_model(src_hf_dir, random_init=True, prefer="cpu", cpu_init=True,
+                                              config_overrides={"perform_initialization": False})
+    load_weights(model)
+    return export_model(model, src_hf_dir, out_dir)

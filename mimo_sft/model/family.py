@@ -1,9 +1,12 @@
-"""Model families: the adapter protocol, the registry keyed by HF ``model_type``, and ``ModelInfo``.
+"""Model families: the adapter protocol and ``ModelInfo``.
 
-Everything family-specific (how config.json maps onto megatron configs, which vision module to wrap,
-how weights are named and laid out) lives in one adapter file per family, registered here. The
-builder, export and check-model code only talks to ``FamilyAdapter``, so adding Qwen3-VL dense is a
-new ``qwen3_vl.py`` with an adapter class and one ``register`` call, not a rewrite.
+What a family is and which layouts it supports (name, ``model_type`` values, modalities, parallel
+limits) is data in its descriptor, ``config.families.FamilySpec``. How it is built (config.json ->
+megatron configs, which vision module to wrap, how weights are named and laid out) lives in one
+adapter file per family whose ``FamilyAdapter`` subclass points at that descriptor (``spec = ...``);
+``model.registry`` finds the adapter for a config.json. The builder, export and check-model code
+only talks to ``FamilyAdapter``, so adding Qwen3-VL dense is a new ``qwen3_vl.py`` with an adapter
+class and one registered ``FamilySpec``, not a rewrite.
 """
 
 from __future__ import annotations
@@ -13,9 +16,8 @@ from typing import Any, Optional
 
 import torch
 
-from mimo_sft.errors import UserError
-
-IMAGES = "images"  # MIMO modality name for the vision encoder (matches the --component name)
+from mimo_sft.config.families import FamilySpec
+from mimo_sft.parallel.layout import IMAGES  # also re-exported (``mimo_sft.model.IMAGES``)
 
 
 @dataclass
@@ -69,11 +71,18 @@ def modality_inputs_from_batch(batch: dict, encoder_name: str = "qwen_vit") -> O
 
 
 class FamilyAdapter:
-    """One model family. Subclasses implement every method; see ``qwen2_5_vl.py``."""
+    """One model family. Subclasses set ``spec`` and implement every method; see ``qwen2_5_vl.py``."""
 
-    name: str = ""
-    model_types: tuple = ()
+    spec: FamilySpec
     encoder_name: str = "qwen_vit"
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def model_types(self) -> tuple:
+        return self.spec.model_types
 
     def load_hf_config(self, hf_dir: str, raw: dict):
         """The transformers config object for ``hf_dir`` (UserError on an unreadable config)."""
@@ -121,37 +130,3 @@ class FamilyAdapter:
     def projector_param(self, name: str) -> bool:
         """True for encoder parameters that belong to the projector (frozen by --freeze-projector)."""
         raise NotImplementedError
-
-
-_REGISTRY: dict[str, FamilyAdapter] = {}
-
-
-def register(adapter: FamilyAdapter) -> FamilyAdapter:
-    for mt in adapter.model_types:
-        _REGISTRY[mt] = adapter
-    return adapter
-
-
-def supported_families() -> list[str]:
-    _ensure_builtin()
-    return sorted({a.name for a in _REGISTRY.values()})
-
-
-def _ensure_builtin() -> None:
-    if not _REGISTRY:
-        import mimo_sft.model.qwen2_5_vl  # noqa: F401  (registers itself)
-
-
-def get_family(raw_config: dict, *, hf_dir: str, requested: str = "auto") -> FamilyAdapter:
-    """The adapter for a config.json, by its ``model_type`` (UserError listing the supported ones)."""
-    _ensure_builtin()
-    model_type = raw_config.get("model_type")
-    supported = ", ".join(sorted(_REGISTRY))
-    if model_type not in _REGISTRY:
-        raise UserError(f"{hf_dir}/config.json: model_type {model_type!r} is not supported; "
-                        f"supported model types: {supported}")
-    adapter = _REGISTRY[model_type]
-    if requested not in (None, "auto") and requested != adapter.name:
-        raise UserError(f"--model-family {requested} does not match {hf_dir}/config.json (model_type {model_type!r} "
-                        f"is family {adapter.name}); pass --model-family auto or {adapter.name}")
-    return adapter

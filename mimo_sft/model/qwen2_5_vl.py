@@ -12,10 +12,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from mimo_sft.config.families import QWEN2_5_VL
 from mimo_sft.errors import UserError
 from mimo_sft.model.decoder_weights import (DecoderNames, DecoderShape, expected_hf_shapes, export_decoder,
                                             load_decoder_shard, pad_vocab)
-from mimo_sft.model.family import IMAGES, FamilyAdapter, ModelInfo, register
+from mimo_sft.model.family import FamilyAdapter, ModelInfo
+from mimo_sft.parallel.layout import IMAGES
 
 try:  # transformers is a hard dependency; the import is here so the error names the family
     from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
@@ -37,8 +39,7 @@ class Qwen25VisionEncoder(Qwen2_5_VisionTransformerPretrainedModel):
 
 
 class Qwen25VLAdapter(FamilyAdapter):
-    name = "qwen2_5_vl"
-    model_types = ("qwen2_5_vl",)
+    spec = QWEN2_5_VL  # name, model types, modalities and parallel limits
     encoder_name = "qwen_vit"
 
     # ---- config ------------------------------------------------------------------------------
@@ -209,5 +210,3 @@ def _expected_vision_shapes(v) -> dict:
 
 
 Qwen25VisionEncoder._expected_shapes = staticmethod(_expected_vision_shapes)
-
-register(Qwen25VLAdapter())

@@ -1,11 +1,11 @@
 """The one module that adapts megatron-core to machines without CUDA (or without triton).
 
-Two kinds of shims live here and nowhere else:
+Two kinds of shims:
 
-* ``ensure_megatron_importable()``: ``import megatron.core`` pulls in
-  ``megatron.core.transformer.moe.ops.paged_stash``, which imports triton for MoE-only kernels.
-  Where triton is missing we register a stand-in for that single module (never a fake top-level
-  ``triton``, which breaks ``torch._dynamo``). Dense models never call those kernels.
+* the import stand-in for triton's MoE-only kernels (``ensure_megatron_importable``): defined in
+  ``mimo_sft/parallel/__init__.py`` and registered once when the package is imported, because it
+  must run before any module imports megatron and must stay torch-free (``validate``'s imports
+  reach ``mimo_sft.parallel``);
 * ``apply_cpu_shims()``: the CUDA-only call sites megatron reaches during MIMO training, bridged
   for gloo on CPU. Applied by ``runtime.use_device`` when the process's device is the CPU (also on
   a machine with GPUs: export builds on the CPU), so CPU and GPU runs go through the same megatron
@@ -18,40 +18,16 @@ Never edit installed megatron files; patch here.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
+import contextlib
+import functools
+import importlib
 import types
 
-_PAGED_STASH_OPS = "megatron.core.transformer.moe.ops.paged_stash"
-
-
-def ensure_megatron_importable() -> None:
-    """Make ``import megatron.core`` work where triton is not installed (idempotent)."""
-    if _PAGED_STASH_OPS in sys.modules:
-        return
-    if importlib.util.find_spec("triton") is not None:
-        return
-    stub = types.ModuleType(_PAGED_STASH_OPS)
-    stub.GLOBAL_BLOCK_SIZE = 1024
-
-    def _needs_triton(*_a, **_k):  # only MoE paged stashing reaches these kernels
-        raise RuntimeError("MoE paged-stash kernels need triton; install triton to use them")
-
-    stub.paged_stash_copy_kernel = _needs_triton
-    stub.paged_stash_pop_kernel = _needs_triton
-    stub.__all__ = ["GLOBAL_BLOCK_SIZE", "paged_stash_copy_kernel", "paged_stash_pop_kernel"]
-    sys.modules[_PAGED_STASH_OPS] = stub
-
+import torch
 
 # ---------------------------------------------------------------------------------------------
 # CPU shims: megatron-core 0.19.2 call sites that assume CUDA, bridged for gloo on CPU.
 # ---------------------------------------------------------------------------------------------
-
-import contextlib  # noqa: E402
-import functools  # noqa: E402
-import importlib  # noqa: E402
-
-import torch  # noqa: E402
 
 # Modules whose literal ``device="cuda"`` allocations (and ``torch.cuda.*`` lookups) are
 # redirected to the CPU by replacing their module-level ``torch`` name with a proxy. Each entry
@@ -366,7 +342,6 @@ def apply_cpu_shims() -> None:
     Called by ``runtime.use_device`` for a CPU device only, before process groups, models, DDP,
     optimizers or schedules exist.
     """
-    ensure_megatron_importable()
     _patch_cuda_namespace()
     _patch_tensor_cuda()
     _patch_module_globals()

@@ -16,29 +16,27 @@ each creates, in this order:
    from a second thread while the training thread runs DDP reductions and bridge sends is a known
    deadlock pattern.
 
-Then one world-wide gloo group for control messages. Nothing else in mimo-sft calls
-``new_group``; megatron's own bridge communicators create their groups inside megatron. Every group
-gets the run's ``--dist-timeout`` (megatron's through torch's default, see
-``runtime.set_default_group_timeout``).
+Then one world-wide gloo group for control messages. The world (default) group itself is created
+here too (``start_world_group``), when ``parallel.bootstrap`` starts the process. Nothing else in
+mimo-sft calls ``init_process_group`` or ``new_group``; megatron's own bridge communicators create
+their groups inside megatron. Every group gets the run's ``--dist-timeout`` (megatron's through
+torch's default, see ``runtime.set_default_group_timeout``).
 """
 
 from __future__ import annotations
 
-import os
+import datetime
 from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
+from megatron.core.hyper_comm_grid import HyperCommGrid
+from megatron.core.process_groups_config import ProcessGroupCollection
+
 from mimo_sft.parallel import runtime
-from mimo_sft.parallel.cpu_shims import ensure_megatron_importable
 from mimo_sft.parallel.layout import Layout, rank_of
-
-ensure_megatron_importable()
-
-from megatron.core.hyper_comm_grid import HyperCommGrid  # noqa: E402
-from megatron.core.process_groups_config import ProcessGroupCollection  # noqa: E402
 
 EXPERT_VIEW = "expert"  # megatron.core.models.mimo.optimizer._EXPERT_VIEW
 BASE_GROUPS = (["tp"], ["cp"], ["dp"], ["pp"], ["dp", "cp"], ["tp", "pp"], ["tp", "cp"],
@@ -74,14 +72,21 @@ class ParallelState:
         return [n for n, m in self.modules.items() if m.member]
 
 
-def init_distributed(timeout_s: float = 600.0, prefer: str = "auto") -> tuple[int, int]:
-    """Choose this process's device, then start torch.distributed from torchrun's environment
-    (NCCL on a GPU, gloo on the CPU). ``timeout_s`` applies to every group of the run."""
-    if not dist.is_initialized():
-        runtime.use_device(runtime.select_device(prefer))
-        timeout = runtime.set_default_group_timeout(timeout_s)
-        dist.init_process_group(backend=runtime.backend(), timeout=timeout)
-    return dist.get_rank(), dist.get_world_size()
+def start_world_group(backend: str, *, in_process: bool, timeout: Optional[datetime.timedelta] = None) -> None:
+    """Create the default (world) process group; ``parallel.bootstrap`` calls it, nothing else.
+
+    ``in_process=False``: from torchrun's environment (``env://``: RANK, WORLD_SIZE, MASTER_ADDR,
+    MASTER_PORT). ``in_process=True``: a 1-rank group whose store lives in this process
+    (``HashStore``: no port, nothing to rendezvous with). Inside torchrun a TCP init would connect to
+    torchrun's agent store instead (``TORCHELASTIC_USE_AGENT_STORE``) and hang, which is where
+    ``finetune --export-hf`` starts its 1-rank group. ``timeout=None``: torch's default.
+    """
+    assert not dist.is_initialized(), "the world group is already running"
+    kw = {} if timeout is None else {"timeout": timeout}
+    if in_process:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **kw)
+    else:
+        dist.init_process_group(backend=backend, **kw)
 
 
 def _enum_groups(ranks_list: list[list[int]], backend: Optional[str] = None) -> Optional[dist.ProcessGroup]:
@@ -91,7 +96,7 @@ def _enum_groups(ranks_list: list[list[int]], backend: Optional[str] = None) -> 
 
 
 def _timeout():
-    """The default group timeout ``init_distributed`` set (``--dist-timeout``), passed explicitly."""
+    """The default group timeout ``bootstrap.start_world`` set (``--dist-timeout``), passed explicitly."""
     from torch.distributed import distributed_c10d as c10d
 
     return c10d.default_pg_timeout
@@ -130,11 +135,10 @@ def build_grid(spec) -> HyperCommGrid:
 
 def build_parallel_state(layout: Layout, *, reorder_side_group: bool = False) -> ParallelState:
     """Create every grid and process group of ``layout`` on this rank (collective on all ranks)."""
-    assert dist.is_initialized(), "init_distributed() first"
+    assert dist.is_initialized(), "bootstrap.start_world() first"
     rank = dist.get_rank()
     assert dist.get_world_size() == layout.world_size, (
         f"world size {dist.get_world_size()} != layout {layout.world_size}")
-    os.environ.setdefault("WORLD_SIZE", str(layout.world_size))
     state = ParallelState(layout=layout, rank=rank)
     for spec in layout.components:
         grid = build_grid(spec)

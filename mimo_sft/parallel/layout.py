@@ -14,7 +14,9 @@ from functools import reduce
 
 from mimo_sft.parallel.components import ComponentSpec
 
+#: module names (``--component NAME=...`` and MimoModel's module keys); import them from here
 LANGUAGE = "language"
+IMAGES = "images"  # the vision encoder's modality
 GRID_DIMS = ("tp", "cp", "dp", "pp")  # HyperCommGrid dim_names order; tp varies fastest
 
 

@@ -60,8 +60,8 @@ def device_chosen() -> bool:
 
 
 def device() -> torch.device:
-    """This process's device; :func:`use_device` (or ``init_distributed``) must have run."""
-    assert _DEVICE is not None, "no device chosen yet: call runtime.use_device() or init_distributed() first"
+    """This process's device; :func:`use_device` (or ``parallel.bootstrap``) must have run."""
+    assert _DEVICE is not None, "no device chosen yet: call runtime.use_device() or bootstrap.start_world() first"
     return _DEVICE
 
 

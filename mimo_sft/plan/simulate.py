@@ -1,16 +1,18 @@
 """What reordering does to each rank's load, computed from per-sample numbers alone (pure).
 
 Why a separate, pure module: the planner's figures are only worth something if they are the
-numbers training would log. So this module does not re-derive the balancing rule; it calls the
-same functions the exchange calls (``planning.window_routes`` for the assignment,
-``planning.rank_loads`` / ``planning.load_spread`` for the statistics, exactly as
-``exchange.window_plan_info`` does) on the same per-sample costs the cost function would read from
-``input_ids`` / ``attention_mask``:
+numbers training would log. So this module owns no rule of its own; it calls the functions the
+exchange calls, on the same per-sample numbers the cost function reads from ``input_ids`` /
+``attention_mask``:
 
 * vision load of a sample = its image patches (= image placeholder tokens * merge**2, what
   ``planning.patch_counts`` counts in ``input_ids``);
 * language load of a sample = its real tokens after truncation (= ``attention_mask.sum()``);
-* cost = ``encoder_cost_weight * patches + language_cost_weight * tokens`` (``planning.batch_costs``).
+* cost = ``planning.weighted_costs`` of those two, the one formula ``planning.batch_costs`` applies
+  in training;
+* order of each micro-batch = ``planning.window_orders``, window by window, what
+  ``planning.window_plan_info`` (the exchange's and the DP-1 path's plan) lays out;
+* per-rank loads before/after = ``planning.loads_before_after``, as ``window_plan_info`` logs them.
 
 No torch.distributed, no processes: the inputs are plain lists, so this is unit-testable and fast.
 """
@@ -44,12 +46,16 @@ class ModuleTrace:
 
 
 def costs_of(mb: MicroBatchLoad, encoder_cost_weight: float, language_cost_weight: float) -> list[float]:
-    """The reorder cost of every sample, the formula of ``planning.batch_costs`` on the same numbers."""
-    return [encoder_cost_weight * p + language_cost_weight * t for p, t in zip(mb.patches, mb.tokens)]
+    """The reorder cost of every sample: ``planning.weighted_costs``, training's formula, on these counts."""
+    return planning.weighted_costs(mb.patches, mb.tokens, encoder_cost_weight=encoder_cost_weight,
+                                   language_cost_weight=language_cost_weight)
 
 
 def check_weights(encoder_cost_weight: float, language_cost_weight: float) -> None:
-    """Raise ValueError for weights the training loop's ``make_cost_fn`` would reject."""
+    """Refuse the weights the training loop's ``planning.make_cost_fn`` refuses, as it refuses them.
+
+    The ids are placeholders: only the weights are checked here.
+    """
     planning.make_cost_fn(encoder_cost_weight=encoder_cost_weight, language_cost_weight=language_cost_weight,
                           image_token_id=0, merge_size=1)
 
@@ -58,11 +64,10 @@ def orders_for(micro_batches: Sequence[MicroBatchLoad], *, n_groups: int, encode
                language_cost_weight: float, window_size: int) -> list[list[int]]:
     """The balanced order of every micro-batch, computed window by window as the buffer does.
 
-    ``planning.window_routes`` is asked for routes at the finest granularity (one "rank" per
-    canonical group); position ``owner * per + pos`` then recovers the global order, so a module of
-    any DP size that divides the grid reads its rank's slice of it. Going through ``window_routes``
-    (not ``balanced_index_order`` per micro-batch) keeps the planner honest if windows ever start
-    balancing across slots.
+    ``planning.window_orders`` is what ``planning.window_plan_info`` lays every window out with (the
+    exchange at any DP size and the DP-1 permutation alike): one global order per slot, of which a
+    module of any DP size that divides the grid reads its rank's slice. Going window by window (not
+    micro-batch by micro-batch) keeps the planner honest if windows ever start balancing across slots.
     """
     check_weights(encoder_cost_weight, language_cost_weight)
     if window_size < 1:
@@ -71,12 +76,7 @@ def orders_for(micro_batches: Sequence[MicroBatchLoad], *, n_groups: int, encode
     for start in range(0, len(micro_batches), window_size):
         window = micro_batches[start:start + window_size]
         wcosts = [costs_of(mb, encoder_cost_weight, language_cost_weight) for mb in window]
-        for costs, routes in zip(wcosts, planning.window_routes(wcosts, n_groups, n_groups)):
-            per = len(costs) // n_groups
-            order = [0] * len(costs)
-            for idx, (owner, pos) in enumerate(routes):
-                order[owner * per + pos] = idx
-            orders.append(order)
+        orders.extend(planning.window_orders(wcosts, n_groups))
     return orders
 
 
@@ -88,10 +88,15 @@ def trace(micro_batches: Sequence[MicroBatchLoad], *, n_groups: int, dp_sizes: d
     out = {name: ModuleTrace(dp) for name, dp in dp_sizes.items()}
     for mb, order in zip(micro_batches, orders):
         for name, tr in out.items():
-            loads = mb.patches if name == IMAGES else mb.tokens
-            tr.before.append(planning.rank_loads(loads, n_groups, tr.dp))
-            tr.after.append(planning.rank_loads(loads, n_groups, tr.dp, order))
+            before, after = planning.loads_before_after(mb.patches if name == IMAGES else mb.tokens, order, n_groups,
+                                                        tr.dp)
+            tr.before.append(before)
+            tr.after.append(after)
     return out
+
+
+#: The tail the report shows next to each mean ("p95"): a micro-batch this bad happens every ~20.
+TAIL_QUANTILE = 0.95
 
 
 def _p95(values: Sequence[float]) -> float:
@@ -99,7 +104,7 @@ def _p95(values: Sequence[float]) -> float:
     v = sorted(values)
     if not v:
         return float("nan")
-    pos = 0.95 * (len(v) - 1)
+    pos = TAIL_QUANTILE * (len(v) - 1)
     lo = int(pos)
     hi = min(lo + 1, len(v) - 1)
     return v[lo] + (v[hi] - v[lo]) * (pos - lo)

@@ -1,91 +1,54 @@
-"""This rank's stream of micro-batches, and the per-step numbers the loop needs from it.
+"""This rank's stream of micro-batches, as megatron's schedule pulls it (``next()`` per micro-batch).
 
-``Feed`` sits between the data layer and megatron's schedule (which calls ``next()`` once per
-micro-batch). It
+``Feed`` only feeds: it pulls from the source the data layer built for this rank (its canonical-grid
+shard, wrapped in the ``ReorderingBuffer`` when reordering), cuts colocated shards with the data
+layer's ``ColocatedSplit``, hands each micro-batch to the step's observers (vision-load statistics
+on what was read, model-FLOPs counting on what is fed), and counts what the loop needs per step:
+supervised tokens (for the per-token gradient scale), real tokens, samples, and the time spent
+waiting for data and in the reorder exchange. It satisfies ``train.step.StepFeed``.
 
-* reads this rank's canonical-grid shard (``mimo_sft.data``), with pixels only where an encoder
-  runs;
-* on non-colocated layouts with ``--intra-microbatch-reorder``, wraps it in the
-  ``ReorderingBuffer`` (one balanced assignment per window, same on every module);
-* on colocated layouts, reads the shard of the module with the smaller DP size and cuts it into
-  this rank's language part and its encoder part (DP sizes divide one another, so one contains the
-  other); megatron's ColocatedBridgeCommunicator then moves encoder output between the two;
-* counts, per step, the supervised tokens (for the per-token gradient scale), real tokens and
-  samples, the vision-load spread before/after reordering, and the model FLOPs this rank's share of
-  the work represents (each sample's language and vision work counted on exactly one rank, so a sum
-  over all ranks is the step's model FLOPs).
+Which source, split and observers a rank gets is decided by :func:`build_feed`.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Callable, Iterator, Optional
 
-import torch
-import torch.distributed as dist
-
-from mimo_sft.data.reorder import ReorderingBuffer, load_spread, make_cost_fn, make_patch_count_fn, rank_loads
-from mimo_sft.data.reorder.serialize import merge_samples, split_samples
-from mimo_sft.errors import UserError
+from mimo_sft.data.colocated import ColocatedSplit, colocated_read_plan
+from mimo_sft.data.load_stats import VisionLoadStats
+from mimo_sft.data.reorder import ReorderingBuffer, make_cost_fn, make_patch_count_fn
 from mimo_sft.parallel.layout import LANGUAGE
-from mimo_sft.train.flops import training_flops
-
-PIXEL_KEYS = ("pixel_values", "image_grid_thw")
+from mimo_sft.train.metrics import ModelFlopsCounter
 
 
 @dataclass
 class StepCounters:
-    loss_tokens: float = 0.0
-    real_tokens: float = 0.0
+    """What this rank fed during one step."""
+
+    loss_tokens: float = 0.0   # supervised tokens (sum of loss_mask)
+    real_tokens: float = 0.0   # non-padding tokens (sum of attention_mask)
     samples: int = 0
-    load_before: list = field(default_factory=list)
-    load_after: list = field(default_factory=list)
-    exchange_s: float = 0.0
-    data_wait_s: float = 0.0
-    model_flops: float = 0.0
+    exchange_s: float = 0.0    # reorder exchange time the buffer reported
+    data_wait_s: float = 0.0   # time blocked in the source's next()
 
 
 class Feed:
     """Iterator handed to megatron's schedule; see the module docstring."""
 
-    def __init__(self, source, *, layout, pstate, reorder_cfg, model_info, colocated_slices=None):
-        self.layout = layout
-        self.pstate = pstate
-        self.mine = pstate.mine()
-        self.colocated_slices = colocated_slices
-        self.image_token_id = model_info.image_token_id
-        self.merge = model_info.spatial_merge_size
-        self.patch_fn = make_patch_count_fn(image_token_id=self.image_token_id, merge_size=self.merge)
-        self.encoder_dp = {s.name: s.dp for s in layout.encoders}
-        self.vision_dp = layout.encoders[0].dp if layout.encoders else 1
-        self.stats_module = LANGUAGE if LANGUAGE in self.mine else self.mine[0]
-        spec = layout.spec(self.stats_module)
-        self.dp_size = spec.dp
-        self.dp_rank = layout.coords(pstate.rank)[self.stats_module].dp
-        self.hf_config, self.padded_vocab = model_info.hf_config, model_info.padded_vocab_size
-        coords = layout.coords(pstate.rank)
-        lang = coords.get(LANGUAGE)
-        # count each sample's work once: language on tp/cp/pp rank 0 of its DP rank, vision on encoder tp rank 0
-        self.count_language = lang is not None and lang.tp == 0 and lang.cp == 0 and lang.pp == 0
-        self.count_vision = any(coords.get(s.name) is not None and coords[s.name].tp == 0 for s in layout.encoders)
-        self.reorder = None
-        src = iter(source)
-        if reorder_cfg.enabled and not layout.colocated:
-            mg = pstate.modules[self.stats_module]
-            cost_fn = make_cost_fn(encoder_cost_weight=reorder_cfg.encoder_cost_weight,
-                                   language_cost_weight=reorder_cfg.language_cost_weight,
-                                   image_token_id=self.image_token_id, merge_size=self.merge)
-            self.reorder = ReorderingBuffer(
-                src, dp_rank=self.dp_rank, dp_size=self.dp_size, n_groups=layout.canonical_grid, cost_fn=cost_fn,
-                group=mg.dp_gloo, side_group=mg.reorder_side_gloo,
-                overlap=reorder_cfg.overlap, window_size=reorder_cfg.window_size, load_fn=self.patch_fn,
-                stats_dp_sizes={"vision": self.vision_dp})
-            src = self.reorder
-        self._src = src
+    def __init__(self, source: Iterator[dict], *, reorder: Optional[ReorderingBuffer] = None,
+                 split: Optional[Callable[[dict], dict]] = None, load_stats: Optional[VisionLoadStats] = None,
+                 flops: Optional[ModelFlopsCounter] = None):
+        self._src = reorder if reorder is not None else iter(source)
+        self.reorder = reorder
+        self.split = split
+        self.load_stats = load_stats
+        self.flops = flops
         self.counters = StepCounters()
 
     # ---- schedule side ----------------------------------------------------------------------
-    def __iter__(self):
+    def __iter__(self) -> "Feed":
         return self
 
     def __next__(self) -> dict:
@@ -93,80 +56,28 @@ class Feed:
         batch = next(self._src)
         self.counters.data_wait_s += time.perf_counter() - t0
         if self.reorder is not None:
-            st = self.reorder.last_stats
-            self._record_load(st.get("vision_load_max_over_mean_before"), st.get("vision_load_max_over_mean_after"))
-            self.counters.exchange_s += float(st.get("reorder_exchange_s", 0.0))
-        else:
-            self._record_load(self._gathered_vision_load(batch), None)
-        if self.colocated_slices is not None:
-            batch = self._colocated_split(batch)
-        self._count_flops(batch)
+            stats = self.reorder.last_stats
+            self.counters.exchange_s += float(stats.get("reorder_exchange_s", 0.0))
+            if self.load_stats is not None:
+                self.load_stats.record_reordered(stats)
+        elif self.load_stats is not None:
+            self.load_stats.record(batch)
+        if self.split is not None:
+            batch = self.split(batch)
+        if self.flops is not None:
+            self.flops.count(batch)
         self.counters.loss_tokens += float(batch["loss_mask"].sum())
         self.counters.real_tokens += float(batch["attention_mask"].sum())
         self.counters.samples += int(batch["input_ids"].shape[0])
         return batch
 
-    def _count_flops(self, batch) -> None:
-        """Model FLOPs (forward + backward) of the work this rank counts; padded positions are computed."""
-        if not (self.count_language or self.count_vision) or self.hf_config is None:
-            return
-        ids = batch["input_ids"]
-        grids = batch.get("image_grid_thw") if self.count_vision else None
-        f = training_flops(self.hf_config, [ids.shape[1]] * ids.shape[0] if self.count_language else [],
-                           grids.tolist() if grids is not None and grids.numel() else None, vocab_size=self.padded_vocab)
-        self.counters.model_flops += f.total
-
-    def _record_load(self, before, after):
-        if before is not None:
-            self.counters.load_before.append(float(before))
-        if after is not None:
-            self.counters.load_after.append(float(after))
-
-    def _gathered_vision_load(self, batch) -> float | None:
-        """Max/mean of per-vision-rank patches for this micro-batch without reordering.
-
-        Computed on language ranks only (they log the metrics); encoder ranks skip the all-gather.
-        """
-        if not self.layout.encoders or self.stats_module != LANGUAGE:
-            return None
-        local = torch.tensor(self.patch_fn(batch), dtype=torch.float64)
-        group = self.pstate.modules[self.stats_module].dp_gloo
-        if self.dp_size > 1:
-            parts = [torch.empty_like(local) for _ in range(self.dp_size)]
-            dist.all_gather(parts, local, group=group)
-            local = torch.cat(parts)
-        costs = local.tolist()
-        n_groups = self.layout.canonical_grid
-        if len(costs) % self.vision_dp:
-            return None
-        return load_spread(rank_loads(costs, n_groups, self.vision_dp))["max_over_mean"]
-
-    def _colocated_split(self, batch: dict) -> dict:
-        """Language fields for the language DP rank's slice; pixels for the encoder DP rank's slice."""
-        lang_sl, enc_sl = self.colocated_slices
-        records = split_samples(batch)
-        lang = merge_samples([{k: v for k, v in r.items() if k not in PIXEL_KEYS} for r in records[lang_sl]])
-        enc = merge_samples([{k: v for k, v in r.items() if k in PIXEL_KEYS} for r in records[enc_sl]])
-        if self.encoder_dp and len(set(self.encoder_dp.values()) | {self.layout.language.dp}) > 1:
-            # megatron's ColocatedBridgeCommunicator splits and gathers encoder output in equal
-            # parts per sample: every sample of the global micro-batch needs the same image-token
-            # count. Checked across all ranks (one tiny all-reduce), so no rank hangs in the bridge.
-            counts = (batch["input_ids"] == self.image_token_id).sum(dim=1)
-            span = torch.tensor([-int(counts.min()), int(counts.max())], dtype=torch.int64)
-            dist.all_reduce(span, op=dist.ReduceOp.MAX, group=self.pstate.world_gloo)
-            low, high = -int(span[0]), int(span[1])
-            if low != high:
-                raise UserError(
-                    "colocated layout with different encoder and language DP sizes needs the same number of "
-                    f"image tokens in every sample, but this micro-batch has {low} to {high}: use fixed-size "
-                    "single-image data (--min-pixels equal to --max-pixels), or equal DP sizes")
-        lang["pixel_values"] = enc.get("pixel_values")
-        lang["image_grid_thw"] = enc.get("image_grid_thw")
-        return lang
-
     # ---- loop side ------------------------------------------------------------------------------
     def start_step(self) -> None:
         self.counters = StepCounters()
+        if self.load_stats is not None:
+            self.load_stats.start_step()
+        if self.flops is not None:
+            self.flops.start_step()
 
     def step_loss_tokens(self) -> float:
         return self.counters.loss_tokens
@@ -176,18 +87,53 @@ class Feed:
             self.reorder.shutdown()
 
 
-def colocated_read_plan(layout, rank: int, micro_batch_size: int):
-    """(module whose shard to read, its dp rank, language slice, encoder slice) on a colocated rank."""
-    coords = layout.coords(rank)
-    coarse = min(layout.components, key=lambda s: (s.dp, s.name != LANGUAGE))
-    shard = micro_batch_size // coarse.dp
-    start = coords[coarse.name].dp * shard
+def build_feed(cfg, layout, pstate, info, *, consumed_samples: int) -> Feed:
+    """This rank's feed: which shard it reads (module, DP coordinates, pixels or not), reordering,
+    the colocated split, and the step observers (vision load where it is logged, model FLOPs)."""
+    from mimo_sft.data.loader import build_microbatch_iterator
 
-    def local(module):
-        n = micro_batch_size // layout.spec(module).dp
-        lo = coords[module].dp * n - start
-        assert 0 <= lo and lo + n <= shard, "DP sizes must divide one another"
-        return slice(lo, lo + n)
+    rank = pstate.rank
+    mbs = cfg.train.micro_batch_size
+    common = dict(model_dir=cfg.model.hf_model, micro_batch_size=mbs, canonical_grid=layout.canonical_grid,
+                  seed=cfg.train.seed, consumed_samples=consumed_samples, scalable_dp=cfg.parallel.scalable_dp,
+                  global_batch_size=cfg.train.global_batch_size)
+    load_stats = _vision_load_stats(layout, pstate, info)
+    flops = ModelFlopsCounter.for_rank(layout, rank, info)
+    if layout.colocated:
+        plan = colocated_read_plan(layout, rank, mbs)
+        source = build_microbatch_iterator(cfg.data, dp_size=plan.dp_size, dp_rank=plan.dp_rank, need_pixels=True,
+                                           **common)
+        split = ColocatedSplit.for_plan(plan, layout, image_token_id=info.image_token_id, world_group=pstate.world_gloo)
+        return Feed(source, split=split, load_stats=load_stats, flops=flops)
+    (module,) = pstate.mine()
+    coord = layout.coords(rank)[module]
+    source = build_microbatch_iterator(cfg.data, dp_size=layout.spec(module).dp, dp_rank=coord.dp,
+                                       need_pixels=module != LANGUAGE, **common)
+    reorder = None
+    r = cfg.reorder
+    if r.enabled:
+        groups = pstate.modules[module]
+        cost_fn = make_cost_fn(encoder_cost_weight=r.encoder_cost_weight, language_cost_weight=r.language_cost_weight,
+                               image_token_id=info.image_token_id, merge_size=info.spatial_merge_size)
+        reorder = ReorderingBuffer(
+            iter(source), dp_rank=coord.dp, dp_size=layout.spec(module).dp, n_groups=layout.canonical_grid,
+            cost_fn=cost_fn, group=groups.dp_gloo, side_group=groups.reorder_side_gloo, overlap=r.overlap,
+            window_size=r.window_size, load_fn=_patch_fn(info),
+            stats_dp_sizes={"vision": layout.encoders[0].dp if layout.encoders else 1})
+    return Feed(source, reorder=reorder, load_stats=load_stats, flops=flops)
 
-    enc = layout.encoders[0].name
-    return coarse.name, coords[coarse.name].dp, coarse.dp, local(LANGUAGE), local(enc)
+
+def _patch_fn(info):
+    return make_patch_count_fn(image_token_id=info.image_token_id, merge_size=info.spatial_merge_size)
+
+
+def _vision_load_stats(layout, pstate, info) -> Optional[VisionLoadStats]:
+    """Vision-load statistics where they are logged: the metrics rank's language DP group (language
+    tp 0, cp 0, last pipeline stage; every member of it, since they gather together), else None."""
+    c = layout.coords(pstate.rank).get(LANGUAGE)
+    if not layout.encoders or c is None:
+        return None
+    spec = layout.language
+    enabled = c.tp == 0 and c.cp == 0 and c.pp == spec.pp - 1
+    return VisionLoadStats(patch_fn=_patch_fn(info), n_groups=layout.canonical_grid, vision_dp=layout.encoders[0].dp,
+                           group=pstate.modules[LANGUAGE].dp_gloo, group_size=spec.dp, enabled=enabled)

@@ -1,7 +1,11 @@
 """Metrics for people and machines, written by the rank that owns the language loss.
 
+* ``StepMetrics``: the one record of a step; its fields are the ``metrics.jsonl`` keys (the
+  per-module peak memory is one field written as ``peak_memory_bytes_<module>`` keys);
 * people: a rich progress line per ``log_interval`` steps (step, loss, lr, step time, ETA);
-* machines: ``metrics.jsonl`` (one JSON object per step) and TensorBoard event files.
+* machines: ``metrics.jsonl`` (one JSON object per step) and TensorBoard event files;
+* the step's collectives every rank joins (peak memory per module, model FLOPs) and the model-FLOPs
+  counter that gives each rank its share.
 
 Other ranks construct a disabled logger so call sites need no rank checks.
 """
@@ -11,12 +15,98 @@ from __future__ import annotations
 import json
 import os
 import time
+from dataclasses import dataclass, field, fields
+from typing import Iterable, Optional
 
 from rich.console import Console
 
-REQUIRED_KEYS = ("step", "loss", "grad_norm", "lr", "step_time_s", "tokens_per_s", "samples_per_s",
-                 "vision_load_max_over_mean_before", "vision_load_max_over_mean_after",
-                 "reorder_exchange_s", "peak_memory_bytes", "model_tflops_per_gpu", "mfu")
+from mimo_sft.parallel.layout import LANGUAGE
+
+
+@dataclass(frozen=True)
+class StepMetrics:
+    """One optimizer step, as the metrics rank logs it. Field order is the JSON key order."""
+
+    step: int
+    loss: float
+    grad_norm: Optional[float]
+    lr: float
+    step_time_s: float
+    tokens_per_s: float
+    samples_per_s: float
+    supervised_tokens: float
+    vision_load_max_over_mean_before: Optional[float]
+    vision_load_max_over_mean_after: Optional[float]
+    reorder_exchange_s: float
+    data_wait_s: float
+    #: largest over all ranks (GPU: device memory since the step began; CPU: peak resident set size)
+    peak_memory_bytes: int
+    #: largest over each module's ranks; written as ``peak_memory_bytes_<module>``
+    peak_memory_bytes_by_module: dict = field(metadata={"flatten_as": "peak_memory_bytes_"})
+    model_flops: float
+    model_tflops_per_gpu: Optional[float]
+    mfu: Optional[float]
+    update_ok: bool
+    consumed_samples: int
+
+    def to_json(self) -> dict:
+        """The ``metrics.jsonl`` object: every field, dict fields flattened to ``<prefix><key>``."""
+        out = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            prefix = f.metadata.get("flatten_as")
+            if prefix is None:
+                out[f.name] = value
+            else:
+                out.update({f"{prefix}{k}": v for k, v in value.items()})
+        return out
+
+    @classmethod
+    def json_keys(cls, modules: Iterable[str]) -> list[str]:
+        """The ``metrics.jsonl`` keys of a run whose layout has ``modules``."""
+        keys = []
+        for f in fields(cls):
+            prefix = f.metadata.get("flatten_as")
+            keys += [f.name] if prefix is None else [f"{prefix}{m}" for m in modules]
+        return keys
+
+
+class ModelFlopsCounter:
+    """Model FLOPs (forward + backward) of the micro-batches this rank counts, per step.
+
+    Each sample's work is counted on exactly one rank, so the sum over all ranks is the step's model
+    FLOPs: its language work on the language tp/cp/pp rank 0 of its DP rank, its vision work on its
+    encoder tp rank 0. Padded positions are computed, so they count.
+    """
+
+    def __init__(self, hf_config, padded_vocab: int, *, count_language: bool, count_vision: bool):
+        self.hf_config = hf_config
+        self.padded_vocab = padded_vocab
+        self.count_language = count_language
+        self.count_vision = count_vision
+        self.step_flops = 0.0
+
+    @classmethod
+    def for_rank(cls, layout, rank: int, model_info) -> "ModelFlopsCounter":
+        coords = layout.coords(rank)
+        lang = coords.get(LANGUAGE)
+        return cls(model_info.hf_config, model_info.padded_vocab_size,
+                   count_language=lang is not None and lang.tp == 0 and lang.cp == 0 and lang.pp == 0,
+                   count_vision=any(coords.get(s.name) is not None and coords[s.name].tp == 0 for s in layout.encoders))
+
+    def start_step(self) -> None:
+        self.step_flops = 0.0
+
+    def count(self, batch: dict) -> None:
+        if not (self.count_language or self.count_vision) or self.hf_config is None:
+            return
+        from mimo_sft.train.flops import training_flops
+
+        ids = batch["input_ids"]
+        grids = batch.get("image_grid_thw") if self.count_vision else None
+        f = training_flops(self.hf_config, [ids.shape[1]] * ids.shape[0] if self.count_language else [],
+                           grids.tolist() if grids is not None and grids.numel() else None, vocab_size=self.padded_vocab)
+        self.step_flops += f.total
 
 
 def step_model_flops(local_flops: float, pstate) -> float:
@@ -29,20 +119,20 @@ def step_model_flops(local_flops: float, pstate) -> float:
     return float(t.item())
 
 
-def throughput(step_flops: float, step_time_s: float, world_size: int, peak_tflops: float | None) -> dict:
-    """``model_tflops_per_gpu`` and ``mfu`` (a fraction; None without a known peak, e.g. on CPU)."""
+def throughput(step_flops: float, step_time_s: float, world_size: int,
+               peak_tflops: float | None) -> tuple[Optional[float], Optional[float]]:
+    """``(model_tflops_per_gpu, mfu)``; ``mfu`` is a fraction, None without a known peak (e.g. on CPU)."""
     from mimo_sft.train.flops import achieved_tflops_per_gpu, mfu
 
     achieved = achieved_tflops_per_gpu(step_flops, step_time_s, world_size)
-    return {"model_tflops_per_gpu": achieved, "mfu": mfu(achieved, peak_tflops)}
+    return achieved, mfu(achieved, peak_tflops)
 
 
 def peak_memory_by_module(pstate) -> dict[str, int]:
-    """This step's peak memory, the largest over all ranks and per module (collective, every rank).
+    """This step's peak memory per module: the largest over that module's ranks (collective, every rank).
 
-    ``peak_memory_bytes`` is the largest of any rank (GPU: device memory since the step began; CPU:
-    the process's peak resident set size, which cannot be reset); ``peak_memory_bytes_<module>`` the
-    largest over that module's ranks, so encoder GPUs are reported as well as language ones.
+    GPU: device memory since the step began; CPU: the process's peak resident set size, which
+    cannot be reset. The step's overall peak is the largest of these values.
     """
     import torch
     import torch.distributed as dist
@@ -53,8 +143,7 @@ def peak_memory_by_module(pstate) -> dict[str, int]:
     mine = runtime.peak_memory_bytes()
     t = torch.tensor([mine if pstate.modules[n].member else 0 for n in names], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=pstate.world_gloo)
-    per = {f"peak_memory_bytes_{n}": int(v) for n, v in zip(names, t.tolist())}
-    return {"peak_memory_bytes": max(per.values()), **per}
+    return {n: int(v) for n, v in zip(names, t.tolist())}
 
 
 class MetricsLogger:
@@ -81,31 +170,29 @@ class MetricsLogger:
             except ImportError:  # tensorboard is in requirements; keep training if it is absent
                 self.console.print("[yellow]tensorboard not installed: no event files[/yellow]")
 
-    def log(self, record: dict) -> None:
+    def log(self, record: StepMetrics) -> None:
         if not self.enabled:
             return
-        missing = [k for k in REQUIRED_KEYS if k not in record]
-        assert not missing, f"metrics record lacks {missing}"
-        self._fh.write(json.dumps(record) + "\n")
+        row = record.to_json()
+        self._fh.write(json.dumps(row) + "\n")
         if self._tb is not None:
-            for key, value in record.items():
+            for key, value in row.items():
                 if key != "step" and isinstance(value, (int, float)) and value is not None:
-                    self._tb.add_scalar(f"train/{key}", value, record["step"])
+                    self._tb.add_scalar(f"train/{key}", value, record.step)
         self._steps_timed += 1
-        step = record["step"]
+        step = record.step
         if step % self.log_interval == 0 or step == self.total_steps:
             elapsed = time.perf_counter() - self._t0
             eta = elapsed / self._steps_timed * max(0, self.total_steps - step)
-            before = record.get("vision_load_max_over_mean_before")
-            after = record.get("vision_load_max_over_mean_after")
+            before, after = record.vision_load_max_over_mean_before, record.vision_load_max_over_mean_after
             load = ""
             if before is not None:
                 load = f" | vision load max/mean {before:.3f}" + (f" -> {after:.3f}" if after is not None else "")
-            mfu = f" | MFU {100 * record['mfu']:.1f}%" if record.get("mfu") is not None else ""
+            mfu = f" | MFU {100 * record.mfu:.1f}%" if record.mfu is not None else ""
             self.console.print(
-                f"step {step:>5}/{self.total_steps} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
-                f"grad norm {record['grad_norm']:.3f} | {record['step_time_s']:.2f} s/step | "
-                f"{record['tokens_per_s']:.0f} tok/s{mfu}{load} | ETA {eta:.0f} s"
+                f"step {step:>5}/{self.total_steps} | loss {record.loss:.4f} | lr {record.lr:.2e} | "
+                f"grad norm {record.grad_norm:.3f} | {record.step_time_s:.2f} s/step | "
+                f"{record.tokens_per_s:.0f} tok/s{mfu}{load} | ETA {eta:.0f} s"
             )
 
     def close(self) -> None:

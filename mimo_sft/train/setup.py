@@ -1,26 +1,25 @@
-"""Build the model and optimizer one rank trains, in the order megatron requires.
+"""Build what one rank trains, in the order megatron requires; loads nothing.
 
-(process groups, built by ``parallel.groups``) -> megatron's process-local state with this rank's
-tensor/expert ranks (``parallel.runtime.init_megatron``, the same call on CPU and GPU) -> MimoModel
-for this rank's modules on this rank's device -> megatron DDP per module -> megatron's MIMO
-optimizer. Loading weights or a checkpoint into it is ``train.checkpoint``'s job; this file only wires.
+``build_state``: the layout's process groups (``parallel.groups``; the world group was started by
+``parallel.bootstrap``) -> ``build_model_and_optimizer``: megatron's process-local state with this
+rank's tensor/expert ranks (``parallel.runtime.init_megatron``, the same call on CPU and GPU) ->
+MimoModel for this rank's modules on this rank's device -> megatron DDP per module -> megatron's
+MIMO optimizer, returned together as a ``TrainContext``. The model holds the weights of
+``--hf-model`` (or random ones); a checkpoint or ``--pretrained-checkpoint`` is loaded afterwards
+by ``train.checkpoint.restore`` (the trainer's ``resume``). This file only wires.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from mimo_sft.config.schema import ExperimentConfig
-from mimo_sft.parallel import runtime
-from mimo_sft.parallel.cpu_shims import ensure_megatron_importable
+from mimo_sft.parallel import runtime  # first: importing mimo_sft.parallel makes megatron importable
 from mimo_sft.parallel.groups import ParallelState, build_parallel_state
 from mimo_sft.parallel.layout import LANGUAGE, Layout
-
-ensure_megatron_importable()
 
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig  # noqa: E402
 from megatron.core.enums import ModelType  # noqa: E402
@@ -30,6 +29,8 @@ from megatron.core.optimizer.optimizer_config import OptimizerConfig  # noqa: E4
 
 @dataclass
 class TrainContext:
+    """One rank's built model and optimizer (what ``train.checkpoint`` saves and restores)."""
+
     cfg: ExperimentConfig
     layout: Layout
     pstate: ParallelState
@@ -96,6 +97,7 @@ def build_model_and_optimizer(cfg: ExperimentConfig, layout: Layout, pstate: Par
 
 
 def build_state(cfg: ExperimentConfig, layout: Layout) -> ParallelState:
+    """The layout's grids and process groups (collective), with the reorder thread's own gloo DP
+    group where the exchange overlaps the step."""
     reorder_side = cfg.reorder.enabled and cfg.reorder.overlap and not layout.colocated
-    os.environ.setdefault("WORLD_SIZE", str(layout.world_size))
     return build_parallel_state(layout, reorder_side_group=reorder_side)

@@ -18,19 +18,37 @@ from __future__ import annotations
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from functools import partial
+from typing import Iterator, Protocol
 
 import torch
 import torch.distributed as dist
 
-from megatron.core.distributed.finalize_model_grads import finalize_model_grads
-from megatron.core.models.mimo.config.role import MIMO_LANGUAGE_MODULE_KEY
-from megatron.core.pipeline_parallel import schedules
-from megatron.core.pipeline_parallel.multimodule_communicator import MultiModulePipelineCommunicator
-from megatron.core.process_groups_config import MultiModuleProcessGroupCollection
+from mimo_sft.parallel import runtime  # first: importing mimo_sft.parallel makes megatron importable
 
-from mimo_sft.parallel import runtime
+from megatron.core.distributed.finalize_model_grads import finalize_model_grads  # noqa: E402
+from megatron.core.models.mimo.config.role import MIMO_LANGUAGE_MODULE_KEY  # noqa: E402
+from megatron.core.pipeline_parallel import schedules  # noqa: E402
+from megatron.core.pipeline_parallel.multimodule_communicator import MultiModulePipelineCommunicator  # noqa: E402
+from megatron.core.process_groups_config import MultiModuleProcessGroupCollection  # noqa: E402
 
 LANGUAGE = MIMO_LANGUAGE_MODULE_KEY
+
+
+class StepFeed(Protocol):
+    """What ``StepRunner`` needs from a feed (``train.feed.Feed`` is the one the trainer builds).
+
+    megatron's schedule pulls one micro-batch dict per ``next()``; the runner calls ``start_step``
+    before the schedule and ``step_loss_tokens`` (this rank's supervised tokens of the step so far,
+    all of them once the schedule has pulled every micro-batch) from the gradient finalizer.
+    """
+
+    def __iter__(self) -> Iterator[dict]: ...
+
+    def __next__(self) -> dict: ...
+
+    def start_step(self) -> None: ...
+
+    def step_loss_tokens(self) -> float: ...
 
 
 @dataclass
@@ -54,7 +72,7 @@ def _language_loss(loss_mask: torch.Tensor, output: torch.Tensor):
 class StepRunner:
     """Owns the schedule wiring for one run (built once, called every step)."""
 
-    def __init__(self, *, model, modules: dict, pstate, layout, feed, modality_inputs_fn, seq_length: int,
+    def __init__(self, *, model, modules: dict, pstate, layout, feed: StepFeed, modality_inputs_fn, seq_length: int,
                  local_mbs: int):
         self.model = model            # MimoModel with DDP-wrapped submodules
         self.modules = modules        # {module name: DDP-wrapped nn.Module on this rank}

@@ -1,12 +1,13 @@
 """Intra-microbatch reordering: balance per-sample vision load across a module's DP ranks.
 
-Pure planning (:mod:`.planning`) and byte packing (:mod:`.serialize`) import no collectives;
-:mod:`.exchange` runs the one all-gather + one ragged all-to-all per window; :mod:`.buffer` wraps
-the data iterator (optionally overlapping the next window's exchange on a background thread).
+Pure planning (:mod:`.planning`: costs, orders, statistics and the routing of every sample) and
+byte packing (:mod:`.serialize`) import no collectives; :mod:`.exchange` only moves bytes: the one
+all-gather + one ragged all-to-all per window; :mod:`.buffer` wraps the data iterator (optionally
+overlapping the next window's exchange on a background thread).
 """
 
 from mimo_sft.data.reorder.buffer import ReorderingBuffer
-from mimo_sft.data.reorder.exchange import exchange_window, reorder_local, window_plan_info
+from mimo_sft.data.reorder.exchange import exchange_window, reorder_local
 from mimo_sft.data.reorder.planning import (
     assignment_from_order,
     balanced_assignment,
@@ -20,8 +21,12 @@ from mimo_sft.data.reorder.planning import (
     make_patch_count_fn,
     optimal_max_load,
     patch_counts,
+    plan_exchange,
     rank_loads,
     sample_cost,
+    weighted_costs,
+    window_orders,
+    window_plan_info,
     window_routes,
 )
 from mimo_sft.data.reorder.serialize import (
@@ -52,6 +57,7 @@ __all__ = [
     "optimal_max_load",
     "patch_counts",
     "permute_batch",
+    "plan_exchange",
     "rank_loads",
     "record_meta",
     "record_nbytes",
@@ -59,6 +65,8 @@ __all__ = [
     "sample_cost",
     "serialize_records",
     "split_samples",
+    "weighted_costs",
+    "window_orders",
     "window_plan_info",
     "window_routes",
 ]

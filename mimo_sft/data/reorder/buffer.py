@@ -136,6 +136,8 @@ class ReorderingBuffer:
         load_fn=None,
         stats_dp_sizes: Mapping[str, int] | None = None,
     ):
+        # window_size is the only argument straight from a flag: finetune's check_config refuses a bad one
+        # (check 13), a caller of this public class gets the same one-line UserError; the rest are wiring
         if not isinstance(window_size, int) or window_size < 1:
             raise UserError(f"reorder window size must be an integer >= 1, got {window_size!r}")
         if dp_size < 1 or not 0 <= dp_rank < dp_size:

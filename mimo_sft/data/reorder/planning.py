@@ -7,13 +7,20 @@ all-gather them within their own DP group, and run the same planner over the can
 (``G = lcm`` of the module DP sizes). A module of DP size ``d`` owns ``G / d`` consecutive canonical
 groups, so modules of different DP sizes read the same global order at different granularities.
 
+The module reads top to bottom as the exchange uses it: the cost model (the ONE cost formula,
+shared by training and ``mimo-sft plan``), balancing, the window plan and its statistics
+(:func:`window_plan_info`), and routing (:func:`plan_exchange`: who sends which sample to whom, the
+byte split sizes, whether anything crosses ranks, which slots stay as they were). ``exchange.py``
+only moves the bytes this module decides.
+
 Nothing here imports ``torch.distributed`` or megatron, so it is unit-tested without processes.
 """
 
 from __future__ import annotations
 
 import bisect
-from typing import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
@@ -22,6 +29,14 @@ from mimo_sft.errors import UserError
 #: Relative slack below which a swap is not counted as an improvement. Guards the refinement loop
 #: against float round-off ping-pong; costs are usually integers, where it never matters.
 _IMPROVE_EPS = 1e-12
+#: Backstop on swap-refinement rounds, ``_REFINE_ROUNDS_PER_PAIR * n**2 + _REFINE_ROUNDS_MIN``.
+#: Every accepted swap strictly lowers ``sum(load**2)``, so the loop ends on its own long before
+#: this; the cap only bounds a pathological float case.
+_REFINE_ROUNDS_PER_PAIR = 4
+_REFINE_ROUNDS_MIN = 16
+#: Absolute slack of the exact solver's pruning (it compares sums of the same costs; integers in
+#: practice), so a branch that only ties the best found so far is cut.
+_EXACT_EPS = 1e-12
 
 
 # ---------------------------------------------------------------------------------------------
@@ -50,6 +65,29 @@ def patch_counts(input_ids: torch.Tensor, *, image_token_id: int, merge_size: in
     return (input_ids == image_token_id).sum(dim=-1) * (merge_size * merge_size)
 
 
+def weighted_costs(
+    patches: Sequence[float] | torch.Tensor,
+    tokens: Sequence[float] | torch.Tensor | None,
+    *,
+    encoder_cost_weight: float,
+    language_cost_weight: float = 0.0,
+) -> list[float]:
+    """THE cost formula, per sample: ``encoder_weight * patches + language_weight * real tokens``.
+
+    The single definition: training reaches it through :func:`batch_costs` (counts read from
+    ``input_ids`` / ``attention_mask``) and ``mimo-sft plan`` calls it on the same counts taken from
+    image headers and token lengths, so the planner cannot drift from what training balances.
+    float64 throughout, so the result is bit-identical whichever path the counts came from;
+    ``tokens`` is not read when the language weight is 0.
+    """
+    cost = encoder_cost_weight * torch.as_tensor(patches, dtype=torch.float64)
+    if language_cost_weight:
+        if tokens is None:
+            raise ValueError("language_cost_weight > 0 needs the per-sample token counts")
+        cost = cost + language_cost_weight * torch.as_tensor(tokens, dtype=torch.float64)
+    return [float(c) for c in cost.tolist()]
+
+
 def batch_costs(
     fields: Mapping[str, torch.Tensor],
     *,
@@ -58,22 +96,24 @@ def batch_costs(
     image_token_id: int,
     merge_size: int,
 ) -> list[float]:
-    """Per-sample cost of every sample in a micro-batch (vectorised :func:`sample_cost`)."""
+    """Per-sample cost of every sample in a micro-batch: :func:`weighted_costs` of the image
+    patches counted in ``input_ids`` and the real tokens counted in ``attention_mask``."""
     _check_weights(encoder_cost_weight, language_cost_weight)
     input_ids = fields["input_ids"]
     if input_ids.dim() == 1:
         input_ids = input_ids.unsqueeze(0)
-    cost = encoder_cost_weight * patch_counts(
-        input_ids, image_token_id=image_token_id, merge_size=merge_size
-    ).to(torch.float64)
+    patches = patch_counts(input_ids, image_token_id=image_token_id, merge_size=merge_size)
+    tokens = None
     if language_cost_weight:
         mask = fields.get("attention_mask")
         if mask is None:
             raise ValueError("language_cost_weight > 0 needs attention_mask on every rank")
         if mask.dim() == 1:
             mask = mask.unsqueeze(0)
-        cost = cost + language_cost_weight * mask.to(torch.float64).sum(dim=-1)
-    return [float(c) for c in cost.tolist()]
+        tokens = mask.to(torch.float64).sum(dim=-1)
+    return weighted_costs(
+        patches, tokens, encoder_cost_weight=encoder_cost_weight, language_cost_weight=language_cost_weight
+    )
 
 
 def sample_cost(
@@ -238,7 +278,7 @@ def balanced_groups(costs: Sequence[float], n_groups: int, *, refine: bool = Tru
         candidates = [lpt]
     else:
         ident = [list(range(g * per, (g + 1) * per)) for g in range(n_groups)]
-        rounds = 4 * len(costs) * len(costs) + 16
+        rounds = _REFINE_ROUNDS_PER_PAIR * len(costs) * len(costs) + _REFINE_ROUNDS_MIN
         for start in (ident, lpt):
             _refine_by_swaps(costs, start, max_rounds=rounds)
         candidates = [ident, lpt]
@@ -297,7 +337,18 @@ def window_routes(
     Balancing each slot on its own keeps every micro-batch's sample set (and so its loss
     normalisation and the sampler's resume arithmetic) exactly what it was without reordering.
     """
-    return [balanced_assignment(c, n_groups, dp_size) for c in window_costs]
+    if dp_size <= 0 or n_groups % dp_size:
+        raise ValueError(f"dp_size {dp_size} must divide the canonical grid {n_groups}")
+    return [assignment_from_order(order, dp_size) for order in window_orders(window_costs, n_groups)]
+
+
+def window_orders(window_costs: Sequence[Sequence[float]], n_groups: int) -> list[list[int]]:
+    """The canonical order of every slot of a window, from each slot's GLOBAL costs.
+
+    The one place that decides a window's layout: the exchange (every DP size), the DP-1 local
+    permutation and ``mimo-sft plan`` all read their orders from here.
+    """
+    return [balanced_index_order(costs, n_groups) for costs in window_costs]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -321,6 +372,13 @@ def rank_loads(
         raise ValueError("order must be a permutation of the sample indices")
     per = n // dp_size
     return [float(sum(costs[i] for i in order[r * per : (r + 1) * per])) for r in range(dp_size)]
+
+
+def loads_before_after(
+    loads: Sequence[float], order: Sequence[int], n_groups: int, dp_size: int
+) -> tuple[list[float], list[float]]:
+    """Per-rank loads of a module of size ``dp_size`` as read (before) and laid out as ``order`` (after)."""
+    return rank_loads(loads, n_groups, dp_size), rank_loads(loads, n_groups, dp_size, order)
 
 
 def load_spread(loads: Sequence[float]) -> dict[str, float]:
@@ -375,7 +433,7 @@ def optimal_max_load(costs: Sequence[float], n_groups: int) -> float:
         suffix[k] = suffix[k + 1] + items[k]
 
     def rec(k: int, cur_max: float) -> None:
-        if best[0] <= bound + 1e-12:
+        if best[0] <= bound + _EXACT_EPS:
             return
         if k == len(items):
             best[0] = min(best[0], cur_max)
@@ -390,7 +448,7 @@ def optimal_max_load(costs: Sequence[float], n_groups: int) -> float:
                 continue
             seen.add(state)
             new = loads[g] + items[k]
-            if max(cur_max, new) >= best[0] - 1e-12:
+            if max(cur_max, new) >= best[0] - _EXACT_EPS:
                 continue
             loads[g] += items[k]
             counts[g] += 1
@@ -400,3 +458,197 @@ def optimal_max_load(costs: Sequence[float], n_groups: int) -> float:
 
     rec(0, 0.0)
     return best[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# the window plan: orders and the statistics the buffer logs
+# ---------------------------------------------------------------------------------------------
+def window_plan_info(
+    window_costs: Sequence[Sequence[float]],
+    window_loads: Sequence[Sequence[float]],
+    *,
+    n_groups: int,
+    dp_size: int,
+    stats_dp_sizes: Mapping[str, int] | None,
+) -> list[dict[str, Any]]:
+    """Per-slot plan and statistics from the GLOBAL costs/loads of each slot.
+
+    ``order`` is the slot's canonical order (:func:`window_orders`); ``cost_*`` are this module's
+    per-rank costs before/after; for each ``name: d`` in ``stats_dp_sizes``, ``{name}_load_*`` are
+    per-rank loads (e.g. vision patches) for a module of DP size ``d`` under the same global order —
+    what the language rank logs for the vision module.
+    """
+    out = []
+    for costs, loads, order in zip(window_costs, window_loads, window_orders(window_costs, n_groups)):
+        info: dict[str, Any] = {"order": order, "global_costs": list(costs)}
+        before, after = loads_before_after(costs, order, n_groups, dp_size)
+        info["cost_before"], info["cost_after"] = before, after
+        sb, sa = load_spread(before), load_spread(after)
+        info["cost_max_over_mean_before"] = sb["max_over_mean"]
+        info["cost_max_over_mean_after"] = sa["max_over_mean"]
+        for name, d in (stats_dp_sizes or {}).items():
+            lb, la = loads_before_after(loads, order, n_groups, d)
+            info[f"{name}_load_before"], info[f"{name}_load_after"] = lb, la
+            b, a = load_spread(lb), load_spread(la)
+            info[f"{name}_load_max_over_mean_before"] = b["max_over_mean"]
+            info[f"{name}_load_max_over_mean_after"] = a["max_over_mean"]
+            info[f"{name}_load_max_minus_min_before"] = b["max_minus_min"]
+            info[f"{name}_load_max_minus_min_after"] = a["max_minus_min"]
+        out.append(info)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# routing: what one DP rank sends and receives for a window (both ends derive the same lists)
+# ---------------------------------------------------------------------------------------------
+#: One sample's move inside a window: ``(slot, canonical position on the receiver, local index on
+#: the sender)``. Sorting by it gives the order bytes travel in, which sender and receiver share.
+Move = tuple[int, int, int]
+
+
+def global_slots(per_rank: Sequence[Sequence[Sequence[Any]]]) -> list[list[Any]]:
+    """``per_rank[r][w]`` (rank ``r``'s values for slot ``w``) -> ``out[w]``, ranks concatenated.
+
+    Global index ``g = r * n_local + i`` of local sample ``i`` on rank ``r``: the layout before
+    reordering, which :func:`rank_loads` and :func:`assignment_from_order` assume.
+    """
+    if not per_rank:
+        return []
+    n_slots = len(per_rank[0])
+    return [[v for rank in per_rank for v in rank[w]] for w in range(n_slots)]
+
+
+def rank_moves(
+    routes: Sequence[Sequence[tuple[int, int]]], *, dp_rank: int, dp_size: int, n_local: int
+) -> tuple[list[list[Move]], list[list[Move]]]:
+    """``(send, recv)``: ``send[dst]`` are this rank's samples that ``dst`` holds after reordering,
+    ``recv[src]`` the samples this rank gets from ``src``; ``recv[dp_rank] == send[dp_rank]`` is
+    what it keeps. Each list sorted by (slot, position), so ``send[q]`` on rank ``r`` equals
+    ``recv[r]`` on rank ``q``: the order of the bytes on the wire.
+    """
+    send: list[list[Move]] = [[] for _ in range(dp_size)]
+    recv: list[list[Move]] = [[] for _ in range(dp_size)]
+    for w, route in enumerate(routes):
+        if len(route) != dp_size * n_local:
+            raise ValueError(f"slot {w} routes {len(route)} samples, expected {dp_size} x {n_local}")
+        for g, (owner, pos) in enumerate(route):
+            src, i = divmod(g, n_local)
+            if src == dp_rank:
+                send[owner].append((w, pos, i))
+            if owner == dp_rank:
+                recv[src].append((w, pos, i))
+    for moves in send + recv:
+        moves.sort()
+    return send, recv
+
+
+def split_sizes(
+    send: Sequence[Sequence[Move]],
+    recv: Sequence[Sequence[Move]],
+    nbytes: Sequence[Sequence[Sequence[int]]],
+    *,
+    dp_rank: int,
+) -> tuple[list[int], list[int]]:
+    """Byte split sizes of the ragged all-to-all: ``(send_splits, recv_splits)``, one per peer.
+
+    ``nbytes[r][w][i]`` is the serialized size of rank ``r``'s local sample ``i`` of slot ``w``
+    (every rank knows every size from the gathered metadata). What a rank keeps does not travel, so
+    its own entry is 0 on both sides.
+    """
+    send_splits = [
+        0 if dst == dp_rank else sum(nbytes[dp_rank][w][i] for w, _pos, i in moves)
+        for dst, moves in enumerate(send)
+    ]
+    recv_splits = [
+        0 if src == dp_rank else sum(nbytes[src][w][i] for w, _pos, i in moves)
+        for src, moves in enumerate(recv)
+    ]
+    return send_splits, recv_splits
+
+
+def crosses_ranks(routes: Sequence[Sequence[tuple[int, int]]], n_local: int) -> bool:
+    """Whether any sample of the window changes rank. Every rank knows every route, so all agree to
+    skip the collective when none does."""
+    return any(owner != g // n_local for route in routes for g, (owner, _pos) in enumerate(route))
+
+
+def unchanged_slots(routes: Sequence[Sequence[tuple[int, int]]], *, dp_rank: int, n_local: int) -> list[bool]:
+    """Per slot: does ``dp_rank`` end up with exactly its own samples, each at its own index?
+
+    Such a slot needs no copy: the rank's micro-batch is already in canonical order.
+    """
+    return [
+        all(g // n_local == dp_rank and pos == g % n_local for g, (owner, pos) in enumerate(route) if owner == dp_rank)
+        for route in routes
+    ]
+
+
+@dataclass(frozen=True)
+class ExchangePlan:
+    """Everything one DP rank needs to run a window's exchange, derived from the gathered numbers.
+
+    ``infos``: :func:`window_plan_info` per slot; ``routes``: ``(owner, canonical_pos)`` per global
+    sample per slot; ``send`` / ``recv``: :func:`rank_moves`; ``send_splits`` / ``recv_splits``:
+    :func:`split_sizes`; ``crosses``: :func:`crosses_ranks`; ``unchanged``: :func:`unchanged_slots`.
+    """
+
+    dp_rank: int
+    n_local: int
+    infos: list[dict[str, Any]]
+    routes: list[list[tuple[int, int]]]
+    send: list[list[Move]]
+    recv: list[list[Move]]
+    send_splits: list[int]
+    recv_splits: list[int]
+    crosses: bool
+    unchanged: list[bool]
+
+    @property
+    def kept(self) -> list[Move]:
+        """The moves this rank makes to itself (no bytes travel)."""
+        return self.recv[self.dp_rank]
+
+
+def plan_exchange(
+    costs: Sequence[Sequence[Sequence[float]]],
+    loads: Sequence[Sequence[Sequence[float]]],
+    nbytes: Sequence[Sequence[Sequence[int]]],
+    *,
+    dp_rank: int,
+    n_groups: int,
+    stats_dp_sizes: Mapping[str, int] | None = None,
+) -> ExchangePlan:
+    """The whole routing of one window for ``dp_rank``, from every rank's numbers.
+
+    ``costs[r][w][i]``, ``loads[r][w][i]``, ``nbytes[r][w][i]``: rank ``r``'s local sample ``i`` of
+    slot ``w`` (what the all-gather returns). Every rank calls this with the same numbers and gets
+    the same orders and routes; only its own send/receive lists differ.
+    """
+    dp_size = len(costs)
+    if not 0 <= dp_rank < dp_size:
+        raise ValueError(f"DP rank {dp_rank} outside a group of {dp_size}")
+    n_slots = len(costs[dp_rank])
+    if n_slots == 0:
+        raise ValueError("a window needs at least one slot")
+    n_local = len(costs[dp_rank][0])
+    for name, table in (("costs", costs), ("loads", loads), ("nbytes", nbytes)):
+        if len(table) != dp_size or any(len(t) != n_slots or any(len(v) != n_local for v in t) for t in table):
+            raise ValueError(f"{name} must be {dp_size} ranks x {n_slots} slots x {n_local} samples")
+    infos = window_plan_info(
+        global_slots(costs), global_slots(loads), n_groups=n_groups, dp_size=dp_size, stats_dp_sizes=stats_dp_sizes
+    )
+    routes = [assignment_from_order(info["order"], dp_size) for info in infos]
+    send, recv = rank_moves(routes, dp_rank=dp_rank, dp_size=dp_size, n_local=n_local)
+    send_splits, recv_splits = split_sizes(send, recv, nbytes, dp_rank=dp_rank)
+    return ExchangePlan(
+        dp_rank=dp_rank,
+        n_local=n_local,
+        infos=infos,
+        routes=routes,
+        send=send,
+        recv=recv,
+        send_splits=send_splits,
+        recv_splits=recv_splits,
+        crosses=crosses_ranks(routes, n_local),
+        unchanged=unchanged_slots(routes, dp_rank=dp_rank, n_local=n_local),
+    )

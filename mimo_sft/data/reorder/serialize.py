@@ -36,6 +36,8 @@ DTYPE_CODES: dict[torch.dtype, str] = {
     torch.uint8: "u8",
 }
 CODE_DTYPES: dict[str, torch.dtype] = {v: k for k, v in DTYPE_CODES.items()}
+#: bytes per element of each code, computed once: the exchange sizes every record of a window
+_ITEMSIZE: dict[str, int] = {code: torch.empty((), dtype=dt).element_size() for code, dt in CODE_DTYPES.items()}
 
 PIXEL_KEY = "pixel_values"
 GRID_KEY = "image_grid_thw"
@@ -175,7 +177,7 @@ def _field_nbytes(code: str, shape: tuple[int, ...]) -> int:
     n = 1
     for s in shape:
         n *= s
-    return n * torch.empty((), dtype=CODE_DTYPES[code]).element_size()
+    return n * _ITEMSIZE[code]
 
 
 def record_nbytes(meta: RecordMeta) -> int:

@@ -18,6 +18,24 @@ from pathlib import Path
 
 from mimo_sft.errors import UserError
 
+#: The tiny checkpoint's embedding table is padded to a multiple of this, as released Qwen models pad
+#: theirs (151,936 rows for 151,665 tokens): vocab_size >= len(tokenizer), with spare rows, as in the wild.
+VOCAB_PAD_MULTIPLE = 64
+#: The tiny model's position limit: far above any test's --seq-length, far below Qwen's 128k, so
+#: the rotary tables stay small.
+TINY_MAX_POSITIONS = 4096
+#: Qwen2.5's RMSNorm epsilon and rotary base (the released config.json values).
+QWEN_RMS_NORM_EPS = 1e-6
+QWEN_ROPE_THETA = 1000000.0
+#: Qwen2.5-VL's vision constants: frames per temporal patch, video tokens per second.
+QWEN_TEMPORAL_PATCH = 2
+QWEN_TOKENS_PER_SECOND = 2
+#: Qwen2.5-VL's preprocessor_config.json: 4 to 16384 merged tokens (28x28 pixels each) per image.
+QWEN_MIN_PIXELS = 56 * 56
+QWEN_MAX_PIXELS = 28 * 28 * 16384
+#: Qwen's tokenizer_config.json model_max_length.
+QWEN_MODEL_MAX_LENGTH = 131072
+
 
 def mrope_section_for(head_dim: int) -> list[int]:
     """Split ``head_dim/2`` rotary frequencies into (t, h, w) in Qwen's 2:3:3 proportion."""
@@ -75,7 +93,7 @@ def write_tiny_checkpoint(
     tok = processor.tokenizer
     ids = {t: tok.convert_tokens_to_ids(t) for t in ("<|endoftext|>", "<|im_end|>", "<|image_pad|>",
                                                      "<|video_pad|>", "<|vision_start|>", "<|vision_end|>")}
-    vocab_size = -(-len(tok) // 64) * 64  # padded like Qwen's, always >= len(tokenizer)
+    vocab_size = -(-len(tok) // VOCAB_PAD_MULTIPLE) * VOCAB_PAD_MULTIPLE  # padded like Qwen's, >= len(tokenizer)
     text_head_dim = text_hidden // heads
     config = Qwen2_5_VLConfig(
         text_config=dict(
@@ -85,9 +103,9 @@ def write_tiny_checkpoint(
             num_hidden_layers=text_layers,
             num_attention_heads=heads,
             num_key_value_heads=kv_heads,
-            max_position_embeddings=4096,
-            rms_norm_eps=1e-6,
-            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0,
+            max_position_embeddings=TINY_MAX_POSITIONS,
+            rms_norm_eps=QWEN_RMS_NORM_EPS,
+            rope_parameters={"rope_type": "default", "rope_theta": QWEN_ROPE_THETA,
                              "mrope_section": mrope_section_for(text_head_dim)},
             bos_token_id=ids["<|endoftext|>"],
             eos_token_id=ids["<|im_end|>"],
@@ -101,9 +119,9 @@ def write_tiny_checkpoint(
             num_heads=vision_heads,
             patch_size=patch_size,
             spatial_merge_size=merge_size,
-            temporal_patch_size=2,
-            tokens_per_second=2,
-            window_size=2 * patch_size * merge_size,
+            temporal_patch_size=QWEN_TEMPORAL_PATCH,
+            tokens_per_second=QWEN_TOKENS_PER_SECOND,
+            window_size=2 * patch_size * merge_size,  # two merged tokens per attention window side
             out_hidden_size=text_hidden,
             fullatt_block_indexes=[vision_depth - 1],
         ),
@@ -159,8 +177,7 @@ PRESETS: dict[str, dict] = {
                     fullatt_block_indexes=[7, 15, 23, 31], in_channels=3, tokens_per_second=2, hidden_act="silu"),
         tie_word_embeddings=True,
         image_token_id=151655, video_token_id=151656, vision_start_token_id=151652, vision_end_token_id=151653,
-        # Qwen2.5-VL's preprocessor_config.json: 4 to 16384 merged tokens per image
-        min_pixels=56 * 56, max_pixels=28 * 28 * 16384,
+        min_pixels=QWEN_MIN_PIXELS, max_pixels=QWEN_MAX_PIXELS,
     ),
 }
 
@@ -220,7 +237,7 @@ def build_qwen_tokenizer():
     for i, t in enumerate(added):
         vocab[t] = QWEN_SPECIAL_START_ID + i
     tok = Qwen2Tokenizer(vocab=vocab, merges=merges, unk_token=None, bos_token=None, eos_token="<|im_end|>",
-                         pad_token="<|endoftext|>", model_max_length=131072,
+                         pad_token="<|endoftext|>", model_max_length=QWEN_MODEL_MAX_LENGTH,
                          extra_special_tokens=list(QWEN_SPECIAL_TOKENS[1:]))
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in QWEN_EXTRA_ADDED_TOKENS])
     for i, t in enumerate(added):
@@ -230,7 +247,8 @@ def build_qwen_tokenizer():
 
 
 def write_qwen_processor(out_dir: str | os.PathLike, *, patch_size: int = 14, merge_size: int = 2,
-                         temporal_patch_size: int = 2, min_pixels: int = 56 * 56, max_pixels: int = 28 * 28 * 16384):
+                         temporal_patch_size: int = QWEN_TEMPORAL_PATCH, min_pixels: int = QWEN_MIN_PIXELS,
+                         max_pixels: int = QWEN_MAX_PIXELS):
     """Write the image-only processor with Qwen's real tokenizer and the chat template; return it."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 

@@ -20,15 +20,33 @@ COLOURS = {
 QUESTIONS = ("What colour is shown in the image?", "Read the receipt and give the colour and number.",
              "Describe the image.", "What number is written on it?")
 
+#: The sample mix, as cumulative thresholds on one uniform draw: 7% text-only, 8% multi-image,
+#: 15% large pages, the rest (70%) small receipts. Roughly a real document SFT set's skew: a
+#: minority of heavy samples is what unbalances vision load across DP ranks.
+TEXT_ONLY_BELOW, MULTI_IMAGE_BELOW, LARGE_PAGE_BELOW = 0.07, 0.15, 0.30
+#: Multi-image samples hold this many images (inclusive range).
+MULTI_IMAGES = (2, 3)
+#: Image sizes in pixels, (width range, height range). A large page reaches the tiny processor's
+#: max_pixels; a receipt is narrow and maps to a handful of merged tokens.
+LARGE_PAGE_SIZE = ((280, 420), (360, 560))
+RECEIPT_SIZE = ((56, 100), (90, 180))
+#: Spacing of the drawn "text lines" (pixels): the margin, the line pitch, the bottom margin.
+LINE_MARGIN, LINE_PITCH, BOTTOM_MARGIN = 6, 14, 10
+#: Operands of the text-only arithmetic questions and the number printed on an image (inclusive).
+OPERANDS = (1, 50)
+PRINTED_NUMBER = (0, 99)
 
-def _image(rng: random.Random, width: int, height: int, colour: str, number: int) -> bytes:
+
+def image_png(rng: random.Random, width: int, height: int, colour: str, number: int) -> bytes:
+    """A receipt-like PNG: ``colour`` background, a few random-length lines, ``number`` printed on it."""
     from PIL import Image, ImageDraw
 
     img = Image.new("RGB", (width, height), COLOURS[colour])
     draw = ImageDraw.Draw(img)
     ink = (0, 0, 0) if colour in ("yellow", "white", "orange") else (255, 255, 255)
-    for y in range(6, height - 10, 14):  # "text lines" of a receipt or page
-        draw.line([(6, y), (6 + rng.randint(width // 4, width - 12), y)], fill=ink, width=1)
+    for y in range(LINE_MARGIN, height - BOTTOM_MARGIN, LINE_PITCH):  # "text lines" of a receipt or page
+        draw.line([(LINE_MARGIN, y), (LINE_MARGIN + rng.randint(width // 4, width - 2 * LINE_MARGIN), y)],
+                  fill=ink, width=1)
     draw.text((width // 3, height // 3), str(number), fill=ink)
     buf = io.BytesIO()
     img.save(buf, format="PNG")
@@ -36,25 +54,25 @@ def _image(rng: random.Random, width: int, height: int, colour: str, number: int
 
 
 def _size(rng: random.Random, kind: str) -> tuple[int, int]:
-    if kind == "doc":  # large page: hits the processor's max_pixels
-        return rng.randint(280, 420), rng.randint(360, 560)
-    return rng.randint(56, 100), rng.randint(90, 180)  # narrow receipt
+    (w_lo, w_hi), (h_lo, h_hi) = LARGE_PAGE_SIZE if kind == "doc" else RECEIPT_SIZE
+    return rng.randint(w_lo, w_hi), rng.randint(h_lo, h_hi)
 
 
 def make_sample(rng: random.Random) -> dict:
     r = rng.random()
-    kind = "text" if r < 0.07 else "multi" if r < 0.15 else "doc" if r < 0.30 else "small"
+    kind = ("text" if r < TEXT_ONLY_BELOW else "multi" if r < MULTI_IMAGE_BELOW
+            else "doc" if r < LARGE_PAGE_BELOW else "small")
     if kind == "text":
-        a, b = rng.randint(1, 50), rng.randint(1, 50)
+        a, b = rng.randint(*OPERANDS), rng.randint(*OPERANDS)
         return {"messages": [{"role": "user", "content": [{"type": "text", "text": f"What is {a} plus {b}?"}]},
                              {"role": "assistant", "content": [{"type": "text", "text": f"{a} plus {b} is {a + b}."}]}],
                 "images": []}
-    n_img = rng.randint(2, 3) if kind == "multi" else 1
+    n_img = rng.randint(*MULTI_IMAGES) if kind == "multi" else 1
     images, facts = [], []
     for _ in range(n_img):
-        colour, number = rng.choice(sorted(COLOURS)), rng.randint(0, 99)
+        colour, number = rng.choice(sorted(COLOURS)), rng.randint(*PRINTED_NUMBER)
         w, h = _size(rng, "doc" if kind == "doc" else "small")
-        images.append({"bytes": _image(rng, w, h, colour, number), "path": None})
+        images.append({"bytes": image_png(rng, w, h, colour, number), "path": None})
         facts.append((colour, number))
     if n_img == 1:
         question = rng.choice(QUESTIONS)

@@ -1,0 +1,202 @@
+"""Model families as data: the one place that says what a family is and which layouts it supports.
+
+A ``FamilySpec`` holds a family's name, the config.json ``model_type`` values it reads, its
+modalities (encoder module names besides ``language``) with each encoder's parallel limits, the
+language model's limits, how to read the language model's heads and layers from a config.json
+dict, and where its model-side adapter lives. Everything else reads these specs:
+
+* ``config.checks`` turns the limits into the messages ``validate``, ``finetune`` and ``plan``
+  print (checks 4, 10, 12 and 16), and lists the supported ``model_type`` values;
+* ``config.schema`` takes the ``--model-family`` choices from :func:`family_names`;
+* ``model.registry`` finds a family's adapter through :attr:`FamilySpec.adapter`, and each adapter
+  points back at its spec (``spec = QWEN2_5_VL``);
+* ``model.builder`` asserts :func:`layout_problems` is empty (``check_config`` refused it earlier).
+
+Pure: imports neither torch nor megatron nor transformers, so ``validate`` stays fast.
+
+Adding a family: one ``register(FamilySpec(...))`` here and its adapter file in ``mimo_sft/model/``
+(a ``FamilyAdapter`` subclass with ``spec = THE_SPEC``, named by ``adapter=``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterator, Mapping, Optional, Union
+
+from mimo_sft.parallel.components import ComponentSpec
+from mimo_sft.parallel.layout import IMAGES, LANGUAGE
+
+#: what the rule functions yield: an error message, or ``(message, "note")`` for a note
+Finding = Union[str, tuple[str, str]]
+
+
+@dataclass(frozen=True)
+class LanguageDims:
+    """The language model sizes a layout must divide (None: not in config.json, not checked)."""
+
+    heads: Optional[int]
+    kv_heads: Optional[int]
+    layers: Optional[int]
+
+
+@dataclass(frozen=True)
+class EncoderLimits:
+    """Parallel limits of one encoder module (a modality). False: that kind of parallelism is refused."""
+
+    #: how messages name the network and whose implementation runs
+    tower: str = "vision tower"
+    implementation: str = "Hugging Face Qwen-VL"
+    #: tp > 1 shards the encoder
+    tp: bool = False
+    #: on a colocated layout, tp > 1 replicates the unsharded encoder on its tp ranks (identical inputs,
+    #: outputs and gradients), which lets it run at a smaller DP than the language model on the same
+    #: ranks (ColocatedBridgeCommunicator fan-out); apart from the language model it would only waste GPUs
+    replicated_tp_when_colocated: bool = True
+    pp: bool = False
+    cp: bool = False
+
+
+@dataclass(frozen=True, eq=False)
+class FamilySpec:
+    """One model family, as data (see the module docstring)."""
+
+    name: str
+    model_types: tuple[str, ...]
+    #: modality module name -> its encoder's limits (the keys are the family's modalities)
+    encoders: Mapping[str, EncoderLimits]
+    #: the language model's heads, KV heads and layers from a config.json dict
+    language_dims: Callable[[dict], LanguageDims]
+    #: ``"module:Class"`` of the model-side ``FamilyAdapter`` (imported only when a model is built)
+    adapter: str
+    #: language context parallelism (False: cp must be 1)
+    language_cp: bool = False
+
+    @property
+    def modalities(self) -> tuple[str, ...]:
+        return tuple(self.encoders)
+
+    def encoder_limits(self, module: str) -> Optional[EncoderLimits]:
+        """Limits of encoder ``module``. A module that is not a modality (check 4 refuses it) is held to
+        the family's first encoder's limits, so its other problems are reported too."""
+        return self.encoders.get(module) or next(iter(self.encoders.values()), None)
+
+
+# ---- rules (pure functions of a spec, the modules and a config.json dict) -----------------------
+
+def encoder_findings(spec: FamilySpec, module: ComponentSpec, *, colocated: bool,
+                     language_dp: Optional[int]) -> Iterator[Finding]:
+    """Encoder parallelism the family refuses (check 10), and the colocated replicated-tp note."""
+    lim = spec.encoder_limits(module.name)
+    if lim is None:
+        return
+    s = module
+    if s.pp > 1 and not lim.pp:
+        yield f"{s.name}.pp={s.pp}: encoder pipeline parallelism is not supported (mimo-sft's own limit); set pp=1"
+    if s.tp > 1 and not lim.tp:
+        if colocated and lim.replicated_tp_when_colocated:
+            yield (f"{s.name}.tp={s.tp} on a colocated layout: the {lim.tower} is replicated (not sharded) on its "
+                   f"{s.tp} tp ranks, so {s.name}.dp={s.dp} replicas serve language.dp="
+                   f"{language_dp if language_dp is not None else '?'} (fan-out)", "note")
+        else:
+            yield (f"{s.name}.tp={s.tp}: the {lim.implementation} {lim.tower} runs unsharded "
+                   f"(mimo-sft's own limit); set tp=1 and scale the encoder with dp")
+    if s.cp > 1 and not lim.cp:
+        yield f"{s.name}.cp={s.cp}: encoder context parallelism is not supported; set cp=1"
+
+
+def language_partition_findings(spec: FamilySpec, language: ComponentSpec) -> Iterator[Finding]:
+    """Language partitions the family refuses regardless of the checkpoint (check 12)."""
+    if language.cp > 1 and not spec.language_cp:
+        yield (f"language.cp={language.cp}: context parallelism is untested with MIMO here (mimo-sft's own limit); "
+               f"set cp=1")
+
+
+def language_divisibility_findings(spec: FamilySpec, language: ComponentSpec, config: dict) -> Iterator[Finding]:
+    """tp must divide the attention and KV heads, pp the layers, of the checkpoint (check 16)."""
+    d = spec.language_dims(config)
+    s = language
+    if d.heads and s.tp >= 1 and d.heads % s.tp:
+        yield f"language.tp={s.tp} does not divide the model's {d.heads} attention heads; choose a divisor"
+    if d.kv_heads and s.tp >= 1 and d.kv_heads % s.tp:
+        yield (f"language.tp={s.tp} does not divide the model's {d.kv_heads} key/value heads; "
+               f"choose a divisor of {d.kv_heads}")
+    if d.layers and s.pp >= 1 and d.layers % s.pp:
+        yield f"language.pp={s.pp} does not divide the model's {d.layers} layers; choose a divisor"
+
+
+def layout_problems(spec: FamilySpec, layout, config: dict) -> list[str]:
+    """Every error the family's rules give for ``layout`` (a ``parallel.layout.Layout``) and a config.json
+    dict: what the model builder asserts away (checks 3, 4, 10, 12 and 16 report them to the user)."""
+    names = layout.names
+    if LANGUAGE not in names:
+        return ["the layout has no 'language' module"]
+    out = [f"module '{n}' is not a modality of {spec.name}" for n in names
+           if n != LANGUAGE and n not in spec.modalities]
+    lang = layout.spec(LANGUAGE)
+    for enc in layout.encoders:
+        out += encoder_findings(spec, enc, colocated=layout.colocated, language_dp=lang.dp)
+    out += language_partition_findings(spec, lang)
+    out += language_divisibility_findings(spec, lang, config)
+    return [f for f in out if isinstance(f, str)]
+
+
+# ---- registry ----------------------------------------------------------------------------------
+
+_FAMILIES: dict[str, FamilySpec] = {}
+
+
+def register(spec: FamilySpec) -> FamilySpec:
+    """Add ``spec`` (its name and model types must be new)."""
+    assert spec.name not in _FAMILIES, f"family {spec.name} registered twice"
+    taken = set(model_types())
+    assert not taken & set(spec.model_types), f"model types {sorted(taken & set(spec.model_types))} registered twice"
+    assert LANGUAGE not in spec.encoders, f"'{LANGUAGE}' is not a modality"
+    _FAMILIES[spec.name] = spec
+    return spec
+
+
+def families() -> tuple[FamilySpec, ...]:
+    """Every registered family, in registration order (the first is the default)."""
+    return tuple(_FAMILIES.values())
+
+
+def family_names() -> tuple[str, ...]:
+    return tuple(_FAMILIES)
+
+
+def model_types() -> tuple[str, ...]:
+    """Every supported config.json ``model_type``, in registration order."""
+    return tuple(mt for spec in _FAMILIES.values() for mt in spec.model_types)
+
+
+def family_for_model_type(model_type) -> Optional[FamilySpec]:
+    return next((spec for spec in _FAMILIES.values() if model_type in spec.model_types), None)
+
+
+def family_named(name: str) -> FamilySpec:
+    return _FAMILIES[name]
+
+
+def default_family() -> FamilySpec:
+    """The family assumed where no config.json says otherwise (the first registered)."""
+    return next(iter(_FAMILIES.values()))
+
+
+# ---- the families ------------------------------------------------------------------------------
+
+def _qwen_vl_language_dims(config: dict) -> LanguageDims:
+    """Qwen-VL config.json: the language sizes under ``text_config`` (at the top level in flat files)."""
+    text = config.get("text_config", config)
+    heads = text.get("num_attention_heads")
+    return LanguageDims(heads=heads, kv_heads=text.get("num_key_value_heads", heads),
+                        layers=text.get("num_hidden_layers"))
+
+
+QWEN2_5_VL = register(FamilySpec(
+    name="qwen2_5_vl",
+    model_types=("qwen2_5_vl",),
+    # transformers' vision tower runs as it is: no tp/pp/cp (tp on colocated layouts replicates it)
+    encoders={IMAGES: EncoderLimits(tower="vision tower", implementation="Hugging Face Qwen-VL")},
+    language_dims=_qwen_vl_language_dims,
+    adapter="mimo_sft.model.qwen2_5_vl:Qwen25VLAdapter",
+))

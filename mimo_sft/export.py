@@ -1,0 +1,41 @@
+"""``mimo-sft export`` and ``finetune --export-hf``: a training checkpoint -> a Hugging Face folder.
+
+The checkpoint's model weights are a megatron dist-checkpoint (layout-free), so export builds the
+model once in this process at TP=1 with both modules, loads the weights into it (megatron reshards
+whatever layout the run used) and converts them back to Hugging Face names and layouts
+(``model.export.export_weights``: host memory, no initialisation, one copy of the model, no GPU).
+``finetune --export-hf`` calls the same function in rank 0's process once training has ended.
+
+Why this module sits at the top of the package, beside ``cli.py``: it joins two layers that must not
+know each other -- the checkpoint format (``train.checkpoint``: finding the checkpoint, its
+``meta.json``, loading its weights) and the Hugging Face writer (``model.export``) -- and model/ never
+imports train/. Both the CLI and the trainer call it.
+"""
+
+from __future__ import annotations
+
+import os
+
+from mimo_sft.errors import UserError
+
+
+def export_checkpoint(checkpoint: str, out_dir: str, *, hf_model: str | None = None) -> str:
+    """Write the checkpoint ``checkpoint`` (a folder, or its parent with ``latest``) to ``out_dir``.
+
+    ``hf_model``: the source Hugging Face folder (config and processor files are copied from it);
+    default: the one the checkpoint records. Returns ``out_dir``.
+    """
+    from mimo_sft.model.export import export_weights
+    from mimo_sft.train.checkpoint import load_model_weights, read_meta, resolve_checkpoint
+
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise UserError(f"--out {out_dir} is a file; choose a folder to write the Hugging Face checkpoint into")
+    ckpt = resolve_checkpoint(checkpoint)
+    meta = read_meta(ckpt)
+    src = hf_model or meta.get("hf_model")
+    if not src:
+        raise UserError(f"--checkpoint {ckpt} does not record its source model; pass --hf-model DIR")
+    if not os.path.isdir(src):
+        raise UserError(f"--hf-model {src}: folder not found (export copies its config and processor files)")
+    export_weights(lambda model: load_model_weights(model, ckpt), src, out_dir)
+    return out_dir

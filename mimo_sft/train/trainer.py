@@ -1,0 +1,258 @@
+"""The training loop as one object: ``Trainer`` holds a run's parts as typed attributes and drives them.
+
+::
+
+    Trainer(cfg, layout).run()   # setup -> train (train_step, log_step, maybe_save per step)
+                                 # -> close -> shutdown -> export (rank 0, --export-hf)
+
+``setup`` builds the parts in the order they depend on each other:
+
+==============  ============================================================  ===========================
+attribute       what                                                          built by
+==============  ============================================================  ===========================
+``rank``        this process's rank in the world group                        ``parallel.bootstrap``
+``pstate``      the layout's grids and process groups                         ``train.setup.build_state``
+``ctx``         model (DDP-wrapped modules), optimizer, model info            ``train.setup``
+``step``,       where the run starts: 0, or the checkpoint's step and data    :meth:`resume`
+``consumed``    position                                                      (``train.checkpoint``)
+``feed``        this rank's micro-batches, with the step's observers          ``train.feed.build_feed``
+``runner``      megatron's schedule for this layout                           ``train.step.StepRunner``
+``logger``      metrics.jsonl, TensorBoard and the progress line              ``train.metrics``
+==============  ============================================================  ===========================
+
+Every rank runs every method; what only some ranks do (logging, the loss reduction, export) is
+decided inside, so collectives stay matched across ranks.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from mimo_sft.config.loader import dump_config
+from mimo_sft.config.schema import ExperimentConfig
+from mimo_sft.errors import UserError
+from mimo_sft.parallel import runtime
+from mimo_sft.parallel.bootstrap import start_world
+from mimo_sft.parallel.groups import ParallelState
+from mimo_sft.parallel.layout import LANGUAGE, Layout
+from mimo_sft.train.checkpoint import restore, save_checkpoint
+from mimo_sft.train.feed import Feed, build_feed
+from mimo_sft.train.flops import peak_tflops_for
+from mimo_sft.train.lr import lr_at, set_lr
+from mimo_sft.train.metrics import MetricsLogger, StepMetrics, peak_memory_by_module, step_model_flops, throughput
+from mimo_sft.train.setup import TrainContext, build_model_and_optimizer, build_state
+from mimo_sft.train.step import StepOutput, StepRunner
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What :meth:`Trainer.train_step` hands to :meth:`Trainer.log_step`."""
+
+    lr: float
+    output: StepOutput
+    grad_norm: Optional[float]
+    update_ok: bool
+    step_time_s: float
+
+
+class Trainer:
+    """One rank's share of a fine-tuning run; see the module docstring."""
+
+    cfg: ExperimentConfig
+    layout: Layout
+    output_dir: str
+    save_dir: str
+    rank: int
+    pstate: ParallelState
+    ctx: TrainContext
+    step: int
+    consumed: int
+    feed: Feed
+    runner: StepRunner
+    logger: MetricsLogger
+    peak_tflops: Optional[float]
+
+    def __init__(self, cfg: ExperimentConfig, layout: Layout):
+        self.cfg = cfg
+        self.layout = layout
+        self.output_dir = cfg.logging.output_dir
+        self.save_dir = cfg.checkpoint.save or os.path.join(self.output_dir, "checkpoints")
+        self.step = 0
+        self.consumed = 0
+
+    # ---- the whole run --------------------------------------------------------------------------
+    def run(self) -> int:
+        try:
+            self.setup()
+            self.train()
+        finally:
+            self.close()
+        self.shutdown()
+        if self.cfg.checkpoint.export_hf and self.rank == 0:
+            self.export()
+        return 0
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.cfg.train.global_batch_size
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.cfg.train.global_batch_size // self.cfg.train.micro_batch_size
+
+    @property
+    def is_last_language_stage(self) -> bool:
+        """A language rank on the last pipeline stage: it holds losses and reduces them over its DP group."""
+        c = self.layout.coords(self.rank).get(LANGUAGE)
+        return c is not None and c.pp == self.layout.language.pp - 1
+
+    # ---- building ---------------------------------------------------------------------------------
+    def setup(self) -> None:
+        """Start the world, build groups, model and optimizer, resume, then the feed, runner and logger."""
+        cfg, layout = self.cfg, self.layout
+        self.rank, _ = start_world(timeout_s=cfg.train.dist_timeout_s)
+        if self.rank == 0:
+            os.makedirs(self.output_dir, exist_ok=True)
+            with open(os.path.join(self.output_dir, "config.yaml"), "w") as fh:
+                fh.write(dump_config(cfg))
+        self.pstate = build_state(cfg, layout)
+        self.ctx = build_model_and_optimizer(cfg, layout, self.pstate, self.rank)
+        self.resume()
+        self.feed = build_feed(cfg, layout, self.pstate, self.ctx.info, consumed_samples=self.consumed)
+        self.runner = StepRunner(model=self.ctx.model, modules=self.ctx.modules, pstate=self.pstate, layout=layout,
+                                 feed=self.feed, modality_inputs_fn=self.ctx.info.modality_inputs,
+                                 seq_length=cfg.data.seq_length, local_mbs=cfg.train.micro_batch_size // layout.language.dp)
+        self.logger = MetricsLogger(self.output_dir, enabled=self.ctx.is_metrics_rank, total_steps=cfg.train.train_iters,
+                                    log_interval=cfg.logging.log_interval, tensorboard=cfg.logging.tensorboard)
+        self.peak_tflops = cfg.logging.peak_tflops or (peak_tflops_for(runtime.device_name()) if runtime.on_gpu() else None)
+        self._announce()
+
+    def resume(self) -> None:
+        """Load what the run starts from (``--load-checkpoint``: everything; ``--pretrained-checkpoint``:
+        weights) and take its step and data position; refuse a run with no step left to train."""
+        self.step, self.consumed = restore(self.cfg, self.ctx)
+        if self.step >= self.cfg.train.train_iters:
+            raise UserError(f"nothing to do: the checkpoint is at step {self.step} and --train-iters is "
+                            f"{self.cfg.train.train_iters}; raise --train-iters to train further")
+
+    def _announce(self) -> None:
+        if not self.ctx.is_metrics_rank:
+            return
+        cfg, layout = self.cfg, self.layout
+        t = cfg.train
+        layout_text = " ".join(s.to_flag() for s in layout.components)
+        start = (f"resuming at step {self.step} ({self.consumed} samples consumed)" if self.step
+                 else "starting at step 0")
+        print(f"mimo-sft: {layout.world_size} ranks, {'colocated' if layout.colocated else 'non-colocated'}: "
+              f"{layout_text}\n"
+              f"mimo-sft: {t.train_iters} steps of {t.global_batch_size} samples ({self.num_microbatches} "
+              f"micro-batches of {t.micro_batch_size}), reordering {'on' if cfg.reorder.enabled else 'off'}, "
+              f"{start}, output {self.output_dir}", flush=True)
+
+    # ---- one step -------------------------------------------------------------------------------------
+    def train(self) -> None:
+        while self.step < self.cfg.train.train_iters:
+            result = self.train_step()
+            self.log_step(result)
+            self.maybe_save()
+
+    def train_step(self) -> StepResult:
+        """Learning rate, zeroed gradients, megatron's schedule over the global batch, optimizer step."""
+        t0 = time.perf_counter()
+        o = self.cfg.optimizer
+        lr = lr_at(self.step, lr=o.lr, min_lr=o.min_lr, warmup=o.lr_warmup_iters, total=self.cfg.train.train_iters,
+                   style=o.lr_decay_style)
+        set_lr(self.ctx.optimizer, lr)
+        runtime.reset_peak_memory()
+        self.ctx.optimizer.zero_grad()
+        out = self.runner.run(self.num_microbatches)
+        if out.global_tokens <= 0:
+            raise UserError(f"step {self.step + 1} has no supervised tokens (no assistant text after the chat "
+                            f"template and truncation) in its {self.global_batch_size} samples: check the "
+                            f"dataset's roles (user/assistant) and --seq-length")
+        ok, grad_norm, _ = self.ctx.optimizer.step()
+        self.step += 1
+        self.consumed += self.global_batch_size
+        return StepResult(lr=lr, output=out, grad_norm=float(grad_norm) if grad_norm is not None else None,
+                          update_ok=bool(ok), step_time_s=time.perf_counter() - t0)
+
+    def log_step(self, result: StepResult) -> None:
+        """The step's collectives, then (metrics rank) one ``StepMetrics`` record.
+
+        Every rank: peak memory per module and model FLOPs (world). The metrics rank's language DP
+        group: the vision-load figures (one all-gather, only without reordering). Every last-stage
+        language rank: loss and token counts over its DP group; a non-finite loss stops the run.
+        """
+        peaks = peak_memory_by_module(self.pstate)
+        model_flops = step_model_flops(self.feed.flops.step_flops, self.pstate)
+        load = self.feed.load_stats
+        before, after = load.step_figures() if load is not None else (None, None)
+        if not self.is_last_language_stage:
+            return
+        c, out = self.feed.counters, result.output
+        t = torch.tensor([out.loss_sum, out.num_tokens, c.real_tokens, float(c.samples)], dtype=torch.float64)
+        lang_dp = self.pstate.modules[LANGUAGE].dp_gloo
+        if lang_dp is not None and dist.get_world_size(lang_dp) > 1:
+            dist.all_reduce(t, group=lang_dp)
+        loss = float(t[0] / max(t[1], 1.0))
+        if not torch.isfinite(torch.tensor(loss)):
+            raise UserError(f"loss became {loss} at step {self.step}; lower --lr or check the data")
+        step_time = result.step_time_s
+        tflops, mfu = throughput(model_flops, step_time, self.layout.world_size, self.peak_tflops)
+        self.logger.log(StepMetrics(
+            step=self.step, loss=loss, grad_norm=result.grad_norm, lr=result.lr, step_time_s=step_time,
+            tokens_per_s=float(t[2]) / step_time, samples_per_s=float(t[3]) / step_time,
+            supervised_tokens=float(t[1]),
+            vision_load_max_over_mean_before=before, vision_load_max_over_mean_after=after,
+            reorder_exchange_s=c.exchange_s, data_wait_s=c.data_wait_s,
+            peak_memory_bytes=max(peaks.values()), peak_memory_bytes_by_module=peaks,
+            model_flops=model_flops, model_tflops_per_gpu=tflops, mfu=mfu,
+            update_ok=result.update_ok, consumed_samples=self.consumed))
+
+    def maybe_save(self) -> None:
+        """Save every ``--save-interval`` steps, and at the last step when anything needs the
+        checkpoint (an interval, ``--save`` or ``--export-hf``). Collective."""
+        ck = self.cfg.checkpoint
+        interval = ck.save_interval
+        final = self.step == self.cfg.train.train_iters and (interval or ck.save or ck.export_hf)
+        if (interval and self.step % interval == 0) or final:
+            path = save_checkpoint(self.save_dir, step=self.step, consumed_samples=self.consumed, ctx=self.ctx)
+            if self.ctx.is_metrics_rank:
+                print(f"saved checkpoint {path}", flush=True)
+
+    # ---- the end ------------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Stop the feed's reorder thread and close the metrics files (also after an error)."""
+        if getattr(self, "feed", None) is not None:
+            self.feed.close()
+        if getattr(self, "logger", None) is not None:
+            self.logger.close()
+
+    def shutdown(self) -> None:
+        """Wait for every rank, then end the process group (the run's last collective)."""
+        dist.barrier()
+        dist.destroy_process_group()
+
+    def export(self) -> None:
+        """``--export-hf``: rank 0 exports the final checkpoint after the other ranks have finished.
+
+        Runs after :meth:`shutdown`: the training model, optimizer and process groups are released
+        first, and export builds its 1-rank model in host memory (its own in-process group, see
+        ``parallel.bootstrap``), so the export never holds more than one copy of the model and never
+        waits on (or keeps waiting) any other rank.
+        """
+        from mimo_sft.export import export_checkpoint
+
+        self.ctx.model = self.ctx.optimizer = self.ctx.modules = None
+        self.runner.model = self.runner.modules = None
+        gc.collect()
+        runtime.release_cached_memory()
+        out = export_checkpoint(self.save_dir, self.cfg.checkpoint.export_hf, hf_model=self.cfg.model.hf_model)
+        print(f"exported Hugging Face checkpoint to {out}", flush=True)
