@@ -69,6 +69,10 @@ def c01_positive_sizes(ctx):
             yield f"{name}={val} must be >= 1"
     if t.dist_timeout_s < 1:
         yield f"--dist-timeout={t.dist_timeout_s} must be >= 1 (seconds)"
+    if t.exit_interval is not None and t.exit_interval < 1:
+        yield f"--exit-interval={t.exit_interval} must be >= 1"
+    if t.exit_duration_in_mins is not None and t.exit_duration_in_mins <= 0:
+        yield f"--exit-duration-in-mins={t.exit_duration_in_mins} must be > 0"
     if d.num_workers < 0:
         yield f"--num-workers={d.num_workers} must be >= 0"
     si = ctx.cfg.checkpoint.save_interval

@@ -96,6 +96,9 @@ class TrainConfig:
     train_iters: int = opt(10, "--train-iters", "optimizer steps")
     seed: int = opt(1234, "--seed", "seed for init, data order and dropout")
     dist_timeout_s: int = opt(600, "--dist-timeout", "seconds a collective may wait for a silent peer before the run fails")
+    exit_signal_handler: bool = opt(False, "--exit-signal-handler", "on SIGTERM or SIGUSR1 (any rank), finish the step, save a checkpoint and exit 0")
+    exit_interval: Optional[int] = opt(None, "--exit-interval", "save and exit 0 after the first step divisible by N")
+    exit_duration_in_mins: Optional[float] = opt(None, "--exit-duration-in-mins", "save and exit 0 before M minutes of wall time have passed")
 
 
 @dataclass
@@ -127,6 +130,7 @@ class LoggingConfig:
     log_interval: int = opt(1, "--log-interval", "print a progress line every N steps")
     tensorboard: bool = opt(True, "--tensorboard", "write TensorBoard event files", negatable=True)
     peak_tflops: Optional[float] = opt(None, "--peak-tflops", "dense bf16 peak TFLOP/s of one GPU, for MFU (default: looked up from the GPU's name; docs/benchmarks.md has the table)")
+    save_grads: Optional[str] = opt(None, "--save-grads", "debugging: write each step's reduced gradients (before clipping) as a layout-free checkpoint under DIR/iter_N")
 
 
 @dataclass

@@ -144,6 +144,37 @@ def save_checkpoint(root: str, *, step: int, consumed_samples: int, ctx, extra_m
     return box[0]
 
 
+def save_gradients(folder: str, ctx) -> None:
+    """``--save-grads``: this step's reduced gradients (after the DP reduction and the global token
+    scale, before clipping and the optimizer) written as a model checkpoint, so any layout's
+    gradients can be compared tensor by tensor with any other's (a 1-rank run's, say). Collective.
+
+    Each parameter's value is swapped for its ``main_grad`` (zeros where it has none: frozen) while
+    megatron's dist-checkpointing writes, then restored. Holds one extra copy of the weights, in
+    the parameters' dtype: a debugging aid for short runs.
+    """
+    from megatron.core import dist_checkpointing
+
+    if dist.get_rank() == 0:
+        if os.path.isdir(folder):
+            shutil.rmtree(folder)
+        os.makedirs(folder)
+    dist.barrier()
+    params = list(ctx.model.parameters())
+    kept = [p.detach().clone() for p in params]
+    try:
+        with torch.no_grad():
+            for p in params:
+                grad = getattr(p, "main_grad", None)
+                p.copy_(grad if grad is not None else torch.zeros_like(p))
+        dist_checkpointing.save(model_sharded_state_dict(ctx.model, encoder_replica_rank(ctx)), folder)
+    finally:
+        with torch.no_grad():
+            for p, value in zip(params, kept):
+                p.copy_(value)
+    dist.barrier()
+
+
 def load_model_weights(model, ckpt: str) -> None:
     """Load weights from a checkpoint's dist-checkpoint into ``model`` (any layout)."""
     from megatron.core import dist_checkpointing

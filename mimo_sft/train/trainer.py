@@ -42,13 +42,14 @@ from mimo_sft.parallel import runtime
 from mimo_sft.parallel.bootstrap import start_world
 from mimo_sft.parallel.groups import ParallelState
 from mimo_sft.parallel.layout import LANGUAGE, Layout
-from mimo_sft.train.checkpoint import restore, save_checkpoint
+from mimo_sft.train.checkpoint import restore, save_checkpoint, save_gradients
 from mimo_sft.train.feed import Feed, build_feed
 from mimo_sft.train.flops import peak_tflops_for
 from mimo_sft.train.lr import lr_at, set_lr
 from mimo_sft.train.metrics import MetricsLogger, StepMetrics, peak_memory_by_module, step_model_flops, throughput
 from mimo_sft.train.setup import TrainContext, build_model_and_optimizer, build_state
 from mimo_sft.train.step import StepOutput, StepRunner
+from mimo_sft.train.stopping import REASONS, StopPolicy, agree, resume_command
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,7 @@ class Trainer:
     runner: StepRunner
     logger: MetricsLogger
     peak_tflops: Optional[float]
+    stop: StopPolicy
 
     def __init__(self, cfg: ExperimentConfig, layout: Layout):
         self.cfg = cfg
@@ -86,6 +88,7 @@ class Trainer:
         self.save_dir = cfg.checkpoint.save or os.path.join(self.output_dir, "checkpoints")
         self.step = 0
         self.consumed = 0
+        self._stop_reason = 0
 
     # ---- the whole run --------------------------------------------------------------------------
     def run(self) -> int:
@@ -95,7 +98,7 @@ class Trainer:
         finally:
             self.close()
         self.shutdown()
-        if self.cfg.checkpoint.export_hf and self.rank == 0:
+        if self.cfg.checkpoint.export_hf and self.rank == 0 and not self._stop_reason:
             self.export()
         return 0
 
@@ -117,6 +120,9 @@ class Trainer:
     def setup(self) -> None:
         """Start the world, build groups, model and optimizer, resume, then the feed, runner and logger."""
         cfg, layout = self.cfg, self.layout
+        t = cfg.train
+        self.stop = StopPolicy(signal_handler=t.exit_signal_handler, exit_interval=t.exit_interval,
+                               exit_duration_mins=t.exit_duration_in_mins)
         self.rank, _ = start_world(timeout_s=cfg.train.dist_timeout_s)
         if self.rank == 0:
             os.makedirs(self.output_dir, exist_ok=True)
@@ -161,7 +167,25 @@ class Trainer:
         while self.step < self.cfg.train.train_iters:
             result = self.train_step()
             self.log_step(result)
-            self.maybe_save()
+            saved = self.maybe_save()
+            if self.step < self.cfg.train.train_iters and self.stopping(result.step_time_s):
+                if not saved:
+                    self.save()
+                self._say_stopped()
+                return
+
+    def stopping(self, last_step_s: float) -> bool:
+        """Whether every rank stops now (``--exit-*`` flags). Collective when any rule is set."""
+        if not self.stop.active:
+            return False
+        self._stop_reason = agree(self.stop.local_reason(self.step, last_step_s), self.pstate.world_gloo)
+        return self._stop_reason > 0
+
+    def _say_stopped(self) -> None:
+        if self.rank == 0:
+            print(f"mimo-sft: stopped after step {self.step} of {self.cfg.train.train_iters} "
+                  f"({REASONS[self._stop_reason]}); checkpoint in {self.save_dir}; resume with:\n"
+                  f"  {resume_command(self.save_dir, self.layout.world_size)}", flush=True)
 
     def train_step(self) -> StepResult:
         """Learning rate, zeroed gradients, megatron's schedule over the global batch, optimizer step."""
@@ -177,6 +201,8 @@ class Trainer:
             raise UserError(f"step {self.step + 1} has no supervised tokens (no assistant text after the chat "
                             f"template and truncation) in its {self.global_batch_size} samples: check the "
                             f"dataset's roles (user/assistant) and --seq-length")
+        if self.cfg.logging.save_grads:
+            save_gradients(os.path.join(self.cfg.logging.save_grads, f"iter_{self.step + 1:07d}"), self.ctx)
         ok, grad_norm, _ = self.ctx.optimizer.step()
         self.step += 1
         self.consumed += self.global_batch_size
@@ -216,16 +242,21 @@ class Trainer:
             model_flops=model_flops, model_tflops_per_gpu=tflops, mfu=mfu,
             update_ok=result.update_ok, consumed_samples=self.consumed))
 
-    def maybe_save(self) -> None:
+    def maybe_save(self) -> bool:
         """Save every ``--save-interval`` steps, and at the last step when anything needs the
-        checkpoint (an interval, ``--save`` or ``--export-hf``). Collective."""
+        checkpoint (an interval, ``--save`` or ``--export-hf``). Collective; True when it saved."""
         ck = self.cfg.checkpoint
         interval = ck.save_interval
         final = self.step == self.cfg.train.train_iters and (interval or ck.save or ck.export_hf)
         if (interval and self.step % interval == 0) or final:
-            path = save_checkpoint(self.save_dir, step=self.step, consumed_samples=self.consumed, ctx=self.ctx)
-            if self.ctx.is_metrics_rank:
-                print(f"saved checkpoint {path}", flush=True)
+            self.save()
+            return True
+        return False
+
+    def save(self) -> None:
+        path = save_checkpoint(self.save_dir, step=self.step, consumed_samples=self.consumed, ctx=self.ctx)
+        if self.ctx.is_metrics_rank:
+            print(f"saved checkpoint {path}", flush=True)
 
     # ---- the end ------------------------------------------------------------------------------------
     def close(self) -> None:
