@@ -146,7 +146,7 @@ def save_checkpoint(root: str, *, step: int, consumed_samples: int, ctx, extra_m
 
 def save_gradients(folder: str, ctx) -> None:
     """``--save-grads``: this step's reduced gradients (after the DP reduction and the global token
-    scale, before clipping and the optimizer) written as a model checkpoint, so any layout's
+    scale, before clipping and the optimizer) written as a model checkpoint (``folder/model``), so any layout's
     gradients can be compared tensor by tensor with any other's (a 1-rank run's, say). Collective.
 
     Each parameter's value is swapped for its ``main_grad`` (zeros where it has none: frozen) while
@@ -158,7 +158,7 @@ def save_gradients(folder: str, ctx) -> None:
     if dist.get_rank() == 0:
         if os.path.isdir(folder):
             shutil.rmtree(folder)
-        os.makedirs(folder)
+        os.makedirs(os.path.join(folder, "model"))
     dist.barrier()
     params = list(ctx.model.parameters())
     kept = [p.detach().clone() for p in params]
@@ -167,7 +167,8 @@ def save_gradients(folder: str, ctx) -> None:
             for p in params:
                 grad = getattr(p, "main_grad", None)
                 p.copy_(grad if grad is not None else torch.zeros_like(p))
-        dist_checkpointing.save(model_sharded_state_dict(ctx.model, encoder_replica_rank(ctx)), folder)
+        dist_checkpointing.save(model_sharded_state_dict(ctx.model, encoder_replica_rank(ctx)),
+                                os.path.join(folder, "model"))
     finally:
         with torch.no_grad():
             for p, value in zip(params, kept):
