@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from mimo_sft.data.reorder import planning
+from mimo_sft.data.reorder import planning, routing
 from mimo_sft.errors import UserError
 from tests.reorder_helpers import IMAGE_TOKEN_ID, MERGE, assert_batch_intact, make_batch
 
@@ -228,7 +228,7 @@ def test_bisection_refinement_matches_exhaustive_scan():
 
 
 # ---------------------------------------------------------------------------------------------
-# routing (planning.plan_exchange and its parts): what every DP rank sends and receives
+# routing (routing.plan_exchange and its parts): what every DP rank sends and receives
 # ---------------------------------------------------------------------------------------------
 def _random_window(rng: random.Random, dp: int, n_slots: int, n_local: int):
     """Per-rank tables ``[rank][slot][sample]``: bimodal costs, distinct sizes (a src/dst mix-up shows)."""
@@ -246,7 +246,7 @@ def test_send_and_recv_lists_mirror_each_other_across_ranks(dp, n_slots, n_local
     rng = random.Random(dp * 1000 + n_slots * 100 + n_local)
     for _ in range(20):
         costs, loads, nbytes = _random_window(rng, dp, n_slots, n_local)
-        plans = [planning.plan_exchange(costs, loads, nbytes, dp_rank=r, n_groups=n_groups) for r in range(dp)]
+        plans = [routing.plan_exchange(costs, loads, nbytes, dp_rank=r, n_groups=n_groups) for r in range(dp)]
         # every rank derives the same orders and routes from the same numbers
         assert all(p.routes == plans[0].routes and [i["order"] for i in p.infos] == [i["order"] for i in plans[0].infos]
                    for p in plans)
@@ -273,27 +273,27 @@ def test_split_sizes_count_the_senders_records():
     # dp 2, two samples each; rank 0's sample 1 goes to rank 1 (position 0), rank 1's sample 0 to rank 0 (position 1)
     routes = [[(0, 0), (1, 0), (0, 1), (1, 1)]]
     nbytes = [[[10, 20]], [[30, 40]]]
-    send, recv = planning.rank_moves(routes, dp_rank=0, dp_size=2, n_local=2)
+    send, recv = routing.rank_moves(routes, dp_rank=0, dp_size=2, n_local=2)
     assert send == [[(0, 0, 0)], [(0, 0, 1)]] and recv == [[(0, 0, 0)], [(0, 1, 0)]]
-    assert planning.split_sizes(send, recv, nbytes, dp_rank=0) == ([0, 20], [0, 30])
-    send1, recv1 = planning.rank_moves(routes, dp_rank=1, dp_size=2, n_local=2)
-    assert planning.split_sizes(send1, recv1, nbytes, dp_rank=1) == ([30, 0], [20, 0])
+    assert routing.split_sizes(send, recv, nbytes, dp_rank=0) == ([0, 20], [0, 30])
+    send1, recv1 = routing.rank_moves(routes, dp_rank=1, dp_size=2, n_local=2)
+    assert routing.split_sizes(send1, recv1, nbytes, dp_rank=1) == ([30, 0], [20, 0])
     with pytest.raises(ValueError, match="routes 3 samples"):
-        planning.rank_moves([routes[0][:3]], dp_rank=0, dp_size=2, n_local=2)
+        routing.rank_moves([routes[0][:3]], dp_rank=0, dp_size=2, n_local=2)
 
 
 def test_unchanged_slots_and_crossing_detection():
     identity = [(0, 0), (0, 1), (1, 0), (1, 1)]
     swapped_inside_rank0 = [(0, 1), (0, 0), (1, 0), (1, 1)]  # rank 0 keeps its samples, order flipped
     crossing = [(1, 0), (0, 1), (0, 0), (1, 1)]  # rank 0's sample 0 and rank 1's sample 0 trade places
-    assert not planning.crosses_ranks([identity, swapped_inside_rank0], 2)
-    assert planning.crosses_ranks([identity, crossing], 2)
-    assert planning.unchanged_slots([identity, swapped_inside_rank0, crossing], dp_rank=0, n_local=2) == [True, False, False]
-    assert planning.unchanged_slots([identity, swapped_inside_rank0, crossing], dp_rank=1, n_local=2) == [True, True, False]
+    assert not routing.crosses_ranks([identity, swapped_inside_rank0], 2)
+    assert routing.crosses_ranks([identity, crossing], 2)
+    assert routing.unchanged_slots([identity, swapped_inside_rank0, crossing], dp_rank=0, n_local=2) == [True, False, False]
+    assert routing.unchanged_slots([identity, swapped_inside_rank0, crossing], dp_rank=1, n_local=2) == [True, True, False]
     # a balanced micro-batch is not shuffled: nothing crosses, every slot unchanged, nothing staged
     flat = [[[5.0, 5.0]], [[5.0, 5.0]]]
     sizes = [[[8, 16]], [[24, 32]]]
-    plan = planning.plan_exchange(flat, flat, sizes, dp_rank=1, n_groups=2)
+    plan = routing.plan_exchange(flat, flat, sizes, dp_rank=1, n_groups=2)
     assert not plan.crosses and plan.unchanged == [True] and plan.send_splits == plan.recv_splits == [0, 0]
 
 
@@ -302,7 +302,7 @@ def test_dp1_routes_are_the_local_permutation():
     rng = random.Random(21)
     for n_groups, n in [(1, 4), (2, 6), (4, 8)]:
         costs = [[_bimodal(rng, n) for _ in range(3)]]
-        plan = planning.plan_exchange(costs, costs, [[[8] * n] * 3], dp_rank=0, n_groups=n_groups)
+        plan = routing.plan_exchange(costs, costs, [[[8] * n] * 3], dp_rank=0, n_groups=n_groups)
         infos = planning.window_plan_info(costs[0], costs[0], n_groups=n_groups, dp_size=1, stats_dp_sizes=None)
         assert not plan.crosses and plan.send_splits == plan.recv_splits == [0]
         for w, info in enumerate(infos):
@@ -313,9 +313,9 @@ def test_dp1_routes_are_the_local_permutation():
 
 def test_global_slots_concatenate_ranks_in_rank_order():
     per_rank = [[["a0", "a1"], ["A0", "A1"]], [["b0", "b1"], ["B0", "B1"]]]
-    assert planning.global_slots(per_rank) == [["a0", "a1", "b0", "b1"], ["A0", "A1", "B0", "B1"]]
+    assert routing.global_slots(per_rank) == [["a0", "a1", "b0", "b1"], ["A0", "A1", "B0", "B1"]]
     with pytest.raises(ValueError, match="ranks x"):
-        planning.plan_exchange([[[1.0, 2.0]], [[3.0]]], [[[1.0, 2.0]], [[3.0]]], [[[8, 8]], [[8]]], dp_rank=0, n_groups=2)
+        routing.plan_exchange([[[1.0, 2.0]], [[3.0]]], [[[1.0, 2.0]], [[3.0]]], [[[8, 8]], [[8]]], dp_rank=0, n_groups=2)
 
 
 def test_one_cost_formula_for_training_and_the_planner():
@@ -349,7 +349,7 @@ def test_pack_all_to_all_unpack_in_one_process(dp, n_slots, n_local, n_groups):
     gathered = exchange._Gathered(costs=[w.costs for w in wins], loads=[w.loads for w in wins],
                                   metas=[w.metas for w in wins])
     nbytes = [[[serialize.record_nbytes(m) for m in slot] for slot in rank] for rank in gathered.metas]
-    plans = [planning.plan_exchange(gathered.costs, gathered.loads, nbytes, dp_rank=r, n_groups=n_groups)
+    plans = [routing.plan_exchange(gathered.costs, gathered.loads, nbytes, dp_rank=r, n_groups=n_groups)
              for r in range(dp)]
     sends = [exchange._pack(plans[r], wins[r], exchange.ScratchBuffers())[0] for r in range(dp)]
     chunks = [list(torch.split(sends[r], plans[r].send_splits)) for r in range(dp)]  # all-to-all by hand

@@ -1,6 +1,6 @@
 """Intra-microbatch reordering: balance per-sample vision load across a module's DP ranks.
 
-Pure planning (:mod:`.planning`: costs, orders, statistics and the routing of every sample) and
+Pure planning (:mod:`.planning`: costs, orders, statistics; :mod:`.routing`: where every sample goes) and
 byte packing (:mod:`.serialize`) import no collectives; :mod:`.exchange` only moves bytes: the one
 all-gather + one ragged all-to-all per window; :mod:`.buffer` wraps the data iterator (optionally
 overlapping the next window's exchange on a background thread).
@@ -21,7 +21,6 @@ from mimo_sft.data.reorder.planning import (
     make_patch_count_fn,
     optimal_max_load,
     patch_counts,
-    plan_exchange,
     rank_loads,
     sample_cost,
     weighted_costs,
@@ -29,6 +28,7 @@ from mimo_sft.data.reorder.planning import (
     window_plan_info,
     window_routes,
 )
+from mimo_sft.data.reorder.routing import plan_exchange
 from mimo_sft.data.reorder.serialize import (
     deserialize_records,
     merge_samples,

@@ -5,7 +5,7 @@
 1. **gather** (:func:`_gather`, collective): this rank's per-sample costs, stats loads and record
    metadata reach every rank of the module in ONE ``all_gather_object`` on the gloo DP group, and
    every rank checks that all brought the same number of micro-batches and samples;
-2. **plan** (:func:`planning.plan_exchange`, pure): the same function of the same numbers on every
+2. **plan** (:func:`routing.plan_exchange`, pure): the same function of the same numbers on every
    rank — orders over the canonical grid, routes, send/receive lists ordered by
    ``(slot, canonical_pos)``, byte split sizes, whether anything crosses ranks, which slots stay as
    they were — so nobody has to send a plan;
@@ -30,7 +30,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from mimo_sft.data.reorder import planning, serialize
+from mimo_sft.data.reorder import planning, routing, serialize
 
 CostFn = Callable[[Mapping[str, torch.Tensor]], Sequence[float]]
 
@@ -153,7 +153,7 @@ def _gather(win: _Window, *, dp_rank: int, dp_size: int, group: Any) -> _Gathere
     return _Gathered(costs=[g[2] for g in gathered], loads=[g[3] for g in gathered], metas=[g[4] for g in gathered])
 
 
-def _pack(plan: planning.ExchangePlan, win: _Window, scratch: ScratchBuffers) -> tuple[torch.Tensor, torch.Tensor]:
+def _pack(plan: routing.ExchangePlan, win: _Window, scratch: ScratchBuffers) -> tuple[torch.Tensor, torch.Tensor]:
     """Step 3: serialize what leaves this rank, destination by destination; size the receive buffer."""
     leaving = [(w, i) for dst, moves in enumerate(plan.send) if dst != plan.dp_rank for w, _pos, i in moves]
     send_buf = serialize.serialize_records(
@@ -164,7 +164,7 @@ def _pack(plan: planning.ExchangePlan, win: _Window, scratch: ScratchBuffers) ->
     return send_buf, scratch.get("recv", sum(plan.recv_splits), _CPU)
 
 
-def _all_to_all(plan: planning.ExchangePlan, send_buf: torch.Tensor, recv_buf: torch.Tensor, group: Any) -> None:
+def _all_to_all(plan: routing.ExchangePlan, send_buf: torch.Tensor, recv_buf: torch.Tensor, group: Any) -> None:
     """Step 4: one ragged all-to-all, or nothing when no sample crosses ranks (every rank agrees)."""
     if plan.crosses:
         dist.all_to_all_single(
@@ -175,7 +175,7 @@ def _all_to_all(plan: planning.ExchangePlan, send_buf: torch.Tensor, recv_buf: t
 
 
 def _unpack(
-    plan: planning.ExchangePlan, win: _Window, gathered: _Gathered, recv_buf: torch.Tensor
+    plan: routing.ExchangePlan, win: _Window, gathered: _Gathered, recv_buf: torch.Tensor
 ) -> list[dict[str, torch.Tensor]]:
     """Step 5: place kept and received records at their canonical positions; merge each slot."""
     n_local = win.n_local
@@ -243,7 +243,7 @@ def exchange_window(
         win = _split_window(batches, cost_fn, load_fn)
         gathered = _gather(win, dp_rank=dp_rank, dp_size=dp_size, group=group)
         nbytes = [[[serialize.record_nbytes(m) for m in slot] for slot in rank] for rank in gathered.metas]
-        plan = planning.plan_exchange(
+        plan = routing.plan_exchange(
             gathered.costs, gathered.loads, nbytes, dp_rank=dp_rank, n_groups=n_groups, stats_dp_sizes=stats_dp_sizes
         )
         send_buf, recv_buf = _pack(plan, win, ScratchBuffers() if scratch is None else scratch)
