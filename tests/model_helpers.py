@@ -126,7 +126,8 @@ def _gather_vocab(logits: torch.Tensor, tp_group) -> torch.Tensor:
 
 
 def uniform_batch(hf_cfg, seed: int = 3) -> dict:
-    """Two samples with the same image-token count (colocated fan-in needs uniform counts)."""
+    """Two samples with the same image-token count: the parity worker drives megatron's bare colocated
+    bridge, which splits evenly (training wraps it in ``train.bridge.PaddedBridge`` for any counts)."""
     from mimo_sft.model.check import random_batch
 
     m = hf_cfg.vision_config.spatial_merge_size

@@ -23,6 +23,14 @@ def test_good_layout_passes():
     assert probs == [] and res.ok and res.layout.canonical_grid == 2
 
 
+@pytest.mark.parametrize("layout", [("language=tp=2,dp=1", "images=dp=2"), ("language=dp=2", "images=tp=2,dp=1")])
+def test_colocated_fan_in_and_fan_out_pass_without_an_image_size_condition(layout):
+    """The padded bridge takes any image-token counts: no problem, and no note asking for fixed sizes."""
+    probs, res = problems(comp(*layout) + ["--micro-batch-size", "4", "--global-batch-size", "8"])
+    assert probs == [] and res.ok
+    assert not any("image" in str(n) and "token" in str(n) for n in res.notes), res.notes
+
+
 def test_checks_are_numbered_uniquely():
     numbers = [n for n, _, _ in CHECKS]
     assert numbers == sorted(set(numbers))

@@ -8,7 +8,7 @@ import torch
 from dist_utils import run_distributed
 from reorder_helpers import IMAGE_TOKEN_ID, MERGE, make_batch
 
-from mimo_sft.data.colocated import ColocatedSplit, colocated_read_plan, image_token_span
+from mimo_sft.data.colocated import ColocatedSplit, colocated_read_plan, image_tokens_per_sample
 from mimo_sft.data.load_stats import VisionLoadStats, vision_load_spread
 from mimo_sft.data.reorder import load_spread, make_patch_count_fn, rank_loads
 from mimo_sft.parallel.components import parse_component
@@ -52,12 +52,13 @@ def test_colocated_fan_out_plan_and_split():
     assert plan == ("images", 0, 1, slice(2, 4), slice(0, 4))
     assert (plan.module, plan.dp_rank, plan.dp_size) == ("images", 0, 1)
     batch = make_batch(range(4), with_pixels=True)
-    out = ColocatedSplit.for_plan(plan, layout, image_token_id=IMAGE_TOKEN_ID, world_group=None)(batch)
+    out = ColocatedSplit.for_plan(plan, layout, image_token_id=IMAGE_TOKEN_ID)(batch)
     assert torch.equal(out["input_ids"], batch["input_ids"][2:4]) and torch.equal(out["sample_ids"], torch.tensor([2, 3]))
     assert torch.equal(out["pixel_values"], batch["pixel_values"])
     assert torch.equal(out["image_grid_thw"], batch["image_grid_thw"])
-    low, high = image_token_span(batch, IMAGE_TOKEN_ID)
-    assert low <= high
+    # the padded bridge's counts: every sample's pixels are here, L is the shard's largest count
+    tokens = image_tokens_per_sample(batch, IMAGE_TOKEN_ID)
+    assert torch.equal(out["encoder_image_tokens"], tokens) and out["bridge_tokens_per_sample"] == int(tokens.max())
 
 
 def _gather_once(rank, world):

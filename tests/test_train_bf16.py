@@ -5,8 +5,8 @@ copied from the model when the optimizer is built, so weights loaded afterwards 
 them, and a checkpoint must carry them. These tests fail when either is lost:
 
 * resume: a run stopped after a checkpoint and resumed reproduces the continuous run bit for bit
-  (losses, grad norms, bf16 weights and the fp32 main weights it saves next), plain and
-  distributed optimizer;
+  (losses, grad norms, bf16 weights, the optimizer state with the fp32 main weights it saves next,
+  and the RNG streams), plain and distributed optimizer;
 * ``--pretrained-checkpoint`` in bf16 trains from the loaded weights, not from the HF ones.
 
 bf16 matmuls are slow on these CPUs: short sequences, few steps.
@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from train_helpers import checkpoint_tensors, demo_data, metrics, new_dir, tiny_model, torchrun
+from train_helpers import checkpoint_tensors, demo_data, metrics, new_dir, optimizer_tensors, tiny_model, torchrun
 
 pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("dist")]
 
@@ -64,32 +64,27 @@ def test_bf16_resume_reproduces_the_continuous_run(optimizer):
     assert {v.dtype for v in wa.values()} == {torch.bfloat16}
     for k in wa:
         assert torch.equal(wa[k], wb[k]), k
-    for rank in (0, 1):  # optimizer state with the fp32 main weights, and every RNG stream
+    for rank in (0, 1):  # every RNG stream
         name = f"/checkpoints/iter_0000004/rank_{rank:05d}.pt"
         sa = torch.load(cont + name, weights_only=False)
         sb = torch.load(resumed + name, weights_only=False)
         _assert_same_tree(sa, sb, f"rank {rank}")
-        mains = _fp32_main_weights(sa)
-        assert mains and all(t.dtype == torch.float32 for t in mains)
-        assert any(t.numel() for t in mains)
+    # optimizer state with the fp32 main weights (the plain optimizer's copies, the distributed
+    # optimizer's shards gathered), bit for bit
+    oa = optimizer_tensors(cont + "/checkpoints/iter_0000004")
+    ob = optimizer_tensors(resumed + "/checkpoints/iter_0000004")
+    assert oa.keys() == ob.keys()
+    for k in oa:
+        assert oa[k].dtype == ob[k].dtype and torch.equal(oa[k], ob[k]), k
+    mains = _fp32_main_weights(oa)
+    assert mains and all(t.dtype == torch.float32 for t in mains)
+    assert any(t.numel() for t in mains)
 
 
-def _fp32_main_weights(state) -> list:
-    """The fp32 main weights a bf16 checkpoint's rank file carries (plain or distributed optimizer)."""
-    found = []
-    for shard in state["distributed_optimizer"]:
-        found += [t for group in shard["fp32_from_float16"] for t in group]
-
-    def walk(node):
-        if isinstance(node, dict):
-            for k, v in node.items():
-                if k == "fp32_from_fp16_params":
-                    found.extend(t for group in v for t in group)
-                else:
-                    walk(v)
-
-    walk(state["optimizer"])
-    return found
+def _fp32_main_weights(tensors: dict) -> list:
+    """The fp32 main weights a bf16 checkpoint's optimizer state carries (plain: ``fp32_param``,
+    distributed: ``param``)."""
+    return [v for k, v in tensors.items() if ".optimizer.state.fp32_param." in k or ".optimizer.state.param." in k]
 
 
 def test_bf16_pretrained_checkpoint_trains_from_the_loaded_weights():

@@ -143,11 +143,16 @@ def test_resume_equals_continuous_and_loss_falls():
         assert b[step]["grad_norm"] == a[step]["grad_norm"], step
     losses = [a[s]["loss"] for s in sorted(a)]
     assert sum(losses[-2:]) / 2 < sum(losses[:2]) / 2 - 0.1, losses
-    # a changed layout is refused with a clear message
+    # a checkpoint without the sharded optimizer state (an older mimo-sft's) is refused with a clear message
+    import shutil
+
+    old = new_dir("old_format") + "/iter_0000004"
+    shutil.copytree(cont + "/checkpoints/iter_0000004", old, ignore=shutil.ignore_patterns("optimizer"))
     proc = torchrun(3, [*shared, "--component", "language=dp=2", "--component", "images=dp=1,rank_offset=2",
-                        "--output-dir", new_dir("relayout"), "--load-checkpoint", cont + "/checkpoints"], check=False)
+                        "--output-dir", new_dir("relayout"), "--load-checkpoint", old], check=False)
     assert proc.returncode != 0
-    assert "was saved with layout" in proc.stderr and "--pretrained-checkpoint" in proc.stderr
+    assert "no sharded optimizer state" in proc.stderr and "--pretrained-checkpoint" in proc.stderr, proc.stderr[-2000:]
+    assert "language=tp=1,pp=1,cp=1,dp=2,rank_offset=0" in proc.stderr  # the layout it can resume with
 
 
 def test_failing_rank_ends_job_with_clear_error():
@@ -248,6 +253,13 @@ def test_colocated_fan_in_with_a_text_only_encoder_slice(reference_corner):
     whole micro-batch and keeps its shard. A missed collective would hang: torchrun's timeout ends it."""
     run = run_layout("co_fanin_corner", 2, ["language=tp=2,dp=1", "images=dp=2"], bridge_corner_data(), CORNER)
     assert_same_step(reference_corner, run)
+
+
+def test_colocated_fan_in_with_two_gather_groups(reference_variable):
+    """language tp 2 x dp 2 and images dp 4 on 4 ranks: two bridge gather groups, each with its own
+    padded length (the most image tokens of its own language shard)."""
+    run = run_layout("co_fanin_4", 4, ["language=tp=2,dp=2", "images=dp=4"], demo_data(), ["--scalable-dp"])
+    assert_same_step(reference_variable, run)
 
 
 def test_colocated_fan_out_with_a_text_only_language_slice(reference_corner):

@@ -47,7 +47,7 @@ def _png(w: int, h: int, colour, *, truncate: bool = False) -> bytes:
 
 @functools.lru_cache(maxsize=None)
 def fixed_size_data(samples: int = 32, *, broken_image: int | None = None) -> str:
-    """Single-image samples of one image size (colocated heterogeneous DP needs equal image tokens).
+    """Single-image samples of one image size.
 
     Images are files referenced by path; ``broken_image`` truncates one file so that its header
     reads but its pixels do not decode (only ranks that decode pixels fail).
@@ -67,6 +67,48 @@ def fixed_size_data(samples: int = 32, *, broken_image: int | None = None) -> st
             {"role": "assistant", "content": [{"type": "text", "text": f"It is {name}."}]}],
             "images": [f"img/{i:04d}.png"]})
     datasets.Dataset.from_list(rows).to_parquet(str(folder / "train.parquet"))
+    return str(folder)
+
+
+#: (width, height) of each image of each sample, in dataset order; () is a text-only sample. Read in
+#: order (--dataloader-type single) as micro-batches of 4, so that on 2 ranks:
+#: samples 0-3: images, images, text, text -> fan-in (images dp 2): rank 1's encoder slice has no
+#:   image; fan-out (language dp 2): rank 1's language slice has no image token
+#: samples 4-7: text, two images of different sizes, text, wide image -> mixed counts everywhere
+#: samples 8-11: text only -> no rank runs the encoder
+BRIDGE_CORNER_IMAGES = [[(56, 56)], [(112, 56)], (), (), (), [(56, 84), (28, 28)], (), [(140, 28)], (), (), (), ()]
+
+
+@functools.lru_cache(maxsize=None)
+def bridge_corner_data() -> str:
+    """The samples of :data:`BRIDGE_CORNER_IMAGES` (colocated bridge corner cases), images by path."""
+    import datasets
+
+    folder = _TMP / "bridge_corner"
+    (folder / "img").mkdir(parents=True, exist_ok=True)
+    colours = [("red", (220, 30, 30)), ("green", (30, 170, 60)), ("blue", (40, 70, 220)), ("black", (15, 15, 15))]
+    rows = []
+    for i, sizes in enumerate(BRIDGE_CORNER_IMAGES):
+        paths, names = [], []
+        for j, (w, h) in enumerate(sizes):
+            name, rgb = colours[(i + j) % len(colours)]
+            path = f"img/{i:02d}_{j}.png"
+            (folder / path).write_bytes(_png(w, h, rgb))
+            paths.append(path)
+            names.append(name)
+        question = "Which colours?" if names else f"What is {i} plus {i + 1}?"
+        answer = f"It is {' and '.join(names)}." if names else f"It is {2 * i + 1}."
+        content = [{"type": "image", "text": None} for _ in paths] + [{"type": "text", "text": question}]
+        rows.append({"messages": [{"role": "user", "content": content},
+                                  {"role": "assistant", "content": [{"type": "text", "text": answer}]}],
+                     "images": paths})
+    features = datasets.Features({
+        "messages": datasets.List({"role": datasets.Value("string"),
+                                   "content": datasets.List({"type": datasets.Value("string"),
+                                                             "text": datasets.Value("string")})}),
+        "images": datasets.List(datasets.Value("string")),
+    })
+    datasets.Dataset.from_list(rows, features=features).to_parquet(str(folder / "train.parquet"))
     return str(folder)
 
 
@@ -119,3 +161,16 @@ def new_dir(name: str) -> str:
     if path.exists():
         shutil.rmtree(path)
     return str(path)
+
+
+def optimizer_tensors(ckpt_dir: str) -> dict:
+    """Full (unsharded) optimizer tensors of a mimo-sft checkpoint (``optimizer/``: Adam moments, fp32
+    main weights), keyed layout-independently."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = os.path.join(ckpt_dir, "optimizer_full.pt")
+    if not os.path.exists(out):
+        dcp_to_torch_save(os.path.join(ckpt_dir, "optimizer"), out)
+    state = torch.load(out, weights_only=False)
+    return {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}

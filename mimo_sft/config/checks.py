@@ -200,10 +200,6 @@ def c11_colocated(ctx):
         if s.pp > 1 or s.cp > 1:
             yield (f"colocated layout with {s.name}.pp={s.pp}, cp={s.cp}: megatron's "
                    f"ColocatedBridgeCommunicator needs pp=1 and cp=1; set both to 1 or give the modules disjoint ranks")
-    if len({s.dp for s in ctx.specs}) > 1:
-        yield ("colocated layout with different DP sizes: megatron's ColocatedBridgeCommunicator needs the "
-               "same number of image tokens in every sample (fixed image size); mimo-sft checks each "
-               "micro-batch and stops with a clear error otherwise", "note")
     if ctx.cfg.reorder.enabled:
         yield ("--intra-microbatch-reorder on a colocated layout is not supported (mimo-sft's own limit: "
                "it balances encoder ranks that run apart from the language model); drop the flag")

@@ -5,10 +5,11 @@ DP sizes. DP sizes divide one another, so the shard of the module with the small
 the shard of the other: a rank reads that (coarser) shard once (:func:`colocated_read_plan`) and
 :class:`ColocatedSplit` keeps the language fields of its language DP slice and the pixels of its
 encoder DP slice. megatron's ColocatedBridgeCommunicator then moves encoder output between the
-two DP layouts.
+two DP layouts; where the DP sizes differ (:func:`bridge_pads`) the split also hands over what
+``train.bridge.PaddedBridge`` needs to cut that output on sample boundaries: the image tokens of
+each sample of the encoder slice and the most image tokens of any sample of the read shard.
 
-The plan and the split are pure; :func:`check_equal_image_tokens` is the one collective (a tiny
-all-reduce), run only where the bridge needs it.
+Everything here is pure (no collective).
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from typing import NamedTuple
 import torch
 
 from mimo_sft.data.reorder.serialize import merge_samples, split_samples
-from mimo_sft.errors import UserError
 from mimo_sft.parallel.layout import LANGUAGE
 
 #: fields only an encoder rank consumes; every other field is the language model's
@@ -52,57 +52,43 @@ def colocated_read_plan(layout, rank: int, micro_batch_size: int) -> ColocatedRe
     return ColocatedReadPlan(coarse.name, coords[coarse.name].dp, coarse.dp, local(LANGUAGE), local(enc))
 
 
-def needs_equal_image_tokens(layout) -> bool:
-    """megatron's ColocatedBridgeCommunicator splits and gathers encoder output in equal parts per
-    sample when the encoder and language DP sizes differ: then every sample of the global
-    micro-batch needs the same image-token count."""
+def bridge_pads(layout) -> bool:
+    """Whether the encoder and language DP sizes differ (megatron's bridge fans in or out): then the
+    bridge pads every sample's encoder output to one length (``train.bridge``), and the split hands
+    it the per-sample counts."""
     return bool(layout.encoders) and len({s.dp for s in layout.encoders} | {layout.language.dp}) > 1
 
 
-def image_token_span(batch: dict, image_token_id: int) -> tuple[int, int]:
-    """(fewest, most) image tokens in one sample of ``batch`` (pure)."""
-    counts = (batch["input_ids"] == image_token_id).sum(dim=1)
-    return int(counts.min()), int(counts.max())
-
-
-def check_equal_image_tokens(batch: dict, image_token_id: int, group) -> None:
-    """Refuse a micro-batch whose samples differ in image tokens, on every rank of ``group`` at once
-    (one tiny all-reduce over the whole micro-batch, so no rank goes on to hang in the bridge)."""
-    import torch.distributed as dist
-
-    low, high = image_token_span(batch, image_token_id)
-    span = torch.tensor([-low, high], dtype=torch.int64)
-    dist.all_reduce(span, op=dist.ReduceOp.MAX, group=group)
-    low, high = -int(span[0]), int(span[1])
-    if low != high:
-        raise UserError(
-            "colocated layout with different encoder and language DP sizes needs the same number of "
-            f"image tokens in every sample, but this micro-batch has {low} to {high}: use fixed-size "
-            "single-image data (--min-pixels equal to --max-pixels), or equal DP sizes")
+def image_tokens_per_sample(batch: dict, image_token_id: int) -> torch.Tensor:
+    """int64 ``[B]``: image placeholder tokens of each sample of ``batch`` (pure)."""
+    return (batch["input_ids"] == image_token_id).sum(dim=1).to(torch.int64)
 
 
 class ColocatedSplit:
     """Cuts a read shard into this rank's micro-batch: language fields of the language slice, pixels
-    of the encoder slice. ``check_group``: where the equal-image-token rule applies
-    (:func:`needs_equal_image_tokens`), the group every rank checks it over (the world)."""
+    of the encoder slice. ``bridge`` (:func:`bridge_pads`): also add ``encoder_image_tokens`` (image
+    tokens per sample of the encoder slice) and ``bridge_tokens_per_sample`` (the most image tokens
+    of any sample of the read shard, a Python int) for the padded bridge (design.md's micro-batch
+    table). Every rank of a bridge gather group reads the same shard, so all compute the same value."""
 
-    def __init__(self, language: slice, encoder: slice, *, image_token_id: int, check_group=None):
+    def __init__(self, language: slice, encoder: slice, *, image_token_id: int, bridge: bool = False):
         self.language = language
         self.encoder = encoder
         self.image_token_id = image_token_id
-        self.check_group = check_group
+        self.bridge = bridge
 
     @classmethod
-    def for_plan(cls, plan: ColocatedReadPlan, layout, *, image_token_id: int, world_group) -> "ColocatedSplit":
-        return cls(plan.language, plan.encoder, image_token_id=image_token_id,
-                   check_group=world_group if needs_equal_image_tokens(layout) else None)
+    def for_plan(cls, plan: ColocatedReadPlan, layout, *, image_token_id: int) -> "ColocatedSplit":
+        return cls(plan.language, plan.encoder, image_token_id=image_token_id, bridge=bridge_pads(layout))
 
     def __call__(self, batch: dict) -> dict:
         records = split_samples(batch)
         lang = merge_samples([{k: v for k, v in r.items() if k not in PIXEL_KEYS} for r in records[self.language]])
         enc = merge_samples([{k: v for k, v in r.items() if k in PIXEL_KEYS} for r in records[self.encoder]])
-        if self.check_group is not None:
-            check_equal_image_tokens(batch, self.image_token_id, self.check_group)
         lang["pixel_values"] = enc.get("pixel_values")
         lang["image_grid_thw"] = enc.get("image_grid_thw")
+        if self.bridge:
+            tokens = image_tokens_per_sample(batch, self.image_token_id)
+            lang["encoder_image_tokens"] = tokens[self.encoder].clone()
+            lang["bridge_tokens_per_sample"] = int(tokens.max()) if tokens.numel() else 0
         return lang

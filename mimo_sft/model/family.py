@@ -61,11 +61,15 @@ def modality_inputs_from_batch(batch: dict, encoder_name: str = "qwen_vit") -> O
     """``{"images": {encoder_name: {"pixel_values", "image_grid_thw"}}}`` or None without images.
 
     Returns None when the batch has no ``pixel_values`` (language-only ranks, text-only batches),
-    which MimoModel treats as "no image embeddings".
+    which MimoModel treats as "no image embeddings" -- except where a colocated bridge pads encoder
+    output (``bridge_tokens_per_sample`` > 0, design.md): every rank of a bridge gather group must
+    run the encoder, so zero images are passed on and the encoder returns zero rows.
     """
     pv = batch.get("pixel_values")
     thw = batch.get("image_grid_thw")
-    if pv is None or thw is None or pv.shape[0] == 0 or thw.shape[0] == 0:
+    if pv is None or thw is None:
+        return None
+    if (pv.shape[0] == 0 or thw.shape[0] == 0) and not batch.get("bridge_tokens_per_sample"):
         return None
     return {IMAGES: {encoder_name: {"pixel_values": pv, "image_grid_thw": thw}}}
 

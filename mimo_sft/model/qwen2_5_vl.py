@@ -31,11 +31,25 @@ class Qwen25VisionEncoder(Qwen2_5_VisionTransformerPretrainedModel):
     ``forward(pixel_values, image_grid_thw)`` returns the merged tokens ``[sum_i t*h*w/merge**2,
     out_hidden]`` (images in batch order), which MimoModel scatters onto the image placeholders.
     Parameter names are exactly HF's (``patch_embed.*``, ``blocks.N.*``, ``merger.*``).
+
+    Zero images (a colocated bridge's gather group needs every rank's encoder output, see
+    ``train.bridge``) give ``[0, out_hidden]`` connected to every trainable parameter, so it requires
+    grad exactly when an output with images would, and its (zero) gradient reaches them.
     """
 
     def forward(self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor) -> torch.Tensor:  # noqa: D401
+        if image_grid_thw.shape[0] == 0:
+            return self._no_images()
         out = super().forward(hidden_states=pixel_values.to(self.patch_embed.proj.weight.dtype), grid_thw=image_grid_thw)
         return out.pooler_output
+
+    def _no_images(self) -> torch.Tensor:
+        weight = self.merger.mlp[2].weight  # [out_hidden, context]: the output's width and dtype
+        out = weight.new_zeros((0, weight.shape[0]))
+        trainable = [p for p in self.parameters() if p.requires_grad]
+        if trainable:
+            out = out + torch.stack([p.reshape(-1)[:0].sum() for p in trainable]).sum().to(out.dtype)
+        return out
 
 
 class Qwen25VLAdapter(FamilyAdapter):

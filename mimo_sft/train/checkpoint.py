@@ -1,4 +1,5 @@
-"""Checkpoints of a run's state: a run killed mid-save never loses the previous one.
+"""Checkpoints of a run's state: a run killed mid-save never loses the previous one, and a run
+resumes on any layout.
 
 Layout of ``SAVE_DIR`` (folder rules, fsync order and pruning: :mod:`checkpoint_files`)::
 
@@ -6,18 +7,24 @@ Layout of ``SAVE_DIR`` (folder rules, fsync order and pruning: :mod:`checkpoint_
     iter_0000020/
         meta.json          step, consumed samples, layout, source model, config
         model/             megatron dist-checkpoint of MimoModel.sharded_state_dict (layout-free)
-        rank_00000.pt      this rank's optimizer state (with the fp32 main weights of a bf16 run:
-                           the plain optimizer's copies, or the distributed optimizer's shards), RNG states
+        optimizer/         megatron dist-checkpoint of MimoOptimizer.sharded_state_dict (layout-free):
+                           Adam moments and step, param groups, the fp32 main weights of a bf16 run
+                           (:mod:`checkpoint_optimizer`)
+        rank_00000.pt      this rank's RNG streams (Python, numpy, torch, device, megatron's tracker)
     iter_0000020.v2/       a re-save of step 20 (a resumed run reached it again); replaces iter_0000020
     iter_0000030.tmp/      a save in progress: never read, removed by the next save of that step
 
 Every rank writes (and fsyncs) its files into ``iter_N.tmp``; after a barrier rank 0 writes
 ``meta.json`` and publishes the folder: fsync, rename, ``latest`` replaced atomically, and only
 then older copies removed (:func:`checkpoint_files.publish`). A partial ``.tmp`` folder is never
-picked up, and ``latest`` always names a complete checkpoint. Model weights are saved with megatron's dist-checkpointing, so
-``--pretrained-checkpoint`` and ``mimo-sft export`` can read them with any layout; the optimizer
-and RNG files are per rank, so ``--load-checkpoint`` requires the layout it was saved with (and
-says so clearly when it differs).
+picked up, and ``latest`` always names a complete checkpoint.
+
+Weights and optimizer state are megatron dist-checkpoints, so ``--load-checkpoint`` continues on
+another layout (language/encoder DP, TP, PP, colocated or not) with the same weights, Adam state,
+step, LR schedule (a function of the step) and data position (``consumed_samples``: every layout
+reads the same global batches). Only the RNG streams are per rank: restored when the layout is
+the one the checkpoint was saved with (then a resume is bit-exact), restarted from the seed on
+another layout (said in one line).
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ from mimo_sft.errors import UserError
 from mimo_sft.parallel import runtime
 from mimo_sft.train.checkpoint_files import (LATEST, fsync_file, iter_dir, kill_point, publish, read_meta,  # noqa: F401
                                              resolve_checkpoint)
+from mimo_sft.train.checkpoint_optimizer import OPTIMIZER_DIR, has_optimizer, load_optimizer, save_optimizer
 
 
 def layout_signature(layout) -> list[dict]:
@@ -120,22 +128,23 @@ def save_checkpoint(root: str, *, step: int, consumed_samples: int, ctx, extra_m
         if os.path.isdir(tmp):  # left by a save that was killed
             shutil.rmtree(tmp)
         os.makedirs(os.path.join(tmp, "model"))
+        os.makedirs(os.path.join(tmp, OPTIMIZER_DIR))
     dist.barrier()
     kill_point("start", step)
     dist_checkpointing.save(model_sharded_state_dict(ctx.model, encoder_replica_rank(ctx)), os.path.join(tmp, "model"))
     kill_point("after_model", step)
+    save_optimizer(os.path.join(tmp, OPTIMIZER_DIR), ctx)
     rank_file = os.path.join(tmp, f"rank_{rank:05d}.pt")
-    torch.save({"optimizer": ctx.optimizer.state_dict(), "rng": runtime.rng_state(), "step": step,
-                "consumed_samples": consumed_samples,
-                "distributed_optimizer": [_distributed_optimizer_state(o) for o in _distributed_optimizers(ctx.optimizer)]},
-               rank_file)
+    torch.save({"rng": runtime.rng_state(), "step": step, "consumed_samples": consumed_samples,
+                "layout": layout_signature(ctx.layout)}, rank_file)
     fsync_file(rank_file)
     dist.barrier()
     final = None
     if rank == 0:
         kill_point("before_meta", step)
         meta = {"step": step, "consumed_samples": consumed_samples, "world_size": dist.get_world_size(),
-                "layout": layout_signature(ctx.layout), "hf_model": ctx.cfg.model.hf_model, **(extra_meta or {})}
+                "layout": layout_signature(ctx.layout), "hf_model": ctx.cfg.model.hf_model, **_optimizer_kind(ctx),
+                **(extra_meta or {})}
         with open(os.path.join(tmp, "meta.json"), "w") as fh:
             json.dump(meta, fh, indent=1)
         final = publish(root, tmp, step, keep_last=keep_last)
@@ -205,7 +214,8 @@ def restore(cfg, ctx) -> tuple[int, int]:
 
 
 def load_checkpoint(path: str, ctx) -> tuple[int, int]:
-    """Resume: model, optimizer (with fp32 main weights), RNG and data position.
+    """Resume on any layout: model, optimizer (with fp32 main weights), data position, and the RNG
+    streams where the layout is the saved one.
 
     Order matters: weights into the model, main weights refreshed from them (covers parameters a
     checkpoint has no main copy of), then the optimizer state, which for a bf16 run overwrites the
@@ -213,65 +223,42 @@ def load_checkpoint(path: str, ctx) -> tuple[int, int]:
     """
     ckpt = resolve_checkpoint(path)
     meta = read_meta(ckpt)
-    here = layout_signature(ctx.layout)
-    if meta.get("layout") != here:
-        def fmt(sig):
-            return " ".join(f"{m['name']}=tp={m['tp']},pp={m['pp']},cp={m['cp']},dp={m['dp']},rank_offset={m['rank_offset']}"
-                            for m in sig)
-        raise UserError(f"--load-checkpoint {ckpt} was saved with layout [{fmt(meta.get('layout', []))}] but this run "
-                        f"uses [{fmt(here)}]; resume with the same --component flags, or start from its weights "
-                        f"with --pretrained-checkpoint")
-    rank = dist.get_rank()
-    rank_file = os.path.join(ckpt, f"rank_{rank:05d}.pt")
-    if not os.path.isfile(rank_file):
+    saved_layout = meta.get("layout")
+    same_layout = saved_layout == layout_signature(ctx.layout)
+    if not has_optimizer(ckpt):
+        if same_layout:
+            hint = "it was written by an older mimo-sft; start from its weights with --pretrained-checkpoint"
+        else:
+            hint = (f"it was written by an older mimo-sft, which can only resume with the layout it was saved "
+                    f"with ({_fmt_layout(saved_layout or [])}), or start from its weights with --pretrained-checkpoint")
+        raise UserError(f"--load-checkpoint {ckpt}: no sharded optimizer state ({OPTIMIZER_DIR}/); {hint}")
+    for key, value in _optimizer_kind(ctx).items():
+        if key in meta and meta[key] != value:
+            raise UserError(f"--load-checkpoint {ckpt} was saved with {key}={meta[key]} but this run uses {value}; "
+                            f"resume with the setting it was saved with, or start from its weights with "
+                            f"--pretrained-checkpoint")
+    rank_file = os.path.join(ckpt, f"rank_{dist.get_rank():05d}.pt")
+    if same_layout and not os.path.isfile(rank_file):
         raise UserError(f"--load-checkpoint {ckpt}: {os.path.basename(rank_file)} is missing; the checkpoint is incomplete")
     load_model_weights(ctx.model, ckpt)
     ctx.optimizer.reload_model_params()
-    state = torch.load(rank_file, map_location="cpu", weights_only=False)
-    ctx.optimizer.load_state_dict(state["optimizer"])
-    _load_distributed_optimizer_state(ctx.optimizer, state.get("distributed_optimizer") or [])
-    runtime.set_rng_state(state["rng"])
+    load_optimizer(os.path.join(ckpt, OPTIMIZER_DIR), ctx)
+    if same_layout:
+        state = torch.load(rank_file, map_location="cpu", weights_only=False)
+        runtime.set_rng_state(state["rng"])
+    elif dist.get_rank() == 0:
+        print(f"mimo-sft: resuming on another layout: RNG streams restart from the seed; weights, optimizer state, "
+              f"step {meta['step']} and data position ({meta['consumed_samples']} samples) are restored "
+              f"(saved with {_fmt_layout(saved_layout or [])})", flush=True)
     return int(meta["step"]), int(meta["consumed_samples"])
 
 
-def _distributed_optimizers(optimizer) -> list:
-    """megatron DistributedOptimizers inside the MIMO optimizer, in a fixed order.
-
-    Their ``state_dict()`` holds only hyper-parameters; the Adam moments and step of this rank's
-    shard live in the inner torch optimizer, whose own state dict is saved next to it per rank.
-    """
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
-    found = []
-    for name in sorted(optimizer.module_infos):
-        info = optimizer.module_infos[name]
-        opt = info.optimizer if info.is_active else None
-        if opt is None:
-            continue
-        for inner in getattr(opt, "chained_optimizers", [opt]):
-            if isinstance(inner, DistributedOptimizer):
-                found.append(inner)
-    return found
+def _optimizer_kind(ctx) -> dict:
+    """What the optimizer checkpoint's keys depend on (the layout they do not)."""
+    return {"use_distributed_optimizer": bool(ctx.cfg.optimizer.use_distributed_optimizer),
+            "dtype": ctx.cfg.model.dtype}
 
 
-def _distributed_optimizer_state(opt) -> dict:
-    """This rank's shard of one DistributedOptimizer: the inner torch optimizer's state (Adam moments,
-    step) and, for bf16/fp16 parameters, the fp32 main weights it keeps apart from the model."""
-    return {"inner": opt.optimizer.state_dict(),
-            "fp32_from_float16": [[t.detach().clone() for t in group] for group in opt.shard_fp32_from_float16_groups]}
-
-
-def _load_distributed_optimizer_state(optimizer, saved: list) -> None:
-    """Restore each DistributedOptimizer's shard (fp32 params' main weights are views of the model
-    weights, which the model load restored; bf16 params' main weights come from the file)."""
-    opts = _distributed_optimizers(optimizer)
-    if len(opts) != len(saved):
-        raise UserError("--load-checkpoint: the checkpoint was saved with a different --use-distributed-optimizer "
-                        "setting; resume with the setting it was saved with")
-    for opt, state in zip(opts, saved):
-        opt.optimizer.load_state_dict(state["inner"])
-        groups = opt.shard_fp32_from_float16_groups
-        assert [len(g) for g in groups] == [len(g) for g in state["fp32_from_float16"]], "main-weight shards differ"
-        for group, saved_group in zip(groups, state["fp32_from_float16"]):
-            for main, value in zip(group, saved_group):
-                main.data.copy_(value)
+def _fmt_layout(sig: list[dict]) -> str:
+    return " ".join(f"{m['name']}=tp={m['tp']},pp={m['pp']},cp={m['cp']},dp={m['dp']},rank_offset={m['rank_offset']}"
+                    for m in sig)

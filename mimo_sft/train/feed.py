@@ -103,7 +103,7 @@ def build_feed(cfg, layout, pstate, info, *, consumed_samples: int) -> Feed:
         plan = colocated_read_plan(layout, rank, mbs)
         source = build_microbatch_iterator(cfg.data, dp_size=plan.dp_size, dp_rank=plan.dp_rank, need_pixels=True,
                                            **common)
-        split = ColocatedSplit.for_plan(plan, layout, image_token_id=info.image_token_id, world_group=pstate.world_gloo)
+        split = ColocatedSplit.for_plan(plan, layout, image_token_id=info.image_token_id)
         return Feed(source, split=split, load_stats=load_stats, flops=flops)
     (module,) = pstate.mine()
     coord = layout.coords(rank)[module]

@@ -3,7 +3,8 @@
 ``build_state``: the layout's process groups (``parallel.groups``; the world group was started by
 ``parallel.bootstrap``) -> ``build_model_and_optimizer``: megatron's process-local state with this
 rank's tensor/expert ranks (``parallel.runtime.init_megatron``, the same call on CPU and GPU) ->
-MimoModel for this rank's modules on this rank's device -> megatron DDP per module -> megatron's
+MimoModel for this rank's modules on this rank's device (colocated fan-in / fan-out: its bridge
+communicators wrapped by ``train.bridge.PaddedBridge``) -> megatron DDP per module -> megatron's
 MIMO optimizer, returned together as a ``TrainContext``. The model holds the weights of
 ``--hf-model`` (or random ones); a checkpoint or ``--pretrained-checkpoint`` is loaded afterwards
 by ``train.checkpoint.restore`` (the trainer's ``resume``). This file only wires.
@@ -20,6 +21,7 @@ from mimo_sft.config.schema import ExperimentConfig
 from mimo_sft.parallel import runtime  # first: importing mimo_sft.parallel makes megatron importable
 from mimo_sft.parallel.groups import ParallelState, build_parallel_state
 from mimo_sft.parallel.layout import LANGUAGE, Layout
+from mimo_sft.train.bridge import install_padded_bridges
 
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig  # noqa: E402
 from megatron.core.enums import ModelType  # noqa: E402
@@ -68,6 +70,9 @@ def build_model_and_optimizer(cfg: ExperimentConfig, layout: Layout, pstate: Par
         max_seq_len=cfg.data.seq_length)
     model.to(runtime.device())
     model.model_type = ModelType.encoder_or_decoder  # forward_backward_no_pipelining looks it up
+    if layout.colocated:  # fan-in / fan-out bridges cut encoder output on sample boundaries
+        install_padded_bridges(model, layout, micro_batch_size=cfg.train.micro_batch_size,
+                               image_token_id=info.image_token_id)
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, overlap_grad_reduce=False,
         use_distributed_optimizer=cfg.optimizer.use_distributed_optimizer,

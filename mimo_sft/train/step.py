@@ -3,7 +3,9 @@
 Non-colocated layouts (encoder and language on disjoint ranks) run megatron's 1F1B schedule with a
 ``MultiModulePipelineCommunicator``; colocated layouts run ``forward_backward_no_pipelining`` and
 megatron's ``ColocatedBridgeCommunicator`` (built inside ``MimoModel``) moves encoder output
-between the encoder's and the language model's DP layouts.
+between the encoder's and the language model's DP layouts; where those differ it runs inside
+``train.bridge.PaddedBridge``, which the forward step hands each micro-batch's per-sample image-token
+counts, so images of any size, several per sample or none cross it exactly.
 
 Loss is per token: every loss function returns ``(sum of token losses, token count)`` and DDP sums
 (``calculate_per_token_loss=True`` pins its scaling to 1). After the DP reduction every module's
@@ -24,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from mimo_sft.parallel import runtime  # first: importing mimo_sft.parallel makes megatron importable
+from mimo_sft.train.bridge import padded_bridges
 
 from megatron.core.distributed.finalize_model_grads import finalize_model_grads  # noqa: E402
 from megatron.core.models.mimo.config.role import MIMO_LANGUAGE_MODULE_KEY  # noqa: E402
@@ -83,6 +86,7 @@ class StepRunner:
         self.local_mbs = local_mbs
         self.mine = pstate.mine()
         self.colocated = layout.colocated
+        self.bridges = padded_bridges(model)  # colocated fan-in / fan-out only
         cfg = model.config
         cfg.no_sync_func = self._no_sync
         cfg.finalize_model_grads_func = self._finalize
@@ -132,7 +136,10 @@ class StepRunner:
 
     # ---- the forward step ---------------------------------------------------------------------
     def _forward_step(self, data_iterator, model):
-        batch = runtime.to_device(next(data_iterator))
+        batch = next(data_iterator)
+        for bridge in self.bridges:  # per-sample counts, read on the host before the copy
+            bridge.prepare(batch)
+        batch = runtime.to_device(batch)
         has_lang = LANGUAGE in self.mine
         has_enc = any(n != LANGUAGE for n in self.mine)
         kwargs = {"input_ids": batch["input_ids"]}
