@@ -173,10 +173,6 @@ def family_for_model_type(model_type) -> Optional[FamilySpec]:
     return next((spec for spec in _FAMILIES.values() if model_type in spec.model_types), None)
 
 
-def family_named(name: str) -> FamilySpec:
-    return _FAMILIES[name]
-
-
 def default_family() -> FamilySpec:
     """The family assumed where no config.json says otherwise (the first registered)."""
     return next(iter(_FAMILIES.values()))
