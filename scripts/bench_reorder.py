@@ -3,12 +3,20 @@
 
   (a) balance quality on random bimodal image costs: heaviest rank over the optimum (exact branch
       and bound where it is cheap, else a lower bound, which makes the ratio an upper estimate)
-      for no reordering, plain equal-count LPT, and ours (LPT + swap refinement, two starts);
+      for no reordering, plain equal-count LPT, and ours (``planning.balanced_groups``);
   (b) the exchange over real gloo groups: MB/s of serialize + all_to_all_single + reassemble
       against a raw all_to_all_single of a ready byte buffer with the same splits;
-  (c) planning time for 64 samples, and the DP-1 local permutation of 4 realistic samples.
+  (c) planning time for 64 samples, and the DP-1 local permutation of 4 realistic samples;
+  (d) planning at cluster scale (issue 16): encoder dp 16-512 x 4-16 samples per rank, plan time
+      of ``balanced_index_order`` against plain heap LPT of the same costs, quality against the
+      lower bounds, and the work the planner counted (candidate swaps examined per sample).
 
-Usage: python scripts/bench_reorder.py [--trials 200] [--iters 10] [--skip-balance] [--skip-exchange]
+  (e) with ``--baseline FILE``: plan time and quality of another ``planning.py`` (say, the one
+      before issue 16, taken from git) against ours, dp 8-256 x 8 samples per rank.
+
+Usage: python scripts/bench_reorder.py [--trials 200] [--iters 10] [--scale-trials 10]
+                                       [--skip-balance] [--skip-exchange] [--skip-scale] [--scale-only]
+                                       [--baseline PLANNING_PY]
 
 Timings are best-of-N (the machine these ran on is shared); quality figures are exact.
 """
@@ -26,6 +34,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
@@ -73,6 +82,65 @@ def table_balance(trials: int, seed: int) -> None:
                 cells += [f"{statistics.mean(res[k]):.4f}", f"{max(res[k]):.4f}"]
             print(f"| {dp} | {per} | {'exact' if exact else 'bound'} | " + " | ".join(cells)
                   + f" | {1e3 * statistics.mean(plan_s):.3f} |")
+
+
+def table_scale(trials: int, seed: int) -> None:
+    print("\n(d) planning at cluster scale, bimodal image costs, one core "
+          f"({trials} micro-batches per row; times: best of 3 calls per micro-batch, median over micro-batches)")
+    print("| encoder dp | samples/rank | samples | plan ms | LPT ms | plan / LPT | ours / bound mean | ours / bound worst "
+          "| ours / pigeonhole bound mean | LPT / bound mean | swaps examined per sample |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for dp in (16, 32, 64, 128, 256, 512):
+        for per in (4, 8, 16):
+            rng = random.Random(seed * 1_000_003 + dp * 101 + per)
+            plan_t, lpt_t, ratio, ours, ours_pig, lpt, work = [], [], [], [], [], [], []
+            for _ in range(trials):
+                c = bimodal(rng, dp * per)
+                bound = max(sum(c) / dp, max(c))
+                tp = _time(lambda: planning.balanced_index_order(c, dp), 3)
+                tl = _time(lambda: planning.lpt_equal_count(c, dp), 3)
+                plan_t.append(tp)
+                lpt_t.append(tl)
+                ratio.append(tp / tl)
+                order = planning.balanced_index_order(c, dp)
+                top = max(sum(c[i] for i in order[g * per:(g + 1) * per]) for g in range(dp))
+                ours.append(top / bound)
+                ours_pig.append(top / planning.lower_bound_max_load(c, dp))
+                lpt.append(heaviest(c, planning.lpt_equal_count(c, dp)) / bound)
+                _grid, works = planning._balanced_grid(c, dp)
+                work.append(sum(w.examined for w in works) / (dp * per))
+            print(f"| {dp} | {per} | {dp * per} | {1e3 * statistics.median(plan_t):.2f} | {1e3 * statistics.median(lpt_t):.2f} "
+                  f"| {statistics.median(ratio):.1f} | {statistics.mean(ours):.5f} | {max(ours):.5f} "
+                  f"| {statistics.mean(ours_pig):.5f} | {statistics.mean(lpt):.4f} | {statistics.mean(work):.0f} |")
+
+
+def table_baseline(path: str, seed: int) -> None:
+    """Plan time and quality of another ``planning.py`` (e.g. the one before issue 16) next to ours."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("baseline_planning", path)
+    base = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(base)
+    print(f"\n(e) before / after, bimodal image costs, one core (baseline: {path}; "
+          "one call per micro-batch, median over micro-batches)")
+    print("| encoder dp x samples/rank | samples | micro-batches | baseline plan ms | baseline / bound mean "
+          "| ours plan ms | ours / bound mean |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for dp, per, trials in ((8, 8, 10), (64, 8, 5), (128, 8, 3), (256, 8, 3)):
+        rng = random.Random(seed * 1_000_003 + dp * 101 + per)
+        times: dict = {"base": [], "ours": []}
+        quality: dict = {"base": [], "ours": []}
+        for _ in range(trials):
+            c = bimodal(rng, dp * per)
+            bound = max(sum(c) / dp, max(c))
+            for key, mod in (("base", base), ("ours", planning)):
+                t0 = time.perf_counter()
+                order = mod.balanced_index_order(c, dp)
+                times[key].append(time.perf_counter() - t0)
+                quality[key].append(max(sum(c[i] for i in order[g * per:(g + 1) * per]) for g in range(dp)) / bound)
+        print(f"| {dp} x {per} | {dp * per} | {trials} | {1e3 * statistics.median(times['base']):.1f} "
+              f"| {statistics.mean(quality['base']):.5f} | {1e3 * statistics.median(times['ours']):.1f} "
+              f"| {statistics.mean(quality['ours']):.5f} |")
 
 
 def realistic_batch(sample_ids, patches_per_sample, *, with_pixels: bool) -> dict[str, torch.Tensor]:
@@ -237,13 +305,24 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--skip-exchange", action="store_true")
     ap.add_argument("--skip-balance", action="store_true")
+    ap.add_argument("--scale-trials", type=int, default=10)
+    ap.add_argument("--skip-scale", action="store_true")
+    ap.add_argument("--scale-only", action="store_true", help="only table (d) (and (e) with --baseline)")
+    ap.add_argument("--baseline", metavar="PLANNING_PY",
+                    help="table (e): compare with another planning.py, e.g. "
+                         "`git show <rev>:mimo_sft/data/reorder/planning.py > /tmp/old_planning.py`")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    print(f"torch {torch.__version__}, {os.cpu_count()} CPUs")
-    if not args.skip_balance:
-        table_balance(args.trials, args.seed)
-    table_timing()
-    if not args.skip_exchange:
+    print(f"torch {torch.__version__}, numpy {np.__version__}, {os.cpu_count()} CPUs")
+    if not args.scale_only:
+        if not args.skip_balance:
+            table_balance(args.trials, args.seed)
+        table_timing()
+    if not args.skip_scale:
+        table_scale(args.scale_trials, args.seed)
+    if args.baseline:
+        table_baseline(args.baseline, args.seed)
+    if not args.skip_exchange and not args.scale_only:
         table_exchange(args.iters)
 
 

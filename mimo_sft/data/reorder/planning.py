@@ -8,30 +8,39 @@ all-gather them within their own DP group, and run the same planner over the can
 groups, so modules of different DP sizes read the same global order at different granularities.
 
 The module reads top to bottom as the exchange uses it: the cost model (the ONE cost formula,
-shared by training and ``mimo-sft plan``), balancing, and the window plan and its statistics
-(:func:`window_plan_info`). Routing -- who sends which sample to whom -- is :mod:`routing`;
-``exchange.py`` only moves the bytes these two modules decide.
+shared by training and ``mimo-sft plan``), balancing (its numpy inner loops are :mod:`balance`),
+and the window plan and its statistics (:func:`window_plan_info`). Routing -- who sends which
+sample to whom -- is :mod:`routing`; ``exchange.py`` only moves the bytes these modules decide.
 
 Nothing here imports ``torch.distributed`` or megatron, so it is unit-tested without processes.
 """
 
 from __future__ import annotations
 
-import bisect
+import heapq
+import math
 from typing import Any, Callable, Mapping, Sequence
 
+import numpy as np
 import torch
 
+from mimo_sft.data.reorder import balance
 from mimo_sft.errors import UserError
 
 #: Relative slack below which a swap is not counted as an improvement. Guards the refinement loop
 #: against float round-off ping-pong; costs are usually integers, where it never matters.
 _IMPROVE_EPS = 1e-12
-#: Backstop on swap-refinement rounds, ``_REFINE_ROUNDS_PER_PAIR * n**2 + _REFINE_ROUNDS_MIN``.
-#: Every accepted swap strictly lowers ``sum(load**2)``, so the loop ends on its own long before
-#: this; the cap only bounds a pathological float case.
-_REFINE_ROUNDS_PER_PAIR = 4
-_REFINE_ROUNDS_MIN = 16
+#: Work cap of one start's improvement, in candidate swaps examined: ``_WORK_PER_ITEM * n +
+#: _WORK_MIN``, linear in the micro-batch. Bimodal image costs converge at 100-300 per sample
+#: (``scripts/bench_reorder.py``, table d), so the cap only bounds unlucky inputs.
+_WORK_PER_ITEM = 1024
+_WORK_MIN = 1 << 16
+#: Up to this many samples the as-read layout and plain LPT are refined too (the partner search
+#: is exhaustive with <= 16 groups), as before issue 16: cheap there, and sometimes better.
+_SMALL_ITEMS = 64
+#: Above ``_SMALL_ITEMS``, groups of at most this many samples start from LPT (it ends 0.1-1 %
+#: lighter there), larger ones from differencing (it ends 0.03-0.06 % lighter and faster).
+_LPT_START_MAX_PER = 4
 #: Absolute slack of the exact solver's pruning (it compares sums of the same costs; integers in
 #: practice), so a branch that only ties the best found so far is cut.
 _EXACT_EPS = 1e-12
@@ -187,100 +196,95 @@ def _check_grid(n_items: int, n_groups: int) -> int:
     return n_items // n_groups
 
 
+def _as_costs(costs: Sequence[float] | Any) -> np.ndarray:
+    """The costs as one flat fp64 array, whatever holds them (list, tuple, tensor, numpy array)."""
+    return np.asarray(costs, dtype=np.float64).reshape(-1)
+
+
 def lpt_equal_count(costs: Sequence[float], n_groups: int) -> list[list[int]]:
     """Plain equal-count LPT: heaviest item first onto the lightest group that still has room.
 
     Ties go to the lower item index and the lower group index, so the result is deterministic.
-    Kept public as the baseline the benchmark compares against.
+    A heap of ``(load, group)`` over the groups with room: ``O(n log n)``. Kept public as the
+    baseline the benchmark compares against, and as one start of the small-case search.
     """
     per = _check_grid(len(costs), n_groups)
-    items = sorted(range(len(costs)), key=lambda i: (-costs[i], i))
+    c = _as_costs(costs)
+    vals = c.tolist()
     groups: list[list[int]] = [[] for _ in range(n_groups)]
-    loads = [0.0] * n_groups
-    for i in items:
-        g = min((g for g in range(n_groups) if len(groups[g]) < per), key=lambda g: (loads[g], g))
+    if per == 0:
+        return groups
+    heap = [(0.0, g) for g in range(n_groups)]  # sorted, hence a heap
+    for i in np.argsort(-c, kind="stable").tolist():  # heaviest first, ties by index
+        load, g = heap[0]
         groups[g].append(i)
-        loads[g] += costs[i]
+        if len(groups[g]) < per:
+            heapq.heapreplace(heap, (load + vals[i], g))
+        else:
+            heapq.heappop(heap)
     return groups
 
 
-def _refine_by_swaps(costs: Sequence[float], groups: list[list[int]], max_rounds: int) -> None:
-    """Swap one item of the heaviest group with one lighter item elsewhere while that helps.
+def _balanced_grid(costs: Sequence[float], n_groups: int) -> tuple[np.ndarray, list[balance.Work]]:
+    """The search behind :func:`balanced_groups`: ``([n_groups, per] grid, work per start)``.
 
-    Each accepted swap moves ``d > 0`` from the heaviest group ``h`` to a group ``g`` with
-    ``L_g + d < L_h``, so ``sum(L**2)`` strictly drops and the loop terminates; ``max_rounds`` is
-    only a backstop. The swap taken minimises ``(max(L_h - d, L_g + d), g, slot in h, slot in g)``
-    over all pairs: deterministic for equal inputs. For one item ``i`` of ``h`` that objective is
-    V-shaped in ``c_j`` with its bottom at ``c_j = c_i - gap/2``, so only the two neighbours of
-    that target in ``g``'s sorted costs (leftmost slot among equal costs) can win: a bisection
-    instead of a scan, O(G * per * log per) per round.
+    1. The layout as read is returned untouched when its heaviest group already sits on the lower
+       bound ``max(sum / groups, max cost)`` (nothing can beat it, and nothing moves; with
+       negative costs the second term counts the lightest partners the largest item can get).
+    2. Starts: on small micro-batches (``n <=`` :data:`_SMALL_ITEMS`, where all of this is cheap)
+       the as-read layout, plain LPT and balanced largest differencing
+       (:func:`balance.differencing_start`); on larger ones only one: differencing, or LPT with at
+       most :data:`_LPT_START_MAX_PER` samples per group, whichever ends better there on bimodal
+       costs (``scripts/bench_reorder.py``). The as-read start would need about one swap per
+       misplaced sample and practically never wins at that size.
+    3. The last start is improved by batched heavy/light pair swaps alternating with the swap
+       refinement (:func:`balance.improve`), the others by the refinement alone
+       (:func:`balance.refine_swaps`); each under a work budget linear in ``n``.
+    The lightest heaviest group wins; ties keep the earlier start (as read, LPT, differencing), so
+    an as-read layout that is as good as anything found does not move.
     """
-    n_groups = len(groups)
-    loads = [sum(costs[i] for i in grp) for grp in groups]
-    scale = max(1.0, max((abs(c) for c in costs), default=1.0))
-    eps = _IMPROVE_EPS * scale
-
-    def sorted_view(grp: list[int]) -> tuple[list[float], list[int]]:
-        pairs = sorted((costs[j], b) for b, j in enumerate(grp))
-        return [c for c, _ in pairs], [b for _, b in pairs]
-
-    views = [sorted_view(grp) for grp in groups]
-    for _ in range(max_rounds):
-        h = max(range(n_groups), key=lambda g: (loads[g], -g))
-        best = None  # (new pair max, g, a, b)
-        for g in range(n_groups):
-            gap = loads[h] - loads[g]
-            if g == h or gap <= eps:
-                continue
-            cs, slots = views[g]
-            for a, i in enumerate(groups[h]):
-                ci = costs[i]
-                target = ci - gap / 2
-                hi = bisect.bisect_left(cs, target)
-                cands = []
-                if hi < len(cs):
-                    cands.append(hi)  # smallest cost >= target, leftmost of its run
-                lo = bisect.bisect_right(cs, target) - 1
-                if lo >= 0:
-                    cands.append(bisect.bisect_left(cs, cs[lo]))  # largest cost <= target, leftmost
-                for k in cands:
-                    d = ci - cs[k]
-                    if d <= 0 or d >= gap - eps:
-                        continue
-                    key = (max(loads[h] - d, loads[g] + d), g, a, slots[k])
-                    if best is None or key < best:
-                        best = key
-        if best is None:
-            return
-        _, g, a, b = best
-        i, j = groups[h][a], groups[g][b]
-        groups[h][a], groups[g][b] = j, i
-        d = costs[i] - costs[j]
-        loads[h] -= d
-        loads[g] += d
-        views[h], views[g] = sorted_view(groups[h]), sorted_view(groups[g])
+    per = _check_grid(len(costs), n_groups)
+    c = _as_costs(costs)
+    n = len(c)
+    ident = np.arange(n, dtype=np.int64).reshape(n_groups, per)
+    if n_groups == 1 or per == 0:
+        return ident, []
+    eps = _IMPROVE_EPS * max(1.0, float(np.abs(c).max()))
+    # lower bounds: the mean group, and the group of the largest item (its partners weigh >= min)
+    with_top = float(c.max()) + (per - 1) * min(0.0, float(c.min()))
+    stop_at = max(math.fsum(c.tolist()) / n_groups, with_top) + eps
+    if balance.heaviest(c, ident) <= stop_at:
+        return ident, []
+    if n <= _SMALL_ITEMS:
+        lpt = np.array(lpt_equal_count(c, n_groups), dtype=np.int64)
+        starts = [ident, lpt, balance.differencing_start(c, n_groups)]
+    elif per <= _LPT_START_MAX_PER:
+        starts = [np.array(lpt_equal_count(c, n_groups), dtype=np.int64)]
+    else:
+        starts = [balance.differencing_start(c, n_groups)]
+    works = []
+    for k, grid in enumerate(starts):
+        work = balance.Work(budget=_WORK_PER_ITEM * n + _WORK_MIN)
+        if k == len(starts) - 1:
+            balance.improve(c, grid, work, eps, stop_at)
+        else:
+            balance.refine_swaps(c, grid, work, eps, stop_at)
+        works.append(work)
+    if len(starts) == 1:
+        return starts[0], works
+    tops = [balance.heaviest(c, grid) for grid in starts]
+    return starts[tops.index(min(tops))], works
 
 
 def balanced_groups(costs: Sequence[float], n_groups: int, *, refine: bool = True) -> list[list[int]]:
     """Equal-count groups of item indices with a small heaviest group (each group sorted by index).
 
-    Two deterministic starts are refined by swaps: the LPT layout and the layout as read (identity).
-    The lighter heaviest group wins; on a tie the as-read start wins, because it moves fewer
-    samples (an already balanced micro-batch is not shuffled for nothing). The second start also
-    lets the refinement escape some LPT dead ends. Sorting inside each group keeps the sender's
-    relative order.
+    ``refine=False`` is plain LPT; otherwise :func:`_balanced_grid` (differencing start, pair
+    swaps, heaviest-group swap refinement; more starts on small inputs), ``O(n log n)``-ish with a
+    work cap linear in ``n``. Sorting inside each group keeps the sender's relative order.
     """
     per = _check_grid(len(costs), n_groups)
-    lpt = lpt_equal_count(costs, n_groups)
-    if not refine or n_groups == 1:
-        candidates = [lpt]
-    else:
-        ident = [list(range(g * per, (g + 1) * per)) for g in range(n_groups)]
-        rounds = _REFINE_ROUNDS_PER_PAIR * len(costs) * len(costs) + _REFINE_ROUNDS_MIN
-        for start in (ident, lpt):
-            _refine_by_swaps(costs, start, max_rounds=rounds)
-        candidates = [ident, lpt]
-    best = min(candidates, key=lambda grp: max(sum(costs[i] for i in g) for g in grp))
+    best = _balanced_grid(costs, n_groups)[0].tolist() if refine else lpt_equal_count(costs, n_groups)
     for grp in best:
         grp.sort()
     assert all(len(grp) == per for grp in best), "equal-count invariant broken"
