@@ -1,12 +1,18 @@
-"""Training speed of the demo layout with reordering off, on (synchronous) and on (overlapped).
+"""Training speed: reordering off / on (the demo layout), and padded vs packed / SDPA vs local attention.
 
     .venv/bin/python scripts/bench_train.py [--steps 30] [--micro-batch-size 8]
+    .venv/bin/python scripts/bench_train.py --suite packing [--steps 20] [--seq-length 384]
 
 Runs real 4-process CPU fine-tunes (language dp 2 on ranks 0-1, images dp 2 on ranks 2-3) on a
 tiny Qwen2.5-VL and the synthetic document dataset, then prints one table row per setting from
 each run's metrics.jsonl (steps after the first, which includes start-up).
 On a 2-core machine the 4 processes share 2 cores, so step times measure the pipeline's CPU cost,
 not GPU stragglers; the vision-load columns are what reordering changes.
+
+``--suite packing``: 2 colocated processes (language dp 2 and images dp 2 on the same ranks, one per
+core) on the same dataset with long-tailed answers (``make_demo_data.py --long-answers``) and a
+wider language model, padded to ``--seq-length`` with megatron's local attention, padded with the
+SDPA core, and packed (``--in-batch-packing``, SDPA). Real tokens/s counts only non-padding tokens.
 """
 
 from __future__ import annotations
@@ -20,6 +26,8 @@ import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from mimo_sft.testing.bench_runs import bench_env, run_session  # noqa: E402
 SETTINGS = [
     ("reorder off", ["--no-intra-microbatch-reorder"]),
     ("reorder on, synchronous", ["--intra-microbatch-reorder", "--no-overlap-intra-microbatch-reorder"]),
@@ -27,18 +35,63 @@ SETTINGS = [
 ]
 
 
+PACKING_SETTINGS = [
+    ("padded, local attention", ["--attention-backend", "local"]),
+    ("padded, SDPA", ["--attention-backend", "sdpa"]),
+    ("packed, SDPA", ["--attention-backend", "sdpa", "--in-batch-packing"]),
+]
+
+
+def packing_suite(args) -> None:
+    py, env = sys.executable, bench_env()
+    work = tempfile.mkdtemp(prefix="bench_packing_")
+    model, data = os.path.join(work, "model"), os.path.join(work, "data")
+    subprocess.run([py, "scripts/make_tiny_qwen_vl.py", model, "--text-hidden", str(args.text_hidden),
+                    "--text-layers", str(args.text_layers), "--intermediate", str(4 * args.text_hidden)],
+                   cwd=ROOT, check=True, capture_output=True, env=env)
+    subprocess.run([py, "scripts/make_demo_data.py", data, "--samples", str(args.samples), "--long-answers"],
+                   cwd=ROOT, check=True, capture_output=True, env=env)
+    torchrun = os.path.join(os.path.dirname(py), "torchrun")
+    rows = []
+    for name, flags in PACKING_SETTINGS:
+        out = os.path.join(work, name.replace(" ", "_").replace(",", ""))
+        cmd = [torchrun, "--nproc-per-node", "2", "-m", "mimo_sft", "finetune", "--hf-model", model,
+               "--dataset-path", data, "--output-dir", out, "--component", "language=dp=2", "--component", "images=dp=2",
+               "--scalable-dp", "--seq-length", str(args.seq_length), "--micro-batch-size", str(args.micro_batch_size),
+               "--global-batch-size", str(2 * args.micro_batch_size), "--train-iters", str(args.steps),
+               "--dataloader-type", "cyclic", "--lr", "1e-4", "--no-tensorboard", *flags]
+        run_session(cmd, cwd=ROOT, env=env, log=out + ".log")
+        m = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))][1:]
+        rows.append((name, statistics.median(r["step_time_s"] for r in m), statistics.mean(r["tokens_per_s"] for r in m),
+                     statistics.mean(r["padding_fraction"] for r in m), max(r["peak_memory_bytes"] for r in m) / 2**20,
+                     m[-1]["loss"]))
+    print(f"2 CPU processes, colocated (language dp 2 + images dp 2), language {args.text_hidden} wide x "
+          f"{args.text_layers} layers, --seq-length {args.seq_length}, micro-batch {args.micro_batch_size}, "
+          f"long-tailed answers, {args.steps} steps, medians/means over steps 2..{args.steps}")
+    print("| setting | step time (s, median) | real tokens/s | padding fraction | peak RSS MiB | last loss |")
+    print("|---|---|---|---|---|---|")
+    base = rows[0][2]
+    for name, st, tps, pad, mem, loss in rows:
+        print(f"| {name} | {st:.3f} | {tps:.0f} ({tps / base:.2f}x) | {pad:.3f} | {mem:.0f} | {loss:.4f} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--suite", choices=("reorder", "packing"), default="reorder")
+    ap.add_argument("--seq-length", type=int, default=384, help="packing suite: tokens per padded sample")
+    ap.add_argument("--text-hidden", type=int, default=256, help="packing suite: language model width")
+    ap.add_argument("--text-layers", type=int, default=4, help="packing suite: language model depth")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--micro-batch-size", type=int, default=8)
     ap.add_argument("--samples", type=int, default=400)
     ap.add_argument("--vision-hidden", type=int, default=32, help="vision tower width (a heavier tower makes the straggler visible)")
     ap.add_argument("--vision-depth", type=int, default=2)
     args = ap.parse_args()
+    if args.suite == "packing":
+        return packing_suite(args)
     py = sys.executable
     work = tempfile.mkdtemp(prefix="bench_train_")
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
-               HF_DATASETS_DISABLE_PROGRESS_BARS="1", PYTHONWARNINGS="ignore")
+    env = bench_env()
     model, data = os.path.join(work, "model"), os.path.join(work, "data")
     subprocess.run([py, "scripts/make_tiny_qwen_vl.py", model, "--vision-hidden", str(args.vision_hidden),
                     "--vision-depth", str(args.vision_depth)], cwd=ROOT, check=True, capture_output=True, env=env)
@@ -52,7 +105,7 @@ def main() -> None:
                "--hf-model", model, "--dataset-path", data, "--output-dir", out, "--train-iters", str(args.steps),
                "--micro-batch-size", str(args.micro_batch_size), "--global-batch-size", str(2 * args.micro_batch_size),
                "--no-tensorboard", "--save-interval", str(10**9), *flags]
-        subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, env=env)
+        run_session(cmd, cwd=ROOT, env=env, log=out + ".log")
         m = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))][1:]
         before = [r["vision_load_max_over_mean_before"] for r in m]
         after = [r["vision_load_max_over_mean_after"] for r in m if r["vision_load_max_over_mean_after"] is not None]

@@ -8,7 +8,8 @@
 # 2. bf16 fine-tunes of a Qwen2.5-VL-3B-shaped model (the public 3B architecture, random init, no
 #    download) with the distributed optimizer, on synthetic document data with mixed image sizes,
 #    multi-image and text-only samples:
-#      - colocated on every GPU (reordering does not apply to colocated layouts);
+#      - colocated on every GPU (reordering does not apply to colocated layouts): megatron's local
+#        attention, the SDPA core (default), and the SDPA core with --in-batch-packing;
 #      - with >= 4 GPUs also non-colocated (language on half the GPUs, vision tower on the other
 #        half), reordering off and on.
 #    Each prints tokens/s, step time, model TFLOP/s per GPU, MFU and peak GPU memory per module.
@@ -45,7 +46,7 @@ $PY -m mimo_sft check-model --hf-model "$OUT/mid"
 
 echo "== model and data"
 [ -f "$OUT/qwen2.5-vl-3b/config.json" ] || $PY scripts/make_tiny_qwen_vl.py "$OUT/qwen2.5-vl-3b" --preset qwen2.5-vl-3b --config-only
-[ -d "$OUT/data" ] || $PY scripts/make_demo_data.py "$OUT/data" --samples 1024 >/dev/null
+[ -d "$OUT/data" ] || $PY scripts/make_demo_data.py "$OUT/data" --samples 1024 --long-answers >/dev/null
 TORCHRUN="$(dirname "$PY")/torchrun"
 [ -x "$TORCHRUN" ] || TORCHRUN="$PY -m torch.distributed.run"
 
@@ -64,7 +65,10 @@ run() {  # run NAME NPROC ARGS...
   $PY scripts/summarize_run.py "$OUT/$name"
 }
 
-run colocated "$NGPU" --component "language=dp=$NGPU" --component "images=dp=$NGPU" --scalable-dp
+COLO=(--component "language=dp=$NGPU" --component "images=dp=$NGPU" --scalable-dp)
+run colocated-local-attention "$NGPU" "${COLO[@]}" --attention-backend local
+run colocated "$NGPU" "${COLO[@]}"
+run colocated-packed "$NGPU" "${COLO[@]}" --in-batch-packing
 if [ "$NGPU" -ge 4 ]; then
   HALF=$((NGPU / 2))
   NONCO=(--component "language=dp=$HALF" --component "images=dp=$HALF,rank_offset=$HALF" --scalable-dp)

@@ -37,7 +37,9 @@ def main() -> int:
     print(f"mean step time {sum(r['step_time_s'] for r in steady) / len(steady):.3f} s, "
           f"{sum(r['tokens_per_s'] for r in steady) / len(steady):.0f} tokens/s, "
           f"reorder exchange {sum(r['reorder_exchange_s'] for r in steady) / len(steady) * 1000:.1f} ms/step "
-          f"(on the background thread when overlapped)")
+          f"(on the background thread when overlapped), training loop waited "
+          f"{sum(r.get('reorder_wait_s', 0.0) for r in steady) / len(steady) * 1000:.1f} ms/step for it, "
+          f"padding {100 * sum(r.get('padding_fraction', 0.0) for r in steady) / len(steady):.1f} % of language positions")
     tflops = [r["model_tflops_per_gpu"] for r in steady if r.get("model_tflops_per_gpu") is not None]
     if tflops:
         mfu = [r["mfu"] for r in steady if r.get("mfu") is not None]

@@ -146,7 +146,7 @@ def worker_tp2_colocated(rank: int, world: int, hf_dir: str, ref_path: str) -> f
     layout = _layout("language=tp=2,dp=1", "images=dp=2")
     state = build_parallel_state(layout)
     runtime.init_megatron(0, **megatron_ranks(state))
-    model, info = build_mimo_model(hf_dir, layout=layout, parallel_state=state, attn_implementation="eager")
+    model, info = build_mimo_model(hf_dir, layout=layout, parallel_state=state)
     model.eval()
     ref = torch.load(ref_path)
     batch = ref["batch"]
@@ -177,7 +177,7 @@ def _non_colocated_setup(hf_dir: str, ref_path: str, *components):
     layout = _layout(*components)
     state = build_parallel_state(layout)
     runtime.init_megatron(0, **megatron_ranks(state))
-    model, info = build_mimo_model(hf_dir, layout=layout, parallel_state=state, attn_implementation="eager")
+    model, info = build_mimo_model(hf_dir, layout=layout, parallel_state=state)
     model.eval()
     comm = MultiModulePipelineCommunicator(state.grids, {"images": ["language"], "language": []},
                                            info.language_config, dim_mapping={"s": 0, "b": 1, "h": 2},

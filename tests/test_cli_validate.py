@@ -25,6 +25,15 @@ def test_issue_example_is_valid_with_table():
     assert "Resolved config" in res.output and "micro_batch_size: 4" in res.output
 
 
+def test_validate_shows_packing_and_refuses_it_with_the_local_core():
+    res = runner.invoke(app, ["validate", *GOOD, "--in-batch-packing"])
+    assert res.exit_code == 0, res.output
+    assert "language: packed" in res.output and "sdpa attention" in res.output
+    assert "in_batch_packing: true" in res.output
+    res = runner.invoke(app, ["validate", *GOOD, "--in-batch-packing", "--attention-backend", "local"])
+    assert res.exit_code == 2 and "[19] --in-batch-packing with --attention-backend local" in res.output
+
+
 def test_invalid_lists_every_problem_and_exits_2():
     res = runner.invoke(app, ["validate", "--quiet", "--component", "language=tp=3,dp=2",
                               "--component", "images=dp=4,pp=2,rank_offset=1", "--micro-batch-size", "6"])

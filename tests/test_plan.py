@@ -98,6 +98,37 @@ def test_summary_and_training_steps_arithmetic():
     assert steps == [{"step": 1, "max_over_mean_before": 1.25, "max_over_mean_after": 1.0}]  # the partial step is left out
 
 
+def test_language_positions_padded_vs_packed():
+    from mimo_sft.plan.positions import language_positions
+
+    tokens = [[10.0, 50.0, 20.0, 40.0], [30.0, 30.0, 0.0, 60.0]]
+    pos = language_positions(tokens, [[1, 0, 3, 2], None], 2, seq_length=64, pad_to_seq_length=True)
+    assert pos["per_micro_batch"]["padded"] == [[128, 128], [128, 128]]
+    assert pos["per_micro_batch"]["packed"] == [[60.0, 60.0], [60.0, 60.0]]
+    assert pos["padded_per_rank"] == 128 and pos["packed_per_rank"] == 60
+    assert pos["padding_fraction"] == pytest.approx(1 - 240 / 512)
+    # without --pad-to-seq-length each rank pads to its own longest sample
+    loose = language_positions(tokens, None, 2, seq_length=64, pad_to_seq_length=False)
+    assert loose["per_micro_batch"]["padded"] == [[100, 80], [60, 120]]
+    assert loose["max_over_mean_packed"] == 1.0  # [60, 60] and [60, 60] real tokens per rank
+    assert loose["max_over_mean_padded"] == pytest.approx((100 / 90 + 120 / 90) / 2)
+
+
+def test_plan_reports_packed_and_padded_positions():
+    res = runner.invoke(app, _args("--steps", "6", "--json", "--in-batch-packing", "--seq-length", "256"))
+    assert res.exit_code == 0, res.output
+    plan = json.loads(res.output)
+    pos = plan["language_positions"]
+    assert pos["in_batch_packing"] is True
+    local = plan["micro_batch_size"] // plan["layout"]["language"]["dp"]
+    assert pos["padded_per_rank"] == local * 256
+    # packed positions are the language ranks' real tokens: the module's mean load
+    assert pos["packed_per_rank"] == pytest.approx(plan["modules"]["language"]["mean_load"])
+    assert 0 < pos["padding_fraction"] == pytest.approx(1 - pos["packed_per_rank"] / pos["padded_per_rank"])
+    table = runner.invoke(app, _args("--steps", "4", "--seq-length", "256"))
+    assert "padding" in table.output and "--in-batch-packing is off" in table.output
+
+
 # ------------------------------------------------------------------ single process: real data path
 
 def _long_multi_image_data() -> str:

@@ -62,3 +62,21 @@ def test_dp1_local_permutation_is_cheap_for_language_batches():
         times.append(time.perf_counter() - t0)
     # the fastest call is the least disturbed by other processes on a shared CI machine
     assert len(times) == 199 and min(times) < 1e-3, min(times)
+
+
+def test_synchronous_reorder_wait_is_the_time_the_loop_was_blocked():
+    """On the training thread (DP 1, or overlap off) the loop waits for the whole window: reading,
+    planning and exchanging. ``reorder_wait_s`` charges it to the window's first micro-batch, so a
+    step's sum is the time the loop really waited."""
+    def slow(batches, delay):
+        for b in batches:
+            time.sleep(delay)
+            yield b
+
+    batches = [make_batch(range(4 * k, 4 * k + 4), with_pixels=False) for k in range(4)]
+    buf = ReorderingBuffer(slow(batches, 0.05), dp_rank=0, dp_size=1, n_groups=2, cost_fn=COST, window_size=2)
+    waits = []
+    for _ in buf:
+        waits.append(buf.last_stats["reorder_wait_s"])
+    assert len(waits) == 4 and waits[1] == waits[3] == 0.0
+    assert waits[0] >= 0.1 and waits[2] >= 0.1, waits  # two reads of 0.05 s per window

@@ -302,6 +302,15 @@ def c17_data(ctx):
         yield f"--image-root {d.image_root}: folder not found"
 
 
+def c19_packing(ctx):
+    d, m = ctx.cfg.data, ctx.cfg.model
+    if not d.in_batch_packing:
+        return
+    if m.attention_backend != "sdpa":
+        yield (f"--in-batch-packing with --attention-backend {m.attention_backend}: megatron's local core attention "
+               f"cannot keep packed samples apart; use --attention-backend sdpa (the default)")
+
+
 def _looks_local(path: str) -> bool:
     """A path rather than a hub dataset name ("org/name")."""
     return (path.startswith((".", "/", "~")) or path.endswith((".parquet", ".json", ".jsonl", ".arrow"))
@@ -327,6 +336,7 @@ CHECKS: tuple[tuple[int, str, Callable], ...] = (
     (16, "model folder and divisibility", c16_model),
     (17, "dataset settings", c17_data),
     (18, "what is left to finetune", c18_contents_note),
+    (19, "in-batch packing settings", c19_packing),
 )
 
 

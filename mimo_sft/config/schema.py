@@ -34,6 +34,7 @@ class ModelConfig:
     freeze_projector: bool = opt(False, "--freeze-projector", "do not train the patch merger (projector)")
     freeze_language: bool = opt(False, "--freeze-language", "do not train the language model")
     dtype: str = opt("fp32", "--dtype", "parameter and compute dtype", choices=("fp32", "bf16"))
+    attention_backend: str = opt("sdpa", "--attention-backend", "attention kernels: 'sdpa' (torch SDPA: flash/memory-efficient on CUDA; required by --in-batch-packing) or 'local' (megatron's unfused core, eager vision attention)", choices=("sdpa", "local"))
 
 
 @dataclass
@@ -49,6 +50,7 @@ class DataConfig:
     max_pixels: Optional[int] = opt(None, "--max-pixels", "largest image area after resizing (default: the processor's)")
     seq_length: int = opt(1024, "--seq-length", "tokens per sample after padding/truncation")
     pad_to_seq_length: bool = opt(True, "--pad-to-seq-length", "pad every sample to --seq-length (required by reordering)", negatable=True)
+    in_batch_packing: bool = opt(False, "--in-batch-packing", "the language model computes each rank's micro-batch as one padding-free packed sequence (THD, per-sample causal attention)")
     dataloader_type: str = opt("single", "--dataloader-type", "'single' reads in order, 'cyclic' reshuffles each epoch", choices=("single", "cyclic"))
     drop_last: bool = opt(True, "--drop-last", "drop the incomplete last global batch of an epoch", negatable=True)
     num_workers: int = opt(0, "--num-workers", "DataLoader worker processes per rank")

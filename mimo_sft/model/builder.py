@@ -24,6 +24,8 @@ from mimo_sft.parallel.layout import IMAGES, LANGUAGE
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 DEFAULT_MAX_SEQ_LEN = 32768
+#: transformers' vision attention for each ``--attention-backend``
+VISION_ATTENTION = {"sdpa": "sdpa", "local": "eager"}
 
 
 def _check_layout(layout, hf_cfg, adapter, hf_dir: str) -> None:
@@ -55,14 +57,17 @@ def _freeze(model, adapter, model_cfg) -> None:
 
 def build_mimo_model(hf_dir: str, *, layout, parallel_state, model_cfg=None, random_init: Optional[bool] = None,
                      config_overrides: Optional[dict] = None, max_seq_len: int = DEFAULT_MAX_SEQ_LEN,
-                     attn_implementation: str = "sdpa", cpu_init: Optional[bool] = None):
+                     attention: Optional[str] = None, cpu_init: Optional[bool] = None):
     """Build ``MimoModel`` (this rank's modules) with weights from ``hf_dir``; returns ``(model, ModelInfo)``.
 
     ``model_cfg`` is a ``config.schema.ModelConfig`` (family, dtype, freeze flags, allow_random_init);
     ``random_init`` overrides ``model_cfg.allow_random_init``. ``config_overrides`` is applied to the
     language ``TransformerConfig`` (and the encoder's DDP config), e.g. ``calculate_per_token_loss``.
-    ``cpu_init``: create the parameters in host memory (default: when the process's device is the CPU;
-    export asks for it on GPU machines too). ``runtime.init_megatron`` must have run.
+    ``attention``: ``"sdpa"`` (``model.attention.SDPAttention`` for the language model, transformers'
+    SDPA for the vision tower) or ``"local"`` (megatron's local core, transformers' eager vision
+    attention); default ``model_cfg.attention_backend``, else ``"sdpa"``. ``cpu_init``: create the
+    parameters in host memory (default: when the process's device is the CPU; export asks for it on
+    GPU machines too). ``runtime.init_megatron`` must have run.
     """
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.mimo import MimoModel, MimoModelConfig
@@ -73,6 +78,7 @@ def build_mimo_model(hf_dir: str, *, layout, parallel_state, model_cfg=None, ran
 
     if cpu_init is None:
         cpu_init = runtime.device().type == "cpu"
+    attention = attention or getattr(model_cfg, "attention_backend", None) or "sdpa"
     raw = read_config_json(hf_dir)
     adapter = get_family(raw, hf_dir=hf_dir, requested=getattr(model_cfg, "family", "auto"))
     hf_cfg = adapter.load_hf_config(hf_dir, raw)
@@ -98,7 +104,7 @@ def build_mimo_model(hf_dir: str, *, layout, parallel_state, model_cfg=None, ran
     pp_rank = lang_groups.pg_collection.pp.rank() if lang_groups.member else 0
     pre, post = pp_rank == 0, pp_rank == lang.pp - 1
     num_local_layers = get_num_layers_to_build(lang_cfg, pp_rank=pp_rank)
-    lm_params = dict(config=lang_cfg, transformer_layer_spec=adapter.block_spec(hf_cfg, num_local_layers), pre_process=pre,
+    lm_params = dict(config=lang_cfg, transformer_layer_spec=adapter.block_spec(hf_cfg, num_local_layers, attention=attention), pre_process=pre,
                      post_process=post, pg_collection=lang_groups.pg_collection,
                      **adapter.language_model_params(hf_cfg, padded_vocab=info.padded_vocab_size, max_seq_len=max_seq_len))
     modality_specs = {}
@@ -106,7 +112,7 @@ def build_mimo_model(hf_dir: str, *, layout, parallel_state, model_cfg=None, ran
         info.vision_config = adapter.vision_transformer_config(hf_cfg, dtype=dtype, cpu_init=cpu_init,
                                                                overrides=overrides)
         enc_spec = ModuleSpec(module=adapter.encoder_class(),
-                              params=adapter.encoder_params(hf_cfg, attn_implementation=attn_implementation))
+                              params=adapter.encoder_params(hf_cfg, attn_implementation=VISION_ATTENTION[attention]))
         modality_specs[IMAGES] = ModuleSpec(module=VisionModalitySubmodules,
                                             params={"pg_collection": parallel_state.modules[IMAGES].pg_collection},
                                             submodules={"encoders": {adapter.encoder_name: enc_spec}})
@@ -149,7 +155,7 @@ def _cast_keeping_fp32_buffers(module: torch.nn.Module, dtype: torch.dtype) -> N
 
 # ---- single process (export, check-model, tests) --------------------------------------------------
 def build_single_process_model(hf_dir: str, *, random_init: bool = False, model_cfg=None,
-                               config_overrides: Optional[dict] = None, attn_implementation: str = "sdpa",
+                               config_overrides: Optional[dict] = None, attention: Optional[str] = None,
                                prefer: str = "auto", cpu_init: Optional[bool] = None):
     """``build_mimo_model`` on a 1-rank colocated layout (TP=1, both modules); for export and checks.
 
@@ -161,4 +167,4 @@ def build_single_process_model(hf_dir: str, *, random_init: bool = False, model_
     state = start_single_process(prefer)
     return build_mimo_model(hf_dir, layout=state.layout, parallel_state=state, model_cfg=model_cfg,
                             random_init=random_init, config_overrides=config_overrides,
-                            attn_implementation=attn_implementation, cpu_init=cpu_init)
+                            attention=attention, cpu_init=cpu_init)

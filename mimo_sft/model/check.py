@@ -1,7 +1,7 @@
 """check-model: does our megatron MimoModel reproduce transformers' logits for a checkpoint folder?
 
 Both sides load the same folder (transformers: ``AutoModelForImageTextToText``, eager attention, fp32;
-ours: ``build_single_process_model``, fp32) on this process's device -- one after the other, so only
+ours: ``build_single_process_model`` with the SDPA attention core training uses, fp32) on this process's device -- one after the other, so only
 one copy of the model is ever resident -- and run one random batch built from config.json alone
 (no processor needed): several images of different sizes, one text-only sample, right padding,
 ``mm_token_type_ids`` for transformers and the same mRoPE positions for megatron. We report the
@@ -131,7 +131,7 @@ def check_model(hf_dir: str, *, tolerance: float = DEFAULT_TOLERANCE, seed: int 
     pos = hf_position_ids(hf_model, batch)
     del hf_model
     runtime.release_cached_memory()
-    model, info = build_single_process_model(hf_dir, attn_implementation="eager")
+    model, info = build_single_process_model(hf_dir)
     model.to(device).eval()
     logits = mimo_forward(model, info, batch, pos).cpu()
     per_token = mimo_forward(model, info, batch, pos, labels=True)

@@ -106,8 +106,9 @@ class FamilyAdapter:
         """Extra ``GPTModel`` constructor arguments (position embedding, rotary base, ...)."""
         raise NotImplementedError
 
-    def block_spec(self, hf_cfg, num_local_layers: int):
-        """megatron ``TransformerBlockSubmodules`` for this pipeline stage's layers."""
+    def block_spec(self, hf_cfg, num_local_layers: int, *, attention: str = "sdpa"):
+        """megatron ``TransformerBlockSubmodules`` for this pipeline stage's layers, with the core
+        attention ``attention`` names (``model.attention.BACKENDS``)."""
         raise NotImplementedError
 
     def encoder_class(self) -> type:

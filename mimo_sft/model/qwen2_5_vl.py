@@ -148,17 +148,25 @@ class Qwen25VLAdapter(FamilyAdapter):
                     rotary_base=int(t.rope_parameters.get("rope_theta", 1e6)),
                     share_embeddings_and_output_weights=bool(hf_cfg.tie_word_embeddings), parallel_output=True)
 
-    def block_spec(self, hf_cfg, num_local_layers: int):
-        """megatron's local layer spec for ``num_local_layers`` layers, every norm torch's RMSNorm.
+    def block_spec(self, hf_cfg, num_local_layers: int, *, attention: str = "sdpa"):
+        """megatron's local layer spec for ``num_local_layers`` layers, every norm torch's RMSNorm, with
+        ``attention``'s core (``model.attention``: SDPA by default, megatron's local core on request).
 
         Spelled out as block submodules because megatron picks the final norm itself otherwise:
         apex's ``FusedLayerNorm`` whenever apex is importable, which asserts on RMSNorm.
         """
+        from dataclasses import replace
+
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
         from megatron.core.transformer.torch_norm import WrappedTorchNorm
         from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
+        from mimo_sft.model.attention import core_attention_class
+
         layer = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=False)
+        attn = layer.submodules.self_attention
+        attn = replace(attn, submodules=replace(attn.submodules, core_attention=core_attention_class(attention)))
+        layer = replace(layer, submodules=replace(layer.submodules, self_attention=attn))
         return TransformerBlockSubmodules(layer_specs=[layer] * num_local_layers, layer_norm=WrappedTorchNorm)
 
     def encoder_class(self) -> type:

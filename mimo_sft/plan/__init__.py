@@ -113,7 +113,8 @@ def build_plan(cfg, opts: PlanOptions) -> dict:
     Keys: ``steps``, ``modules.{images,language}`` (``max_over_mean_before/_after``, their ``_p95``,
     ``spread_*`` = mean heaviest-minus-lightest rank, ``wait_share_*`` = mean 1 - mean/max, and
     ``per_micro_batch`` series), ``train_steps`` (what metrics.jsonl logs per optimizer step),
-    ``compare`` (one summary per extra window / language weight), ``sample_ids``, ``layout``,
+    ``compare`` (one summary per extra window / language weight), ``language_positions`` (positions
+    each language rank computes per micro-batch, padded vs packed: ``plan.positions``), ``sample_ids``, ``layout``,
     ``reorder``, ``data``, ``note``.
     """
     from mimo_sft.plan import simulate
@@ -146,6 +147,13 @@ def build_plan(cfg, opts: PlanOptions) -> dict:
         simulate.check_weights(r.encoder_cost_weight, lw)
         compare.append(_compare_row("language_cost_weight", r.window_size, lw, run(r.window_size, lw)))
     enabled = r.enabled
+    from mimo_sft.plan.positions import language_positions
+
+    orders = simulate.orders_for(mbs_list, n_groups=grid, encoder_cost_weight=r.encoder_cost_weight,
+                                 language_cost_weight=r.language_cost_weight, window_size=r.window_size) if enabled else None
+    positions = language_positions([mb.tokens for mb in mbs_list], orders, layout.language.dp,
+                                   seq_length=cfg.data.seq_length, pad_to_seq_length=cfg.data.pad_to_seq_length)
+    positions["in_batch_packing"] = cfg.data.in_batch_packing
     return {
         "steps": opts.steps,
         "micro_batch_size": cfg.train.micro_batch_size,
@@ -161,6 +169,7 @@ def build_plan(cfg, opts: PlanOptions) -> dict:
                  "seed": cfg.train.seed, "seq_length": cfg.data.seq_length, **facts},
         "sample_ids": [mb.sample_ids for mb in mbs_list],
         "modules": modules,
+        "language_positions": positions,
         "train_steps": {
             "vision_load_max_over_mean": simulate.training_steps(main[IMAGES], per_step),
             "language_load_max_over_mean": simulate.training_steps(main[LANGUAGE], per_step),

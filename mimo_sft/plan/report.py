@@ -58,6 +58,10 @@ def print_plan(plan: dict, console: Console | None = None) -> None:
     img = plan["modules"]["images"]
     console.print(f"images: heaviest encoder rank {img['max_over_mean_before']:.2f}x -> {img['max_over_mean_after']:.2f}x "
                   f"the mean; idle {_pct(img['wait_share_before'])} -> {_pct(img['wait_share_after'])}")
+    pos = plan["language_positions"]
+    console.print(f"language: positions computed per rank per micro-batch: padded {_num(pos['padded_per_rank'])} "
+                  f"({_pct(pos['padding_fraction'])} padding) · packed {_num(pos['packed_per_rank'])} "
+                  f"(--in-batch-packing is {'ON' if pos['in_batch_packing'] else 'off'} in config)")
     if plan["compare"]:
         _print_compare(plan, console)
     if plan.get("png"):

@@ -35,6 +35,10 @@ LINE_MARGIN, LINE_PITCH, BOTTOM_MARGIN = 6, 14, 10
 #: Operands of the text-only arithmetic questions and the number printed on an image (inclusive).
 OPERANDS = (1, 50)
 PRINTED_NUMBER = (0, 99)
+#: ``long_answers=True``: the share of answers that get a long explanation, and the Pareto shape of
+#: its sentence count (capped): most answers stay one sentence, a few run to hundreds of tokens --
+#: the long tail of real SFT answer lengths that makes padding to the longest sample wasteful.
+LONG_ANSWER_SHARE, LONG_ANSWER_PARETO, LONG_ANSWER_MAX_SENTENCES = 0.3, 1.2, 40
 
 
 def image_png(rng: random.Random, width: int, height: int, colour: str, number: int) -> bytes:
@@ -58,7 +62,22 @@ def _size(rng: random.Random, kind: str) -> tuple[int, int]:
     return rng.randint(w_lo, w_hi), rng.randint(h_lo, h_hi)
 
 
-def make_sample(rng: random.Random) -> dict:
+def _explanation(rng: random.Random) -> str:
+    """A long-tailed run of filler sentences (empty for most samples)."""
+    if rng.random() >= LONG_ANSWER_SHARE:
+        return ""
+    n = min(LONG_ANSWER_MAX_SENTENCES, int(rng.paretovariate(LONG_ANSWER_PARETO)))
+    return "".join(f" Step {k + 1}: the {rng.choice(sorted(COLOURS))} line is checked." for k in range(n))
+
+
+def make_sample(rng: random.Random, long_answers: bool = False) -> dict:
+    sample = _make_sample(rng)
+    if long_answers:
+        sample["messages"][1]["content"][0]["text"] += _explanation(rng)
+    return sample
+
+
+def _make_sample(rng: random.Random) -> dict:
     r = rng.random()
     kind = ("text" if r < TEXT_ONLY_BELOW else "multi" if r < MULTI_IMAGE_BELOW
             else "doc" if r < LARGE_PAGE_BELOW else "small")
@@ -86,12 +105,16 @@ def make_sample(rng: random.Random) -> dict:
             "images": images}
 
 
-def write_demo_dataset(out: str | os.PathLike, *, samples: int, seed: int = 0) -> Path:
-    """Write ``samples`` rows; ``out`` ending in .parquet is the file, else a folder with train.parquet."""
+def write_demo_dataset(out: str | os.PathLike, *, samples: int, seed: int = 0, long_answers: bool = False) -> Path:
+    """Write ``samples`` rows; ``out`` ending in .parquet is the file, else a folder with train.parquet.
+
+    ``long_answers``: give about a third of the answers a long-tailed explanation (benchmarks of
+    padding vs packing); off, the rows are exactly the demo's.
+    """
     import datasets
 
     rng = random.Random(seed)
-    rows = [make_sample(rng) for _ in range(samples)]
+    rows = [make_sample(rng, long_answers) for _ in range(samples)]
     features = datasets.Features({
         "messages": datasets.List({"role": datasets.Value("string"),
                                    "content": datasets.List({"type": datasets.Value("string"),

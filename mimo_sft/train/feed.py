@@ -21,6 +21,7 @@ from mimo_sft.data.load_stats import VisionLoadStats
 from mimo_sft.data.reorder import ReorderingBuffer, make_cost_fn, make_patch_count_fn
 from mimo_sft.parallel.layout import LANGUAGE
 from mimo_sft.train.metrics import ModelFlopsCounter
+from mimo_sft.train.packing import computed_positions
 
 
 @dataclass
@@ -30,7 +31,9 @@ class StepCounters:
     loss_tokens: float = 0.0   # supervised tokens (sum of loss_mask)
     real_tokens: float = 0.0   # non-padding tokens (sum of attention_mask)
     samples: int = 0
-    exchange_s: float = 0.0    # reorder exchange time the buffer reported
+    computed_positions: float = 0.0  # language positions the model computes (padded, or real when packed)
+    exchange_s: float = 0.0    # reorder exchange time the buffer reported (its own wall time, maybe off the critical path)
+    reorder_wait_s: float = 0.0  # time the training loop was blocked on the reorder exchange
     data_wait_s: float = 0.0   # time blocked in the source's next()
 
 
@@ -39,12 +42,13 @@ class Feed:
 
     def __init__(self, source: Iterator[dict], *, reorder: Optional[ReorderingBuffer] = None,
                  split: Optional[Callable[[dict], dict]] = None, load_stats: Optional[VisionLoadStats] = None,
-                 flops: Optional[ModelFlopsCounter] = None):
+                 flops: Optional[ModelFlopsCounter] = None, packed: bool = False):
         self._src = reorder if reorder is not None else iter(source)
         self.reorder = reorder
         self.split = split
         self.load_stats = load_stats
         self.flops = flops
+        self.packed = packed  # --in-batch-packing: the language model computes real tokens only
         self.counters = StepCounters()
 
     # ---- schedule side ----------------------------------------------------------------------
@@ -58,6 +62,7 @@ class Feed:
         if self.reorder is not None:
             stats = self.reorder.last_stats
             self.counters.exchange_s += float(stats.get("reorder_exchange_s", 0.0))
+            self.counters.reorder_wait_s += float(stats.get("reorder_wait_s", 0.0))
             if self.load_stats is not None:
                 self.load_stats.record_reordered(stats)
         elif self.load_stats is not None:
@@ -68,6 +73,7 @@ class Feed:
             self.flops.count(batch)
         self.counters.loss_tokens += float(batch["loss_mask"].sum())
         self.counters.real_tokens += float(batch["attention_mask"].sum())
+        self.counters.computed_positions += computed_positions(batch, packed=self.packed)
         self.counters.samples += int(batch["input_ids"].shape[0])
         return batch
 
@@ -98,13 +104,14 @@ def build_feed(cfg, layout, pstate, info, *, consumed_samples: int) -> Feed:
                   seed=cfg.train.seed, consumed_samples=consumed_samples, scalable_dp=cfg.parallel.scalable_dp,
                   global_batch_size=cfg.train.global_batch_size)
     load_stats = _vision_load_stats(layout, pstate, info)
-    flops = ModelFlopsCounter.for_rank(layout, rank, info)
+    packed = cfg.data.in_batch_packing
+    flops = ModelFlopsCounter.for_rank(layout, rank, info, packed=packed)
     if layout.colocated:
         plan = colocated_read_plan(layout, rank, mbs)
         source = build_microbatch_iterator(cfg.data, dp_size=plan.dp_size, dp_rank=plan.dp_rank, need_pixels=True,
                                            **common)
         split = ColocatedSplit.for_plan(plan, layout, image_token_id=info.image_token_id)
-        return Feed(source, split=split, load_stats=load_stats, flops=flops)
+        return Feed(source, split=split, load_stats=load_stats, flops=flops, packed=packed)
     (module,) = pstate.mine()
     coord = layout.coords(rank)[module]
     source = build_microbatch_iterator(cfg.data, dp_size=layout.spec(module).dp, dp_rank=coord.dp,
@@ -120,7 +127,7 @@ def build_feed(cfg, layout, pstate, info, *, consumed_samples: int) -> Feed:
             cost_fn=cost_fn, group=groups.dp_gloo, side_group=groups.reorder_side_gloo, overlap=r.overlap,
             window_size=r.window_size, load_fn=_patch_fn(info),
             stats_dp_sizes={"vision": layout.encoders[0].dp if layout.encoders else 1})
-    return Feed(source, reorder=reorder, load_stats=load_stats, flops=flops)
+    return Feed(source, reorder=reorder, load_stats=load_stats, flops=flops, packed=packed)
 
 
 def _patch_fn(info):

@@ -37,7 +37,12 @@ class StepMetrics:
     supervised_tokens: float
     vision_load_max_over_mean_before: Optional[float]
     vision_load_max_over_mean_after: Optional[float]
+    #: share of the language positions computed this step that are padding (0 with --in-batch-packing)
+    padding_fraction: float
+    #: the background exchange's own wall time (overlapped: mostly off the critical path)
     reorder_exchange_s: float
+    #: how long the training loop was blocked waiting for reordered micro-batches (on the critical path)
+    reorder_wait_s: float
     data_wait_s: float
     #: largest over all ranks (GPU: device memory since the step began; CPU: peak resident set size)
     peak_memory_bytes: int
@@ -76,23 +81,27 @@ class ModelFlopsCounter:
 
     Each sample's work is counted on exactly one rank, so the sum over all ranks is the step's model
     FLOPs: its language work on the language tp/cp/pp rank 0 of its DP rank, its vision work on its
-    encoder tp rank 0. Padded positions are computed, so they count.
+    encoder tp rank 0. Padded positions are computed, so they count; with ``packed`` (in-batch packing)
+    only the real tokens are computed, as sequences of their real lengths.
     """
 
-    def __init__(self, hf_config, padded_vocab: int, *, count_language: bool, count_vision: bool):
+    def __init__(self, hf_config, padded_vocab: int, *, count_language: bool, count_vision: bool,
+                 packed: bool = False):
         self.hf_config = hf_config
         self.padded_vocab = padded_vocab
         self.count_language = count_language
         self.count_vision = count_vision
+        self.packed = packed
         self.step_flops = 0.0
 
     @classmethod
-    def for_rank(cls, layout, rank: int, model_info) -> "ModelFlopsCounter":
+    def for_rank(cls, layout, rank: int, model_info, *, packed: bool = False) -> "ModelFlopsCounter":
         coords = layout.coords(rank)
         lang = coords.get(LANGUAGE)
         return cls(model_info.hf_config, model_info.padded_vocab_size,
                    count_language=lang is not None and lang.tp == 0 and lang.cp == 0 and lang.pp == 0,
-                   count_vision=any(coords.get(s.name) is not None and coords[s.name].tp == 0 for s in layout.encoders))
+                   count_vision=any(coords.get(s.name) is not None and coords[s.name].tp == 0 for s in layout.encoders),
+                   packed=packed)
 
     def start_step(self) -> None:
         self.step_flops = 0.0
@@ -104,7 +113,13 @@ class ModelFlopsCounter:
 
         ids = batch["input_ids"]
         grids = batch.get("image_grid_thw") if self.count_vision else None
-        f = training_flops(self.hf_config, [ids.shape[1]] * ids.shape[0] if self.count_language else [],
+        if not self.count_language:
+            lengths = []
+        elif self.packed:
+            lengths = [int(n) for n in batch["attention_mask"].sum(dim=1).tolist()]
+        else:
+            lengths = [ids.shape[1]] * ids.shape[0]
+        f = training_flops(self.hf_config, lengths,
                            grids.tolist() if grids is not None and grids.numel() else None, vocab_size=self.padded_vocab)
         self.step_flops += f.total
 

@@ -5,7 +5,9 @@ Non-colocated layouts (encoder and language on disjoint ranks) run megatron's 1F
 megatron's ``ColocatedBridgeCommunicator`` (built inside ``MimoModel``) moves encoder output
 between the encoder's and the language model's DP layouts; where those differ it runs inside
 ``train.bridge.PaddedBridge``, which the forward step hands each micro-batch's per-sample image-token
-counts, so images of any size, several per sample or none cross it exactly.
+counts, so images of any size, several per sample or none cross it exactly. With
+``--in-batch-packing`` the forward step packs each language rank's padded rows into one THD sequence
+(``train.packing``) after the bridge has read them, so reordering, the bridge and packing compose.
 
 Loss is per token: every loss function returns ``(sum of token losses, token count)`` and DDP sums
 (``calculate_per_token_loss=True`` pins its scaling to 1). After the DP reduction every module's
@@ -27,6 +29,7 @@ import torch.distributed as dist
 
 from mimo_sft.parallel import runtime  # first: importing mimo_sft.parallel makes megatron importable
 from mimo_sft.train.bridge import padded_bridges
+from mimo_sft.train.packing import pack_micro_batch
 
 from megatron.core.distributed.finalize_model_grads import finalize_model_grads  # noqa: E402
 from megatron.core.models.mimo.config.role import MIMO_LANGUAGE_MODULE_KEY  # noqa: E402
@@ -76,7 +79,7 @@ class StepRunner:
     """Owns the schedule wiring for one run (built once, called every step)."""
 
     def __init__(self, *, model, modules: dict, pstate, layout, feed: StepFeed, modality_inputs_fn, seq_length: int,
-                 local_mbs: int):
+                 local_mbs: int, packing: bool = False):
         self.model = model            # MimoModel with DDP-wrapped submodules
         self.modules = modules        # {module name: DDP-wrapped nn.Module on this rank}
         self.pstate = pstate
@@ -84,6 +87,7 @@ class StepRunner:
         self.modality_inputs_fn = modality_inputs_fn
         self.seq_length = seq_length
         self.local_mbs = local_mbs
+        self.packing = packing  # --in-batch-packing: language ranks compute one THD sequence (train.packing)
         self.mine = pstate.mine()
         self.colocated = layout.colocated
         self.bridges = padded_bridges(model)  # colocated fan-in / fan-out only
@@ -139,9 +143,13 @@ class StepRunner:
         batch = next(data_iterator)
         for bridge in self.bridges:  # per-sample counts, read on the host before the copy
             bridge.prepare(batch)
-        batch = runtime.to_device(batch)
         has_lang = LANGUAGE in self.mine
         has_enc = any(n != LANGUAGE for n in self.mine)
+        packing_kwargs = None
+        if self.packing and has_lang:  # every language stage packs the same rows the same way
+            batch, packing_kwargs = pack_micro_batch(batch)
+            packing_kwargs = runtime.to_device(packing_kwargs)
+        batch = runtime.to_device(batch)
         kwargs = {"input_ids": batch["input_ids"]}
         if has_enc:
             kwargs["modality_inputs"] = self.modality_inputs_fn(batch)
@@ -149,7 +157,7 @@ class StepRunner:
             # Right padding + causal attention: real tokens never attend to pads, so no padding
             # mask is needed (colocated MIMO passes None anyway); pads are masked in the loss.
             kwargs.update(position_ids=batch["position_ids"], attention_mask=None,
-                          loss_mask=batch["loss_mask"], labels=batch["labels"])
+                          loss_mask=batch["loss_mask"], labels=batch["labels"], packing_kwargs=packing_kwargs)
         output, loss_mask = model(**kwargs)
         if loss_mask is None:
             loss_mask = batch["loss_mask"]

@@ -134,7 +134,8 @@ class Trainer:
         self.feed = build_feed(cfg, layout, self.pstate, self.ctx.info, consumed_samples=self.consumed)
         self.runner = StepRunner(model=self.ctx.model, modules=self.ctx.modules, pstate=self.pstate, layout=layout,
                                  feed=self.feed, modality_inputs_fn=self.ctx.info.modality_inputs,
-                                 seq_length=cfg.data.seq_length, local_mbs=cfg.train.micro_batch_size // layout.language.dp)
+                                 seq_length=cfg.data.seq_length, local_mbs=cfg.train.micro_batch_size // layout.language.dp,
+                                 packing=cfg.data.in_batch_packing)
         self.logger = MetricsLogger(self.output_dir, enabled=self.ctx.is_metrics_rank, total_steps=cfg.train.train_iters,
                                     log_interval=cfg.logging.log_interval, tensorboard=cfg.logging.tensorboard)
         self.peak_tflops = cfg.logging.peak_tflops or (peak_tflops_for(runtime.device_name()) if runtime.on_gpu() else None)
@@ -223,7 +224,8 @@ class Trainer:
         if not self.is_last_language_stage:
             return
         c, out = self.feed.counters, result.output
-        t = torch.tensor([out.loss_sum, out.num_tokens, c.real_tokens, float(c.samples)], dtype=torch.float64)
+        t = torch.tensor([out.loss_sum, out.num_tokens, c.real_tokens, float(c.samples), c.computed_positions],
+                         dtype=torch.float64)
         lang_dp = self.pstate.modules[LANGUAGE].dp_gloo
         if lang_dp is not None and dist.get_world_size(lang_dp) > 1:
             dist.all_reduce(t, group=lang_dp)
@@ -237,7 +239,8 @@ class Trainer:
             tokens_per_s=float(t[2]) / step_time, samples_per_s=float(t[3]) / step_time,
             supervised_tokens=float(t[1]),
             vision_load_max_over_mean_before=before, vision_load_max_over_mean_after=after,
-            reorder_exchange_s=c.exchange_s, data_wait_s=c.data_wait_s,
+            padding_fraction=1.0 - float(t[2]) / max(float(t[4]), 1.0),
+            reorder_exchange_s=c.exchange_s, reorder_wait_s=c.reorder_wait_s, data_wait_s=c.data_wait_s,
             peak_memory_bytes=max(peaks.values()), peak_memory_bytes_by_module=peaks,
             model_flops=model_flops, model_tflops_per_gpu=tflops, mfu=mfu,
             update_ok=result.update_ok, consumed_samples=self.consumed))

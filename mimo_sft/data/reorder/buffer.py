@@ -178,10 +178,13 @@ class ReorderingBuffer:
     def _next_window(self) -> list[tuple[dict, dict]] | None:
         if self._exhausted:
             return None
-        if not self._threaded:
+        if not self._threaded:  # the training thread reads, plans and exchanges: all of it is waiting
+            t0 = time.perf_counter()
             window = self._producer.produce()
             if window is None:
                 self._exhausted = True
+                return None
+            window[0][1]["reorder_wait_s"] = time.perf_counter() - t0
             return window
         if self._thread is None:
             self._start_thread()

@@ -1,0 +1,117 @@
+"""The language model's core attention: torch's ``scaled_dot_product_attention``, padded or packed.
+
+megatron's local ``DotProductAttention`` materialises the full ``[b, heads, s, s]`` score matrix
+(slow and memory-hungry on GPUs) and refuses packed sequences; its fast paths need Transformer
+Engine. ``SDPAttention`` is a drop-in core for megatron's layer spec (same constructor and forward
+contract, ``attention.CoreAttentionInterface``) that hands the work to SDPA: flash or
+memory-efficient kernels on CUDA, the math kernel on CPU, so CI runs the code GPUs run.
+
+Two input formats, as megatron's ``Attention`` passes them:
+
+* ``sbhd`` (padded rows): ``q [s, b, heads, d]``, ``k/v [s, b, groups, d]`` -> ``[s, b, heads*d]``.
+  Causal; right padding means real tokens never see pads, so no mask is needed.
+* ``thd`` (in-batch packing, ``packed_seq_params.qkv_format == "thd"``): ``q [t, heads, d]`` holding
+  several samples back to back, split by ``cu_seqlens_q``. Each sample gets its own causal SDPA
+  call, so no token attends across samples and no ``t x t`` mask is ever built. A handful of
+  samples per rank means a handful of calls per layer.
+
+GQA uses SDPA's ``enable_gqa`` (no repeated K/V copies). Dropout forks megatron's model-parallel
+RNG like the local core, so TP ranks draw the streams megatron expects.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from megatron.core import tensor_parallel
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.utils import divide
+
+#: the ``--attention-backend`` choices: ours, and megatron's local core (the reference)
+BACKENDS = ("sdpa", "local")
+
+
+class SDPAttention(MegatronModule):
+    """Causal core attention on ``F.scaled_dot_product_attention``; see the module docstring."""
+
+    def __init__(self, config, layer_number: int, attn_mask_type: AttnMaskType, attention_type: str,
+                 attention_dropout: Optional[float] = None, softmax_scale: Optional[float] = None,
+                 cp_comm_type: Optional[str] = None, pg_collection=None):
+        super().__init__(config=config)
+        assert config.context_parallel_size == 1, "SDPAttention: context parallelism is not supported"
+        assert config.window_size is None, "SDPAttention: sliding-window attention is not supported"
+        assert getattr(config, "softmax_type", "vanilla") == "vanilla", "SDPAttention: only the vanilla softmax"
+        assert attn_mask_type in (AttnMaskType.causal, AttnMaskType.padding_causal), (
+            f"SDPAttention is causal only, got {attn_mask_type}")
+        tp = pg_collection.tp.size() if pg_collection is not None else 1
+        self.heads = divide(config.num_attention_heads, tp)
+        self.groups = divide(config.num_query_groups or config.num_attention_heads, tp)
+        self.head_dim = config.kv_channels
+        # megatron's query-key layer scaling divides the scale by the layer number and multiplies the
+        # scores back inside its softmax: the net scale is the plain one
+        self.scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(self.head_dim)
+        self.dropout_p = float(config.attention_dropout if attention_dropout is None else attention_dropout)
+        self.sequence_parallel = bool(config.sequence_parallel)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None) -> dict:
+        """Nothing to checkpoint: the core has no parameters or buffers."""
+        return {}
+
+    def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """``[b, heads, s, d]`` causal attention (``k``/``v`` may have fewer heads: GQA)."""
+        p = self.dropout_p if self.training else 0.0
+        if p > 0.0 and not self.sequence_parallel:
+            with tensor_parallel.get_cuda_rng_tracker().fork():
+                return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, scale=self.scale,
+                                                      enable_gqa=self.groups != self.heads)
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, scale=self.scale,
+                                              enable_gqa=self.groups != self.heads)
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params: Optional[PackedSeqParams] = None):
+        assert attention_mask is None, (
+            "SDPAttention takes no attention mask: rows are right-padded (causal attention never sees the "
+            "pads) or packed (cu_seqlens)")
+        assert attention_bias is None, "SDPAttention: attention bias is not supported"
+        if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
+            return self._packed(query, key, value, packed_seq_params)
+        s, b = query.shape[:2]
+        q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [b, heads, s, d]
+        out = self._sdpa(q, k, v)
+        return out.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.head_dim)
+
+    def _packed(self, query, key, value, params: PackedSeqParams) -> torch.Tensor:
+        cu_q = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
+        cu_kv = params.cu_seqlens_kv_padded if params.cu_seqlens_kv_padded is not None else params.cu_seqlens_kv
+        # one PackedSeqParams serves every layer of a forward: read the bounds to the host once, not
+        # once per layer (a device sync each time on GPUs)
+        bounds = getattr(params, "_host_bounds", None)
+        if bounds is None:
+            assert cu_q is not None and torch.equal(cu_q, cu_kv), "SDPAttention: self-attention needs cu_seqlens_q == kv"
+            bounds = cu_q.tolist()
+            params._host_bounds = bounds
+        assert bounds[0] == 0 and bounds[-1] == query.shape[0], (
+            f"cu_seqlens {bounds} do not cover the {query.shape[0]} packed tokens")
+        outs = []
+        for start, end in zip(bounds[:-1], bounds[1:]):
+            if end == start:
+                continue
+            q, k, v = (x[start:end].transpose(0, 1).unsqueeze(0) for x in (query, key, value))  # [1, heads, L, d]
+            outs.append(self._sdpa(q, k, v)[0].transpose(0, 1))  # [L, heads, d]
+        return torch.cat(outs, dim=0).reshape(query.shape[0], self.heads * self.head_dim)
+
+
+def core_attention_class(backend: str):
+    """The core-attention module for ``--attention-backend``."""
+    if backend == "sdpa":
+        return SDPAttention
+    assert backend == "local", f"unknown attention backend {backend!r}; choices: {BACKENDS}"
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    return DotProductAttention

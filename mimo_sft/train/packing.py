@@ -1,0 +1,68 @@
+"""In-batch packing: a language rank's micro-batch as one padding-free sequence (THD).
+
+The data layer, the reorder exchange and the colocated bridge all move padded rows ``[B, S]``
+(exchanged samples must share one width). Packing happens last, in the forward step, on the rows
+this language rank is about to compute: the real tokens of every sample are laid back to back into
+``[1, T]`` (``T = sum of real lengths``), and ``cu_seqlens`` marks where each sample starts, which
+megatron's MIMO packing path (``MimoModel.forward(packing_kwargs=...)`` -> ``PackedSeqParams``,
+``qkv_format="thd"``) hands to every attention layer and to rotary embedding.
+
+What keeps a packed step exactly equal to the padded one:
+
+* rows are right-padded (``attention_mask`` is a prefix of ones), so dropping the pads keeps each
+  sample's tokens, labels and loss mask in order, and image placeholders stay in the order the
+  encoder emits its embeddings (MimoModel scatters them by position in the flattened ids);
+* mRoPE positions travel with the tokens (``position_ids [3, 1, T]``): each sample keeps its own
+  three-row positions, and megatron's THD rotary path indexes them by packed offset;
+* the attention core (``model.attention.SDPAttention``) runs causal attention per ``cu_seqlens``
+  segment, so no token attends across samples;
+* labels are already shifted per sample, so nothing is re-shifted across sample boundaries.
+
+Pure tensor code, host side (before the copy to the device): no megatron, no torch.distributed.
+"""
+
+from __future__ import annotations
+
+import torch
+
+#: the micro-batch fields that describe language positions and are packed (the rest pass through)
+PACKED_KEYS = ("input_ids", "labels", "loss_mask")
+
+
+def real_lengths(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Per-row real lengths of a right-padded ``[B, S]`` mask (AssertionError if a row is not a prefix)."""
+    mask = attention_mask.bool()
+    lengths = mask.sum(dim=1)
+    prefix = torch.arange(mask.shape[1], device=mask.device)[None, :] < lengths[:, None]
+    assert torch.equal(mask, prefix), "in-batch packing needs right-padded rows (attention_mask a prefix of ones)"
+    return lengths
+
+
+def pack_micro_batch(batch: dict) -> tuple[dict, dict]:
+    """``(packed batch, packing_kwargs)`` for ``MimoModel.forward``; see the module docstring.
+
+    The packed batch holds every key of ``batch``; ``input_ids``, ``labels``, ``loss_mask`` become
+    ``[1, T]``, ``position_ids`` ``[3, 1, T]``, ``attention_mask`` all ones ``[1, T]``. Encoder inputs
+    (pixels, grids, bridge counts) are untouched.
+    """
+    mask = batch["attention_mask"].bool()
+    lengths = real_lengths(mask)
+    out = dict(batch)
+    for key in PACKED_KEYS:
+        if batch.get(key) is not None:
+            out[key] = batch[key][mask][None]
+    out["position_ids"] = batch["position_ids"][:, mask][:, None]
+    out["attention_mask"] = torch.ones_like(out["input_ids"], dtype=torch.bool)
+    cu = torch.zeros(lengths.numel() + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(lengths, 0)
+    longest = int(lengths.max()) if lengths.numel() else 0
+    kwargs = dict(cu_seqlens_q=cu, cu_seqlens_kv=cu.clone(), max_seqlen_q=longest, max_seqlen_kv=longest)
+    return out, kwargs
+
+
+def computed_positions(batch: dict, *, packed: bool) -> int:
+    """Language positions the model computes for ``batch``: every padded position, or only the real
+    ones when packed (the denominator of ``padding_fraction``)."""
+    if packed:
+        return int(batch["attention_mask"].sum())
+    return int(batch["input_ids"].numel())
