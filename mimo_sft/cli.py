@@ -151,18 +151,19 @@ def export(
     checkpoint: str = typer.Option(..., "--checkpoint", help="a mimo-sft checkpoint folder (or its parent with 'latest')"),
     out: str = typer.Option(..., "--out", help="folder to write the Hugging Face checkpoint into"),
     hf_model: Optional[str] = typer.Option(None, "--hf-model", help="source HF folder (default: the one recorded in the checkpoint)"),
+    adapter_only: bool = typer.Option(False, "--adapter-only", help="LoRA checkpoint: write a PEFT adapter folder (adapter_config.json + adapter_model.safetensors) instead of merged weights"),
 ) -> None:
-    """Write a fine-tuned checkpoint as a Hugging Face folder that transformers loads."""
+    """Write a fine-tuned checkpoint as a Hugging Face folder that transformers loads (LoRA: merged, or a PEFT adapter)."""
     from mimo_sft.quiet import quiet_libraries
 
     quiet_libraries()
     from mimo_sft.export import export_checkpoint
 
     try:
-        path = export_checkpoint(checkpoint, out, hf_model=hf_model)
+        path = export_checkpoint(checkpoint, out, hf_model=hf_model, adapter_only=adapter_only)
     except UserError as e:
         _fail(e)
-    Console().print(f"wrote Hugging Face checkpoint to {path}")
+    Console().print(f"wrote {'PEFT adapter' if adapter_only else 'Hugging Face checkpoint'} to {path}")
 
 
 PLAN_FLAGS = {"--steps": "micro-batches to simulate (default 50)", "--out": "folder for the PNG",

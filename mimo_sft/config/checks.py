@@ -311,6 +311,12 @@ def c19_packing(ctx):
                f"cannot keep packed samples apart; use --attention-backend sdpa (the default)")
 
 
+def c20_lora(ctx):
+    from mimo_sft.config.lora import lora_problems
+
+    yield from lora_problems(ctx.cfg.model, use_distributed_optimizer=ctx.cfg.optimizer.use_distributed_optimizer)
+
+
 def _looks_local(path: str) -> bool:
     """A path rather than a hub dataset name ("org/name")."""
     return (path.startswith((".", "/", "~")) or path.endswith((".parquet", ".json", ".jsonl", ".arrow"))
@@ -337,6 +343,7 @@ CHECKS: tuple[tuple[int, str, Callable], ...] = (
     (17, "dataset settings", c17_data),
     (18, "what is left to finetune", c18_contents_note),
     (19, "in-batch packing settings", c19_packing),
+    (20, "LoRA settings", c20_lora),
 )
 
 

@@ -181,6 +181,8 @@ def _build_section(cls: type, raw: Any, section: str) -> Any:
             problems.append(f"unknown key '{section}.{key}'{_suggest(str(key), fields)}")
             continue
         tp, optional = _base_type(hints[key])
+        if fields[key].metadata.get("comma_list") and isinstance(value, list) and all(isinstance(v, str) for v in value):
+            value = ",".join(value)  # a YAML list for a comma-separated flag (e.g. model.lora_target_modules)
         try:
             kwargs[key] = _coerce(value, tp, optional, f"{section}.{key}", fields[key].metadata.get("choices"))
         except UserError as e:

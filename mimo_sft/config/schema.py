@@ -34,6 +34,10 @@ class ModelConfig:
     freeze_projector: bool = opt(False, "--freeze-projector", "do not train the patch merger (projector)")
     freeze_language: bool = opt(False, "--freeze-language", "do not train the language model")
     dtype: str = opt("fp32", "--dtype", "parameter and compute dtype", choices=("fp32", "bf16"))
+    lora_rank: int = opt(0, "--lora-rank", "LoRA rank (0: off, full fine-tuning). With LoRA the language model's base weights are frozen and only its adapters train; the vision tower and projector keep following --freeze-vision/--freeze-projector unless a vision target below adapts them (then their base weights are frozen too)")
+    lora_alpha: Optional[float] = opt(None, "--lora-alpha", "LoRA alpha; adapters are scaled by alpha / rank (default: alpha = rank, scale 1)")
+    lora_dropout: float = opt(0.0, "--lora-dropout", "dropout on the adapters' input, in [0, 1)")
+    lora_target_modules: str = opt("linear_qkv,linear_proj,linear_fc1,linear_fc2", "--lora-target-modules", "comma-separated layers that get adapters: language linear_qkv, linear_proj, linear_fc1, linear_fc2; opt-in vision_attn (vision qkv/proj), vision_mlp (vision gate/up/down), merger (patch merger MLP); YAML also takes a list", comma_list=True)
     attention_backend: str = opt("sdpa", "--attention-backend", "attention kernels: 'sdpa' (torch SDPA: flash/memory-efficient on CUDA; required by --in-batch-packing) or 'local' (megatron's unfused core, eager vision attention)", choices=("sdpa", "local"))
 
 

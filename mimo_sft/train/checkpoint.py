@@ -6,7 +6,8 @@ Layout of ``SAVE_DIR`` (folder rules, fsync order and pruning: :mod:`checkpoint_
     latest                 -> text file naming the newest complete checkpoint ("iter_0000020")
     iter_0000020/
         meta.json          step, consumed samples, layout, source model, config
-        model/             megatron dist-checkpoint of MimoModel.sharded_state_dict (layout-free)
+        model/             megatron dist-checkpoint of MimoModel.sharded_state_dict (layout-free;
+                           a LoRA run's holds only what trains: :mod:`checkpoint_lora`)
         optimizer/         megatron dist-checkpoint of MimoOptimizer.sharded_state_dict (layout-free):
                            Adam moments and step, param groups, the fp32 main weights of a bf16 run
                            (:mod:`checkpoint_optimizer`)
@@ -42,6 +43,8 @@ from mimo_sft.parallel import runtime
 from mimo_sft.train.checkpoint_files import (LATEST, fsync_file, iter_dir, kill_point, publish, read_meta,  # noqa: F401
                                              resolve_checkpoint)
 from mimo_sft.train.checkpoint_optimizer import OPTIMIZER_DIR, has_optimizer, load_optimizer, save_optimizer
+from mimo_sft.train.checkpoint_lora import (check_lora_compatible, has_lora, lora_load_entries, lora_meta,
+                                            trainable_entries)
 
 
 def layout_signature(layout) -> list[dict]:
@@ -84,6 +87,8 @@ def model_sharded_state_dict(model, replicated_encoder_rank: int = 0) -> dict:
     """
     with unwrapped(model) as bare:
         sd = bare.sharded_state_dict()
+        if has_lora(bare):  # a LoRA checkpoint holds what trains; the base weights stay in --hf-model
+            sd = trainable_entries(sd)
     if replicated_encoder_rank:
         from megatron.core.dist_checkpointing.mapping import ShardedBase
 
@@ -144,6 +149,7 @@ def save_checkpoint(root: str, *, step: int, consumed_samples: int, ctx, extra_m
         kill_point("before_meta", step)
         meta = {"step": step, "consumed_samples": consumed_samples, "world_size": dist.get_world_size(),
                 "layout": layout_signature(ctx.layout), "hf_model": ctx.cfg.model.hf_model, **_optimizer_kind(ctx),
+                **lora_meta(ctx.cfg.model),
                 **(extra_meta or {})}
         with open(os.path.join(tmp, "meta.json"), "w") as fh:
             json.dump(meta, fh, indent=1)
@@ -185,14 +191,26 @@ def save_gradients(folder: str, ctx) -> None:
     dist.barrier()
 
 
-def load_model_weights(model, ckpt: str) -> None:
-    """Load weights from a checkpoint's dist-checkpoint into ``model`` (any layout)."""
+def load_model_weights(model, ckpt: str, *, pretrained: bool = False) -> None:
+    """Load weights from a checkpoint's dist-checkpoint into ``model`` (any layout).
+
+    A model with LoRA adapters loads every tensor the checkpoint holds (a LoRA checkpoint: its
+    adapters and unfrozen weights on top of the base weights the model was built with; a full one:
+    base weights) and requires what ``checkpoint_lora.lora_load_entries`` says (``pretrained``:
+    ``--pretrained-checkpoint``).
+    """
     from megatron.core import dist_checkpointing
 
+    folder = os.path.join(ckpt, "model")
     with unwrapped(model) as bare:
-        state = dist_checkpointing.load(bare.sharded_state_dict(), os.path.join(ckpt, "model"))
+        sd = bare.sharded_state_dict()
+        required = None
+        if has_lora(bare):
+            sd, required = lora_load_entries(sd, folder, pretrained=pretrained)
+        state = dist_checkpointing.load(sd, folder)
         missing, unexpected = bare.load_state_dict(state, strict=False)
-    bad = [k for k in missing if not k.endswith("_extra_state")]
+    bad = ([k for k in missing if not k.endswith("_extra_state")] if required is None
+           else [k for k in required if k not in state])
     if bad:
         raise UserError(f"checkpoint {ckpt}: weights for {bad[:3]} are missing; was it saved from another model?")
 
@@ -208,7 +226,9 @@ def restore(cfg, ctx) -> tuple[int, int]:
     if cfg.checkpoint.load_checkpoint:
         return load_checkpoint(cfg.checkpoint.load_checkpoint, ctx)
     if cfg.model.pretrained_checkpoint:
-        load_model_weights(ctx.model, resolve_checkpoint(cfg.model.pretrained_checkpoint))
+        ckpt = resolve_checkpoint(cfg.model.pretrained_checkpoint)
+        check_lora_compatible(read_meta(ckpt), cfg.model, flag="--pretrained-checkpoint", path=ckpt, resume=False)
+        load_model_weights(ctx.model, ckpt, pretrained=True)
         ctx.optimizer.reload_model_params()
     return 0, 0
 
@@ -232,6 +252,7 @@ def load_checkpoint(path: str, ctx) -> tuple[int, int]:
             hint = (f"it was written by an older mimo-sft, which can only resume with the layout it was saved "
                     f"with ({_fmt_layout(saved_layout or [])}), or start from its weights with --pretrained-checkpoint")
         raise UserError(f"--load-checkpoint {ckpt}: no sharded optimizer state ({OPTIMIZER_DIR}/); {hint}")
+    check_lora_compatible(meta, ctx.cfg.model, flag="--load-checkpoint", path=ckpt, resume=True)
     for key, value in _optimizer_kind(ctx).items():
         if key in meta and meta[key] != value:
             raise UserError(f"--load-checkpoint {ckpt} was saved with {key}={meta[key]} but this run uses {value}; "

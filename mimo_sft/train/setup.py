@@ -18,9 +18,11 @@ from typing import Any
 import torch
 
 from mimo_sft.config.schema import ExperimentConfig
+from mimo_sft.config.lora import LoraSpec
 from mimo_sft.parallel import runtime  # first: importing mimo_sft.parallel makes megatron importable
 from mimo_sft.parallel.groups import ParallelState, build_parallel_state
 from mimo_sft.parallel.layout import LANGUAGE, Layout
+from mimo_sft.model.lora import apply_lora
 from mimo_sft.train.bridge import install_padded_bridges
 
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig  # noqa: E402
@@ -68,6 +70,10 @@ def build_model_and_optimizer(cfg: ExperimentConfig, layout: Layout, pstate: Par
         random_init=cfg.model.allow_random_init,
         config_overrides={"calculate_per_token_loss": True, "attention_dropout": 0.0, "hidden_dropout": 0.0},
         max_seq_len=cfg.data.seq_length)
+    lora = LoraSpec.from_model_config(cfg.model)
+    if lora is not None:  # adapters on top of the loaded weights, before DDP sees the parameters (model.lora)
+        lang = pstate.modules[LANGUAGE]
+        apply_lora(model, lora, seed=cfg.train.seed, dp_rank=lang.pg_collection.dp.rank() if lang.member else 0)
     model.to(runtime.device())
     model.model_type = ModelType.encoder_or_decoder  # forward_backward_no_pipelining looks it up
     if layout.colocated:  # fan-in / fan-out bridges cut encoder output on sample boundaries
@@ -97,8 +103,25 @@ def build_model_and_optimizer(cfg: ExperimentConfig, layout: Layout, pstate: Par
         adam_beta2=o.adam_beta2, adam_eps=o.adam_eps, clip_grad=o.clip_grad, bf16=bf16, fp16=False,
         params_dtype=torch.bfloat16 if bf16 else torch.float32,
         use_distributed_optimizer=o.use_distributed_optimizer)
-    optimizer = get_mimo_optimizer(model, opt_cfg)
+    optimizer = _without_empty_optimizers(get_mimo_optimizer(model, opt_cfg))
     return TrainContext(cfg, layout, pstate, model, info, modules, optimizer, rank)
+
+
+def _without_empty_optimizers(optimizer):
+    """The MIMO optimizer with no optimizer for a module that has nothing to train (a fully frozen vision
+    tower: LoRA on the language model only, or --freeze-vision --freeze-projector): megatron builds one
+    without a torch optimizer there, which its checkpointing cannot describe. Such a module then counts
+    0 in the grad norm and has no optimizer state, as an inactive one."""
+    from megatron.core.models.mimo.optimizer import MimoOptimizer
+
+    infos = optimizer.module_infos
+    empty = [name for name, info in infos.items() if info.optimizer is not None
+             and all(getattr(o, "optimizer", None) is None for o in getattr(info.optimizer, "chained_optimizers", [info.optimizer]))]
+    if not empty:
+        return optimizer
+    for name in empty:
+        infos[name].optimizer = None
+    return MimoOptimizer(infos, optimizer.config)
 
 
 def build_state(cfg: ExperimentConfig, layout: Layout) -> ParallelState:

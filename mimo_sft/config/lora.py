@@ -1,0 +1,107 @@
+"""LoRA settings as one value: the target names users may give, and the parsed, checked spec.
+
+Pure (no torch, no megatron) so that ``config.checks`` can refuse bad LoRA flags before any process
+starts, and the model side (``model.lora``) and export read the same names. What each target adapts:
+
+==============  ==============================================================  ============
+name            layers                                                          base frozen
+==============  ==============================================================  ============
+``linear_qkv``  language attention q/k/v (megatron's fused, column-parallel)    language
+``linear_proj`` language attention output (row-parallel)                        language
+``linear_fc1``  language MLP gate+up (fused, column-parallel)                   language
+``linear_fc2``  language MLP down (row-parallel)                                language
+``vision_attn`` vision tower ``blocks.N.attn.qkv`` / ``attn.proj``              vision tower
+``vision_mlp``  vision tower ``blocks.N.mlp.{gate,up,down}_proj``               vision tower
+``merger``      patch merger ``merger.mlp.0`` / ``merger.mlp.2``                projector
+==============  ==============================================================  ============
+
+With LoRA on, the language model's base weights are always frozen (adapters are the point); the
+vision tower's and the projector's follow ``--freeze-vision`` / ``--freeze-projector`` unless one of
+their targets is chosen, which freezes that part's base weights as well.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Optional
+
+LANGUAGE_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+VISION_TARGETS = ("vision_attn", "vision_mlp")
+PROJECTOR_TARGETS = ("merger",)
+ALL_TARGETS = LANGUAGE_TARGETS + VISION_TARGETS + PROJECTOR_TARGETS
+DEFAULT_TARGETS = ",".join(LANGUAGE_TARGETS)
+
+
+def split_targets(text) -> list[str]:
+    """``"a, b"`` or ``["a", "b"]`` -> ``["a", "b"]`` (order kept, empties dropped)."""
+    items = text if isinstance(text, (list, tuple)) else str(text or "").split(",")
+    return [t.strip() for t in items if str(t).strip()]
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    rank: int
+    alpha: float
+    dropout: float
+    targets: tuple[str, ...]
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / self.rank
+
+    @property
+    def language(self) -> tuple[str, ...]:
+        return tuple(t for t in self.targets if t in LANGUAGE_TARGETS)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["targets"] = list(self.targets)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "LoraSpec":
+        return cls(int(d["rank"]), float(d["alpha"]), float(d["dropout"]), tuple(d["targets"]))
+
+    @classmethod
+    def from_model_config(cls, m) -> Optional["LoraSpec"]:
+        """The spec of a checked ``config.schema.ModelConfig``; None when LoRA is off."""
+        rank = int(getattr(m, "lora_rank", 0) or 0)
+        if rank <= 0:
+            return None
+        alpha = m.lora_alpha if m.lora_alpha is not None else float(rank)
+        return cls(rank, float(alpha), float(m.lora_dropout), tuple(split_targets(m.lora_target_modules)))
+
+
+def lora_problems(m, *, use_distributed_optimizer: bool) -> list[str]:
+    """Every problem with the LoRA flags of ``ModelConfig`` ``m`` (one line each, naming the flag)."""
+    out = []
+    rank = m.lora_rank
+    if rank < 0:
+        out.append(f"--lora-rank={rank}: must be 0 (LoRA off) or a positive rank such as 8 or 16")
+    if rank <= 0:
+        if m.lora_alpha is not None:
+            out.append(f"--lora-alpha={m.lora_alpha} is set but LoRA is off; give --lora-rank R (e.g. 16) or drop --lora-alpha")
+        if m.lora_dropout:
+            out.append(f"--lora-dropout={m.lora_dropout} is set but LoRA is off; give --lora-rank R or drop --lora-dropout")
+        if split_targets(m.lora_target_modules) != split_targets(DEFAULT_TARGETS):
+            out.append("--lora-target-modules is set but LoRA is off; give --lora-rank R or drop --lora-target-modules")
+        return out
+    if m.lora_alpha is not None and not m.lora_alpha > 0:
+        out.append(f"--lora-alpha={m.lora_alpha}: must be positive (adapters are scaled by alpha / rank); e.g. {2 * rank}")
+    if not 0.0 <= m.lora_dropout < 1.0:
+        out.append(f"--lora-dropout={m.lora_dropout}: must be in [0, 1); e.g. 0.05")
+    targets = split_targets(m.lora_target_modules)
+    bad = [t for t in targets if t not in ALL_TARGETS]
+    if bad:
+        out.append(f"--lora-target-modules: unknown {', '.join(repr(t) for t in bad)}; choose from {', '.join(ALL_TARGETS)}")
+    elif not targets:
+        out.append(f"--lora-target-modules is empty; choose from {', '.join(ALL_TARGETS)}")
+    elif len(set(targets)) != len(targets):
+        out.append("--lora-target-modules names a layer twice; give each once")
+    if getattr(m, "allow_random_init", False):
+        out.append("--allow-random-init with --lora-rank: a LoRA checkpoint keeps only its adapters and reads the "
+                   "base weights from --hf-model's safetensors again; drop --allow-random-init")
+    if use_distributed_optimizer:
+        out.append("--use-distributed-optimizer with --lora-rank is not supported (mimo-sft's choice: adapter "
+                   "optimizer state is small); drop --use-distributed-optimizer")
+    return out

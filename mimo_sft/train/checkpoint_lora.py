@@ -1,0 +1,88 @@
+"""What a LoRA run's checkpoint holds, and which checkpoints a LoRA run may start from.
+
+A LoRA checkpoint's ``model/`` holds only the tensors that train (adapters, plus whatever the
+freeze flags leave trainable), so it is small; ``meta.json`` names the base model (``hf_model``)
+and records the LoRA settings and freeze flags (``"lora"``). Loading builds the base model from
+the HF weights as usual and reads the checkpoint's tensors on top of it. The optimizer state's keys
+follow the model's (``checkpoint_optimizer`` builds its map from the same filtered state dict).
+
+Kept apart from ``checkpoint.py`` so that full fine-tuning's code path reads as before; these
+helpers only act where the model has adapters or the checkpoint says it was a LoRA run.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mimo_sft.config.lora import LoraSpec
+from mimo_sft.errors import UserError
+from mimo_sft.model.lora import has_lora  # noqa: F401 - re-exported for checkpoint.py
+
+_ADAPTER_SUFFIXES = (".lora_a", ".lora_b")
+
+
+def _trainable(entry) -> bool:
+    data = getattr(entry, "data", None)
+    return isinstance(data, torch.Tensor) and data.requires_grad
+
+
+def trainable_entries(sd: dict) -> dict:
+    """The entries of a flat model sharded state dict whose parameter trains (drops frozen base
+    weights and ``_extra_state`` objects)."""
+    return {k: v for k, v in sd.items() if _trainable(v)}
+
+
+def lora_load_entries(sd: dict, folder: str, *, pretrained: bool) -> tuple[dict, list[str]]:
+    """(entries of ``sd`` the checkpoint in ``folder`` holds, state-dict keys that must be loaded).
+
+    Resuming needs every tensor that trains. Starting from weights (``pretrained``) needs the
+    adapters of a LoRA checkpoint (whatever else it holds is loaded, the rest stays the base's), or
+    the base weights of a full fine-tuning checkpoint (the adapters start fresh).
+    """
+    from megatron.core import dist_checkpointing
+
+    present = set(dist_checkpointing.load_tensors_metadata(folder).keys())
+    entries = {k: v for k, v in sd.items() if getattr(v, "key", None) in present}
+    if not pretrained:
+        return entries, [k for k, v in sd.items() if _trainable(v)]
+    has_adapters = any(key.endswith(_ADAPTER_SUFFIXES) for key in present)
+    tensors = [k for k, v in sd.items() if isinstance(getattr(v, "data", None), torch.Tensor)]
+    return entries, [k for k in tensors if k.endswith(_ADAPTER_SUFFIXES) == has_adapters]
+
+
+def lora_meta(model_cfg) -> dict:
+    """``{"lora": {...}}`` for meta.json of a LoRA run (its spec and freeze flags), else ``{}``."""
+    spec = LoraSpec.from_model_config(model_cfg)
+    if spec is None:
+        return {}
+    return {"lora": {**spec.to_dict(), "freeze_vision": bool(model_cfg.freeze_vision),
+                     "freeze_projector": bool(model_cfg.freeze_projector),
+                     "freeze_language": bool(model_cfg.freeze_language)}}
+
+
+def _describe(d: dict) -> str:
+    return f"--lora-rank {d['rank']} --lora-alpha {d['alpha']:g} --lora-target-modules {','.join(d['targets'])}"
+
+
+def check_lora_compatible(meta: dict, model_cfg, *, flag: str, path: str, resume: bool) -> None:
+    """Refuse, with what to change, a checkpoint whose LoRA settings this run cannot load."""
+    saved = meta.get("lora")
+    spec = LoraSpec.from_model_config(model_cfg)
+    if saved and spec is None:
+        raise UserError(f"{flag} {path} is a LoRA checkpoint ({_describe(saved)}, base {meta.get('hf_model')}); "
+                        f"give the same LoRA flags, or merge it with `mimo-sft export --checkpoint {path} --out DIR` "
+                        f"and fine-tune DIR as --hf-model")
+    if saved and spec is not None:
+        mine = spec.to_dict()
+        if any(saved[k] != mine[k] for k in ("rank", "alpha", "targets")):
+            raise UserError(f"{flag} {path} was saved with {_describe(saved)} but this run uses {_describe(mine)}; "
+                            f"use the checkpoint's LoRA settings")
+        if resume:
+            for key in ("freeze_vision", "freeze_projector", "freeze_language"):
+                if bool(saved.get(key)) != bool(getattr(model_cfg, key)):
+                    flag_name = "--" + key.replace("_", "-")
+                    raise UserError(f"{flag} {path} was saved with {flag_name}={saved.get(key)}; resume with the "
+                                    f"same freeze flags (they decide what the checkpoint holds)")
+    if not saved and spec is not None and resume:
+        raise UserError(f"{flag} {path} is a full fine-tuning checkpoint; resume it without --lora-rank, or start "
+                        f"LoRA from its weights with --pretrained-checkpoint")

@@ -1,0 +1,124 @@
+"""LoRA without processes: validate refuses bad LoRA flags (check 20), YAML lists, which checkpoints a
+LoRA run may start from, what LoRA freezes, and export's refusals. The tensor-parallel, resume and
+export exactness tests are end to end (tests/test_lora_e2e.py)."""
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from mimo_sft.cli import app
+from mimo_sft.config.checks import check_config
+from mimo_sft.config.loader import config_from_dict, load_config
+from mimo_sft.errors import UserError
+
+GOOD = ["--component", "language=tp=2,dp=1", "--component", "images=dp=2", "--micro-batch-size", "4",
+        "--global-batch-size", "8"]
+
+
+def lora_problems(args):
+    return [str(p) for p in check_config(load_config([*GOOD, *args])).problems]
+
+
+def test_good_lora_flags_pass():
+    assert lora_problems(["--lora-rank", "8", "--lora-alpha", "16", "--lora-dropout", "0.05",
+                          "--lora-target-modules", "linear_qkv,linear_fc2,vision_attn,merger"]) == []
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--lora-target-modules", "linear_qkv,q_proj", "--lora-rank", "4"],
+     "[20] --lora-target-modules: unknown 'q_proj'; choose from linear_qkv, linear_proj, linear_fc1, linear_fc2, "
+     "vision_attn, vision_mlp, merger"),
+    (["--lora-alpha", "16"], "[20] --lora-alpha=16.0 is set but LoRA is off; give --lora-rank R"),
+    (["--lora-rank", "-2"], "[20] --lora-rank=-2: must be 0 (LoRA off) or a positive rank"),
+    (["--lora-rank", "4", "--lora-alpha", "0"], "[20] --lora-alpha=0.0: must be positive"),
+    (["--lora-rank", "4", "--lora-dropout", "1"], "[20] --lora-dropout=1.0: must be in [0, 1)"),
+    (["--lora-rank", "4", "--use-distributed-optimizer"], "[20] --use-distributed-optimizer with --lora-rank is not supported"),
+    (["--lora-rank", "4", "--lora-target-modules", ","], "[20] --lora-target-modules is empty"),
+])
+def test_bad_lora_flags_are_refused(args, expected):
+    probs = lora_problems(args)
+    assert len(probs) == 1 and probs[0].startswith(expected), probs
+
+
+def test_all_lora_problems_at_once_through_validate():
+    res = CliRunner().invoke(app, ["validate", "--quiet", *GOOD, "--lora-rank", "4", "--lora-alpha", "-1",
+                                   "--lora-dropout", "2", "--lora-target-modules", "linear_qkv,bogus"])
+    assert res.exit_code == 2, res.output
+    for text in ("--lora-alpha=-1.0", "--lora-dropout=2.0", "unknown 'bogus'"):
+        assert text in res.output, res.output
+
+
+def test_yaml_takes_a_list_of_targets():
+    cfg = config_from_dict({"model": {"lora_rank": 8, "lora_target_modules": ["linear_qkv", "merger"]}})
+    assert cfg.model.lora_target_modules == "linear_qkv,merger"
+    from mimo_sft.config.lora import LoraSpec
+
+    spec = LoraSpec.from_model_config(cfg.model)
+    assert spec.targets == ("linear_qkv", "merger") and spec.alpha == 8.0 and spec.scaling == 1.0
+
+
+def test_which_checkpoints_a_run_may_start_from():
+    from mimo_sft.train.checkpoint_lora import check_lora_compatible
+
+    def model(**kw):
+        return load_config([f"--{k.replace('_', '-')}={v}" for k, v in kw.items()]).model
+
+    lora = {"rank": 4, "alpha": 8.0, "dropout": 0.0, "targets": ["linear_qkv"], "freeze_vision": False,
+            "freeze_projector": False, "freeze_language": False}
+    meta = {"lora": lora, "hf_model": "/base"}
+    same = model(lora_rank=4, lora_alpha=8, lora_target_modules="linear_qkv")
+    check_lora_compatible(meta, same, flag="--load-checkpoint", path="ck", resume=True)
+    check_lora_compatible({}, same, flag="--pretrained-checkpoint", path="ck", resume=False)  # LoRA on a full FT
+    with pytest.raises(UserError, match="is a LoRA checkpoint .*mimo-sft export --checkpoint ck"):
+        check_lora_compatible(meta, model(), flag="--pretrained-checkpoint", path="ck", resume=False)
+    with pytest.raises(UserError, match="--lora-rank 8 .* use the checkpoint's LoRA settings"):
+        check_lora_compatible(meta, model(lora_rank=8, lora_target_modules="linear_qkv"), flag="--load-checkpoint",
+                              path="ck", resume=True)
+    with pytest.raises(UserError, match="full fine-tuning checkpoint; resume it without --lora-rank"):
+        check_lora_compatible({}, same, flag="--load-checkpoint", path="ck", resume=True)
+    with pytest.raises(UserError, match="--freeze-vision=False; resume with the same freeze flags"):
+        check_lora_compatible(meta, model(lora_rank=4, lora_alpha=8, lora_target_modules="linear_qkv",
+                                          freeze_vision="true"), flag="--load-checkpoint", path="ck", resume=True)
+
+
+def _tiny():
+    from train_helpers import tiny_model
+
+    return tiny_model()
+
+
+def test_lora_freezes_the_base_and_adapts_the_targets(tmp_path):
+    """Language base frozen, vision tower trainable unless a vision target adapts it; B starts at 0,
+    A is the same full tensor whatever the slicing; merging restores the layer classes."""
+    from mimo_sft.config.lora import LoraSpec
+    from mimo_sft.model.builder import build_single_process_model
+    from mimo_sft.model.lora import apply_lora, lora_modules, merge_lora
+    from mimo_sft.model.lora_export import write_peft_adapter
+
+    model, info = build_single_process_model(_tiny(), prefer="cpu")
+    spec = LoraSpec(4, 8.0, 0.0, ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"))
+    qkv = model.language_model.decoder.layers[0].self_attention.linear_qkv
+    cls = type(qkv)
+    apply_lora(model, spec, seed=3)
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert all(".lora_" in n or n.startswith("modality_submodules.") for n in trainable)
+    assert any(n.startswith("modality_submodules.") and "lora" not in n for n in trainable)  # vision still trains
+    assert len(list(lora_modules(model))) == 2 * 4 and torch.count_nonzero(qkv.lora_b) == 0
+    with pytest.raises(UserError, match="--adapter-only: the run also trained .* base tensors"):
+        write_peft_adapter(model, info, spec, _tiny(), str(tmp_path / "adapter"))
+    again, _ = build_single_process_model(_tiny(), prefer="cpu")
+    apply_lora(again, spec, seed=3)
+    assert torch.equal(again.language_model.decoder.layers[0].self_attention.linear_qkv.lora_a, qkv.lora_a)
+    w = qkv.weight.detach().clone()
+    with torch.no_grad():
+        qkv.lora_b.normal_()
+    expected = w + 2.0 * qkv.lora_b.detach() @ qkv.lora_a.detach()
+    assert merge_lora(model) == 8 and type(qkv) is cls and not hasattr(qkv, "lora_a")
+    assert torch.allclose(qkv.weight, expected, atol=1e-6)
+    vision, _ = build_single_process_model(_tiny(), prefer="cpu")
+    apply_lora(vision, LoraSpec(2, 2.0, 0.0, ("vision_mlp", "merger")), seed=0)
+    enc = vision.modality_submodules["images"].encoders[info.encoder_name]
+    assert {n for n, p in enc.named_parameters() if p.requires_grad} == {
+        f"{m}.lora_{x}" for m in ("blocks.0.mlp.gate_proj", "blocks.0.mlp.up_proj", "blocks.0.mlp.down_proj",
+                                  "blocks.1.mlp.gate_proj", "blocks.1.mlp.up_proj", "blocks.1.mlp.down_proj",
+                                  "merger.mlp.0", "merger.mlp.2") for x in "ab"}
