@@ -104,7 +104,7 @@ def main() -> None:
         cmd = [torchrun, "--nproc-per-node", "4", "-m", "mimo_sft", "finetune", "--config", "configs/demo.yaml",
                "--hf-model", model, "--dataset-path", data, "--output-dir", out, "--train-iters", str(args.steps),
                "--micro-batch-size", str(args.micro_batch_size), "--global-batch-size", str(2 * args.micro_batch_size),
-               "--no-tensorboard", "--save-interval", str(10**9), *flags]
+               "--no-tensorboard", "--save-interval", str(10**9), "--no-in-batch-packing", *flags]
         run_session(cmd, cwd=ROOT, env=env, log=out + ".log")
         m = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))][1:]
         before = [r["vision_load_max_over_mean_before"] for r in m]

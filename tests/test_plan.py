@@ -126,7 +126,7 @@ def test_plan_reports_packed_and_padded_positions():
     assert pos["packed_per_rank"] == pytest.approx(plan["modules"]["language"]["mean_load"])
     assert 0 < pos["padding_fraction"] == pytest.approx(1 - pos["packed_per_rank"] / pos["padded_per_rank"])
     table = runner.invoke(app, _args("--steps", "4", "--seq-length", "256"))
-    assert "padding" in table.output and "--in-batch-packing is off" in table.output
+    assert "padding" in table.output and "--in-batch-packing is ON in config" in table.output  # configs/demo.yaml packs
 
 
 # ------------------------------------------------------------------ single process: real data path
