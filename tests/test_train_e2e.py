@@ -355,3 +355,11 @@ def test_packed_language_pipeline_parallel_matches_padded(reference_variable):
     """language pp 2: both stages pack the same rows the same way (hidden states travel as [T, 1, H])."""
     run = run_layout("packed_pp2", 3, ["language=pp=2,dp=1", "images=dp=1,rank_offset=2"], demo_data(), PACKED)
     assert_packed_equals_padded(reference_variable, run)
+
+
+def test_packed_colocated_fan_out_with_a_text_only_language_slice(reference_corner):
+    """Packing on the corner-case data: a language rank without image tokens, several images of
+    different sizes in a sample, text-only micro-batches."""
+    run = run_layout("packed_co_fanout_corner", 2, ["language=dp=2", "images=tp=2,dp=1"], bridge_corner_data(),
+                     [*CORNER, "--scalable-dp", *PACKED])
+    assert_packed_equals_padded(reference_corner, run)
