@@ -77,6 +77,13 @@ def test_language_tp2_dp2_non_colocated_with_reordering_equals_tp1(reference):
     assert_matches_reference(reference, got)
 
 
+def test_colocated_fan_out_equals_tp1(reference):
+    """language dp 2 fed by images tp 2 x dp 1 on the same ranks: the vision tower (and its adapters)
+    replicated over the images TP group."""
+    got = run("lora_fanout", 2, ["language=dp=2", "images=tp=2,dp=1"], ["--scalable-dp"])
+    assert_matches_reference(reference, got)
+
+
 def test_checkpoint_holds_adapters_and_resume_is_bit_exact(reference):
     ck = reference + "/checkpoints/iter_0000002"
     meta = json.load(open(ck + "/meta.json"))
