@@ -57,6 +57,19 @@ def test_sdpa_core_equals_megatron_local_core_on_padded_rows(megatron_ready, hea
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
 
 
+def test_sdpa_core_refuses_attention_dropout_in_training(megatron_ready):
+    """Training builds attention_dropout=0; a core asked for dropout must not silently skip it."""
+    cfg = _config(4, 2)
+    cfg.attention_dropout = 0.1
+    ours, _ = _cores(cfg, megatron_ready)
+    q = torch.randn(3, 1, 4, cfg.kv_channels)
+    k = v = torch.randn(3, 1, 2, cfg.kv_channels)
+    with pytest.raises(AssertionError, match="attention dropout"):
+        ours(q, k, v, None)
+    ours.eval()
+    assert ours(q, k, v, None).shape == (3, 1, 4 * cfg.kv_channels)
+
+
 def test_packed_attention_equals_each_sample_alone(megatron_ready):
     from megatron.core.packed_seq_params import PackedSeqParams
 

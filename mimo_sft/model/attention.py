@@ -15,8 +15,9 @@ Two input formats, as megatron's ``Attention`` passes them:
   call, so no token attends across samples and no ``t x t`` mask is ever built. A handful of
   samples per rank means a handful of calls per layer.
 
-GQA uses SDPA's ``enable_gqa`` (no repeated K/V copies). Dropout forks megatron's model-parallel
-RNG like the local core, so TP ranks draw the streams megatron expects.
+GQA uses SDPA's ``enable_gqa`` (no repeated K/V copies). No attention dropout: training builds the
+language model with ``attention_dropout=0`` (``train.setup``), so a dropout path here would never run
+in a test; a training forward with dropout asked for fails loudly instead of silently skipping it.
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from megatron.core import tensor_parallel
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
@@ -57,7 +57,6 @@ class SDPAttention(MegatronModule):
         # scores back inside its softmax: the net scale is the plain one
         self.scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(self.head_dim)
         self.dropout_p = float(config.attention_dropout if attention_dropout is None else attention_dropout)
-        self.sequence_parallel = bool(config.sequence_parallel)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None) -> dict:
         """Nothing to checkpoint: the core has no parameters or buffers."""
@@ -65,12 +64,9 @@ class SDPAttention(MegatronModule):
 
     def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """``[b, heads, s, d]`` causal attention (``k``/``v`` may have fewer heads: GQA)."""
-        p = self.dropout_p if self.training else 0.0
-        if p > 0.0 and not self.sequence_parallel:
-            with tensor_parallel.get_cuda_rng_tracker().fork():
-                return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, scale=self.scale,
-                                                      enable_gqa=self.groups != self.heads)
-        return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, scale=self.scale,
+        assert not (self.training and self.dropout_p > 0), (
+            f"SDPAttention: attention dropout {self.dropout_p} is not supported (training uses attention_dropout=0)")
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale,
                                               enable_gqa=self.groups != self.heads)
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
