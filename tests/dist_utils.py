@@ -8,17 +8,31 @@ its return value (or its traceback) to the parent, which fails the test with the
 from __future__ import annotations
 
 import os
+import random
 import socket
 import traceback
 
 import torch.multiprocessing as mp
 
 
+#: ports handed out below Linux's ephemeral range (32768-60999): gloo's and every other connection's
+#: own sockets take ephemeral ports, so a port picked there could be taken again before torchrun
+#: binds it (seen once in CI: EADDRINUSE at rendezvous, with another test running beside it)
+PORT_RANGE = (20000, 32000)
+
+
 def free_port() -> int:
     """A free localhost port (the one copy for the tests: spawned workers and torchrun's --master-port)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    rng = random.SystemRandom()
+    for _ in range(200):
+        port = rng.randrange(*PORT_RANGE)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {PORT_RANGE}")
 
 
 def _worker(rank, world, port, fn, args, queue):

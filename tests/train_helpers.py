@@ -114,6 +114,18 @@ def bridge_corner_data() -> str:
 
 def torchrun(nproc: int, args: list[str], *, timeout: float = 300, check: bool = True,
              extra_env: dict | None = None) -> subprocess.CompletedProcess:
+    for _attempt in range(3):
+        proc = _torchrun_once(nproc, args, timeout=timeout, extra_env=extra_env)
+        # the agent's store could not bind its port (another process took it after free_port looked):
+        # nothing ran yet, so a new port is a clean retry
+        if not (proc.returncode != 0 and "EADDRINUSE" in proc.stderr and "failed to listen" in proc.stderr):
+            break
+    if check and proc.returncode != 0:
+        raise AssertionError(f"torchrun failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    return proc
+
+
+def _torchrun_once(nproc: int, args: list[str], *, timeout: float, extra_env: dict | None) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
                HF_DATASETS_OFFLINE="1", PYTHONWARNINGS="ignore", **(extra_env or {}))
     cmd = [TORCHRUN, "--nproc-per-node", str(nproc), "--master-port", str(free_port()), "-m", "mimo_sft",
@@ -133,10 +145,7 @@ def torchrun(nproc: int, args: list[str], *, timeout: float = 300, check: bool =
                 pass
         out.seek(0)
         err.seek(0)
-        proc = subprocess.CompletedProcess(cmd, code, out.read(), err.read())
-    if check and proc.returncode != 0:
-        raise AssertionError(f"torchrun failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
-    return proc
+        return subprocess.CompletedProcess(cmd, code, out.read(), err.read())
 
 
 def metrics(run_dir: str) -> list[dict]:
