@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 import zlib
-from typing import Iterator, Optional
+from typing import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -174,7 +174,7 @@ def _adapt(module: torch.nn.Module, kind: str, spec: LoraSpec, key: str, seed: i
     module._lora_setup(spec, a, b, tp_group=tp_group, swiglu=swiglu)
 
 
-def apply_lora(model, spec: LoraSpec, *, seed: int, adapter=None, dp_rank: int = 0) -> int:
+def apply_lora(model, spec: LoraSpec, *, seed: int, dp_rank: int = 0) -> int:
     """Freeze the base weights LoRA replaces and add adapters to ``model`` (a bare ``MimoModel``, before
     DDP; this rank's modules). ``dp_rank``: this rank's language DP rank (seeds the dropout stream
     shared by its TP group). Returns the number of adapted layers on this rank."""
@@ -199,8 +199,11 @@ def apply_lora(model, spec: LoraSpec, *, seed: int, adapter=None, dp_rank: int =
                 count += 1
     vision = [t for t in spec.targets if t in VISION_LAYERS]
     if vision and IMAGES in model.modality_submodules and model.modality_submodules[IMAGES] is not None:
+        # the vision names here are Qwen2.5-VL's (VISION_LAYERS); so is the projector rule
+        from mimo_sft.model.qwen2_5_vl import Qwen25VLAdapter
+
+        projector = Qwen25VLAdapter().projector_param
         for enc in model.modality_submodules[IMAGES].encoders.values():
-            projector = adapter.projector_param if adapter is not None else (lambda n: n.startswith("merger."))
             for name, p in enc.named_parameters():
                 is_proj = projector(name)
                 if ("merger" in vision and is_proj) or (set(vision) - {"merger"} and not is_proj):
@@ -249,9 +252,5 @@ def trainable_counts(model) -> tuple[int, int]:
     return trainable, sum(p.numel() for p in model.parameters())
 
 
-def spec_from_model_config(model_cfg) -> Optional[LoraSpec]:
-    return LoraSpec.from_model_config(model_cfg) if model_cfg is not None else None
-
-
 __all__ = ["LANGUAGE_TARGETS", "LoraSpec", "apply_lora", "merge_lora", "has_lora", "is_lora", "lora_modules",
-           "trainable_counts", "spec_from_model_config"]
+           "trainable_counts"]

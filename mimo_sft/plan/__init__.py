@@ -149,8 +149,7 @@ def build_plan(cfg, opts: PlanOptions) -> dict:
     enabled = r.enabled
     from mimo_sft.plan.positions import language_positions
 
-    orders = simulate.orders_for(mbs_list, n_groups=grid, encoder_cost_weight=r.encoder_cost_weight,
-                                 language_cost_weight=r.language_cost_weight, window_size=r.window_size) if enabled else None
+    orders = main[LANGUAGE].orders if enabled else None  # training reorders only when the config says so
     positions = language_positions([mb.tokens for mb in mbs_list], orders, layout.language.dp,
                                    seq_length=cfg.data.seq_length, pad_to_seq_length=cfg.data.pad_to_seq_length)
     positions["in_batch_packing"] = cfg.data.in_batch_packing

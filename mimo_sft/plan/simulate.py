@@ -43,6 +43,8 @@ class ModuleTrace:
     dp: int
     before: list[list[float]] = field(default_factory=list)
     after: list[list[float]] = field(default_factory=list)
+    #: each micro-batch's balanced order (the layout "after" reads), shared by every module's trace
+    orders: list[list[int]] = field(default_factory=list)
 
 
 def costs_of(mb: MicroBatchLoad, encoder_cost_weight: float, language_cost_weight: float) -> list[float]:
@@ -85,7 +87,7 @@ def trace(micro_batches: Sequence[MicroBatchLoad], *, n_groups: int, dp_sizes: d
     """Per-rank loads of ``images`` (patches) and ``language`` (tokens), before and after."""
     orders = orders_for(micro_batches, n_groups=n_groups, encoder_cost_weight=encoder_cost_weight,
                         language_cost_weight=language_cost_weight, window_size=window_size)
-    out = {name: ModuleTrace(dp) for name, dp in dp_sizes.items()}
+    out = {name: ModuleTrace(dp, orders=orders) for name, dp in dp_sizes.items()}
     for mb, order in zip(micro_batches, orders):
         for name, tr in out.items():
             before, after = planning.loads_before_after(mb.patches if name == IMAGES else mb.tokens, order, n_groups,
