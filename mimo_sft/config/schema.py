@@ -38,6 +38,12 @@ class ModelConfig:
     lora_alpha: Optional[float] = opt(None, "--lora-alpha", "LoRA alpha; adapters are scaled by alpha / rank (default: alpha = rank, scale 1)")
     lora_dropout: float = opt(0.0, "--lora-dropout", "dropout on the adapters' input, in [0, 1)")
     lora_target_modules: str = opt("linear_qkv,linear_proj,linear_fc1,linear_fc2", "--lora-target-modules", "comma-separated layers that get adapters: language linear_qkv, linear_proj, linear_fc1, linear_fc2; opt-in vision_attn (vision qkv/proj), vision_mlp (vision gate/up/down), merger (patch merger MLP); YAML also takes a list", comma_list=True)
+    recompute_granularity: Optional[str] = opt(None, "--recompute-granularity", "language activation recomputation: 'selective' (megatron's recompute modules, see --recompute-modules) or 'full' (whole layers, see --recompute-method); default off", choices=("selective", "full"))
+    recompute_method: Optional[str] = opt(None, "--recompute-method", "with full recomputation: 'uniform' (checkpoint groups of --recompute-num-layers layers) or 'block' (the first --recompute-num-layers layers of each stage)", choices=("uniform", "block"))
+    recompute_num_layers: Optional[int] = opt(None, "--recompute-num-layers", "layers per recomputed group (uniform) or recomputed layers per stage (block)")
+    recompute_modules: str = opt("core_attn", "--recompute-modules", "with selective recomputation: comma-separated megatron recompute modules (e.g. core_attn, mlp, moe_act, layernorm); YAML also takes a list", comma_list=True)
+    recompute_vision: bool = opt(False, "--recompute-vision", "gradient checkpointing of every vision block (non-reentrant): the tower keeps one block's activations instead of all")
+    sequence_parallel: bool = opt(False, "--sequence-parallel", "megatron sequence parallelism in the language model (needs tp > 1): norms, dropout and residuals hold 1/tp of the sequence")
     attention_backend: str = opt("sdpa", "--attention-backend", "attention kernels: 'sdpa' (torch SDPA: flash/memory-efficient on CUDA; required by --in-batch-packing) or 'local' (megatron's unfused core, eager vision attention)", choices=("sdpa", "local"))
 
 
