@@ -18,3 +18,18 @@ class UserError(Exception):
         super().__init__(message)
         #: every problem found, when several were collected at once (``validate`` reports them all)
         self.problems = list(problems) if problems else [message]
+
+
+class BadSampleError(UserError):
+    """One dataset sample that cannot be trained on (unreadable or oversized image, a directory where an
+    image should be, placeholders that do not match the images, ...). It names the sample and file, so a
+    run can skip it and count it (``--max-bad-samples``) or refuse with a line the user can act on."""
+
+    def __init__(self, index: int | None, path: str | None, reason: str):
+        where = f"sample {index}" if index is not None else "a sample"
+        if path:
+            where += f" ({path})"
+        super().__init__(f"{where}: {reason}")
+        self.index = index
+        self.path = path
+        self.reason = reason
