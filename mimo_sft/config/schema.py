@@ -119,7 +119,9 @@ class OptimizerConfig:
     min_lr: float = opt(0.0, "--min-lr", "learning rate at the end of cosine decay")
     lr_warmup_iters: int = opt(0, "--lr-warmup-iters", "linear warmup steps")
     lr_decay_style: str = opt("cosine", "--lr-decay-style", "decay after warmup", choices=("cosine", "linear", "constant"))
-    weight_decay: float = opt(0.0, "--weight-decay", "AdamW weight decay")
+    vision_lr: Optional[float] = opt(None, "--vision-lr", "peak learning rate of the vision tower (its blocks and patch embedding, and their LoRA adapters); same schedule shape as --lr, --min-lr scaled alike (default: --lr)")
+    projector_lr: Optional[float] = opt(None, "--projector-lr", "peak learning rate of the patch merger (projector) and its adapters; same schedule shape as --lr (default: --lr)")
+    weight_decay: float = opt(0.0, "--weight-decay", "AdamW weight decay of the weight matrices; norms and biases get none")
     adam_beta1: float = opt(0.9, "--adam-beta1", "Adam beta1")
     adam_beta2: float = opt(0.95, "--adam-beta2", "Adam beta2")
     adam_eps: float = opt(1e-8, "--adam-eps", "Adam epsilon")
@@ -142,6 +144,11 @@ class LoggingConfig:
     log_interval: int = opt(1, "--log-interval", "print a progress line every N steps")
     tensorboard: bool = opt(True, "--tensorboard", "write TensorBoard event files", negatable=True)
     peak_tflops: Optional[float] = opt(None, "--peak-tflops", "dense bf16 peak TFLOP/s of one GPU, for MFU (default: looked up from the GPU's name; docs/benchmarks.md has the table)")
+    wandb_project: Optional[str] = opt(None, "--wandb-project", "log the config and every metric to this Weights & Biases project (WANDB_MODE=offline works without network; needs: pip install wandb)")
+    wandb_exp_name: Optional[str] = opt(None, "--wandb-exp-name", "W&B run name (default: the output folder's name)")
+    wandb_save_dir: Optional[str] = opt(None, "--wandb-save-dir", "folder for W&B's local files (default: OUTPUT_DIR/wandb)")
+    mlflow_tracking_uri: Optional[str] = opt(None, "--mlflow-tracking-uri", "log the config and every metric to this MLflow tracking server or store (a local folder or file: URI works offline; needs: pip install mlflow-skinny)")
+    mlflow_experiment: Optional[str] = opt(None, "--mlflow-experiment", "MLflow experiment name (default: mimo-sft); alone, it logs to the MLFLOW_TRACKING_URI environment variable's store, else OUTPUT_DIR/mlruns")
     save_grads: Optional[str] = opt(None, "--save-grads", "debugging: write each step's reduced gradients (before clipping) as a layout-free checkpoint under DIR/iter_N")
 
 

@@ -24,6 +24,16 @@ def lr_at(step: int, *, lr: float, min_lr: float, warmup: int, total: int, style
     raise ValueError(f"unknown lr decay style {style!r}")
 
 
-def set_lr(optimizer, value: float) -> None:
+def apply_schedule(optimizer, step: int, *, warmup: int, total: int, style: str, weight_decay: float) -> None:
+    """Set every param group's learning rate and weight decay for optimizer step ``step``.
+
+    Each group carries its own peak and floor (megatron's ``max_lr`` / ``min_lr``: ``--lr`` for the
+    language model, ``--vision-lr`` / ``--projector-lr`` for the vision tower and the merger, see
+    ``train.setup``), so every module follows the same schedule shape at its own scale. ``wd_mult`` is
+    megatron's per-group weight-decay factor (0 for norms and biases): megatron's own scheduler
+    applies it, and mimo-sft has no megatron scheduler, so it is applied here.
+    """
     for group in optimizer.param_groups:
-        group["lr"] = value
+        group["lr"] = lr_at(step, lr=group["max_lr"], min_lr=group["min_lr"], warmup=warmup, total=total,
+                            style=style)
+        group["weight_decay"] = weight_decay * group.get("wd_mult", 1.0)

@@ -163,8 +163,10 @@ def peak_memory_by_module(pstate) -> dict[str, int]:
 
 class MetricsLogger:
     def __init__(self, output_dir: str, *, enabled: bool, total_steps: int, log_interval: int = 1,
-                 tensorboard: bool = True, console: Console | None = None):
+                 tensorboard: bool = True, console: Console | None = None, trackers: list | None = None):
         self.enabled = enabled
+        #: ``train.trackers`` (W&B, MLflow): each gets every row written to metrics.jsonl
+        self.trackers = list(trackers or []) if enabled else []
         self.total_steps = total_steps
         self.log_interval = max(1, log_interval)
         self.console = console or Console(highlight=False, soft_wrap=True)
@@ -188,12 +190,7 @@ class MetricsLogger:
     def log(self, record: StepMetrics) -> None:
         if not self.enabled:
             return
-        row = record.to_json()
-        self._fh.write(json.dumps(row) + "\n")
-        if self._tb is not None:
-            for key, value in row.items():
-                if key != "step" and isinstance(value, (int, float)) and value is not None:
-                    self._tb.add_scalar(f"train/{key}", value, record.step)
+        self.write_row(record.to_json(), record.step)
         self._steps_timed += 1
         step = record.step
         if step % self.log_interval == 0 or step == self.total_steps:
@@ -210,7 +207,21 @@ class MetricsLogger:
                 f"{record.tokens_per_s:.0f} tok/s{mfu}{load} | ETA {eta:.0f} s"
             )
 
+    def write_row(self, row: dict, step: int, *, tb_section: str = "train") -> None:
+        """One row for machines: a ``metrics.jsonl`` line, TensorBoard scalars under ``tb_section/``,
+        and every tracker."""
+        self._fh.write(json.dumps(row) + "\n")
+        if self._tb is not None:
+            for key, value in row.items():
+                if key != "step" and isinstance(value, (int, float)):
+                    self._tb.add_scalar(f"{tb_section}/{key}", value, step)
+        for tracker in self.trackers:
+            tracker.log_metrics(row, step)
+
     def close(self) -> None:
+        for tracker in self.trackers:
+            tracker.close()
+        self.trackers = []
         if self._fh:
             self._fh.close()
         if self._tb is not None:

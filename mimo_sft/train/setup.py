@@ -27,7 +27,6 @@ from mimo_sft.train.bridge import install_padded_bridges
 
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig  # noqa: E402
 from megatron.core.enums import ModelType  # noqa: E402
-from megatron.core.models.mimo import get_mimo_optimizer  # noqa: E402
 from megatron.core.optimizer.optimizer_config import OptimizerConfig  # noqa: E402
 
 
@@ -74,6 +73,7 @@ def build_model_and_optimizer(cfg: ExperimentConfig, layout: Layout, pstate: Par
     if lora is not None:  # adapters on top of the loaded weights, before DDP sees the parameters (model.lora)
         lang = pstate.modules[LANGUAGE]
         apply_lora(model, lora, seed=cfg.train.seed, dp_rank=lang.pg_collection.dp.rank() if lang.member else 0)
+    mark_vision_lr_params(model, family_adapter(info.model_type).projector_param)
     model.to(runtime.device())
     model.model_type = ModelType.encoder_or_decoder  # forward_backward_no_pipelining looks it up
     if layout.colocated:  # fan-in / fan-out bridges cut encoder output on sample boundaries
@@ -103,8 +103,75 @@ def build_model_and_optimizer(cfg: ExperimentConfig, layout: Layout, pstate: Par
         adam_beta2=o.adam_beta2, adam_eps=o.adam_eps, clip_grad=o.clip_grad, bf16=bf16, fp16=False,
         params_dtype=torch.bfloat16 if bf16 else torch.float32,
         use_distributed_optimizer=o.use_distributed_optimizer)
-    optimizer = _without_empty_optimizers(get_mimo_optimizer(model, opt_cfg))
+    optimizer = _without_empty_optimizers(build_mimo_optimizer(model, opt_cfg, _lr_overrides(o)))
     return TrainContext(cfg, layout, pstate, model, info, modules, optimizer, rank)
+
+
+#: parameter attributes that route a vision-module parameter to its learning rate (set below, read by
+#: megatron's ``ParamKey(attr=...)`` when the param groups are built)
+VISION_LR_ATTR, PROJECTOR_LR_ATTR = "_mimo_sft_vision_lr", "_mimo_sft_projector_lr"
+
+
+def family_adapter(model_type: str):
+    from mimo_sft.config import families
+    from mimo_sft.model.registry import adapter_for
+
+    return adapter_for(families.family_for_model_type(model_type))
+
+
+def _lr_overrides(o) -> dict:
+    """megatron param-group overrides: its standard ones (no weight decay for norms and biases: ``wd_mult``
+    0), and the vision tower's and the merger's own peak and floor (``--vision-lr``, ``--projector-lr``;
+    ``--min-lr`` scaled by the same ratio, so the schedule keeps its shape). Always present, also when
+    they equal ``--lr``: the param groups are the same whatever the flags say."""
+    from megatron.core.optimizer import get_standard_config_overrides
+    from megatron.core.optimizer.optimizer_config import ParamKey
+
+    overrides = get_standard_config_overrides(_opt_config_for_overrides(o))
+    for attr, peak in ((VISION_LR_ATTR, o.vision_lr), (PROJECTOR_LR_ATTR, o.projector_lr)):
+        peak = o.lr if peak is None else peak
+        overrides[ParamKey(attr=attr)] = {"max_lr": peak, "min_lr": o.min_lr * (peak / o.lr if o.lr else 1.0)}
+    return overrides
+
+
+def _opt_config_for_overrides(o):
+    return OptimizerConfig(optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay)
+
+
+def mark_vision_lr_params(model, projector_param) -> None:
+    """Tag each vision-module parameter as tower or merger (``projector_param`` is the family's rule on
+    the HF name; a LoRA adapter follows the layer it adapts)."""
+    for sub in model.modality_submodules.values():
+        if sub is None:
+            continue
+        for enc in sub.encoders.values():
+            for name, p in enc.named_parameters():
+                setattr(p, PROJECTOR_LR_ATTR if projector_param(name) else VISION_LR_ATTR, True)
+
+
+def build_mimo_optimizer(model, config: OptimizerConfig, overrides: dict):
+    """megatron's ``get_mimo_optimizer`` with param-group overrides (megatron's own builds every module's
+    optimizer with the standard ones only): one megatron optimizer per module this rank runs, over the
+    module grid's groups, joined in a ``MimoOptimizer``."""
+    from megatron.core.models.mimo.config.role import MIMO_LANGUAGE_MODULE_KEY
+    from megatron.core.models.mimo.optimizer import (
+        MimoOptimizer, ModuleOptimizerInfo, _get_pg_collection_for_optimizer)
+    from megatron.core.optimizer import get_megatron_optimizer
+
+    infos = {}
+    for name, grid in model.mimo_config.module_to_grid_map.items():
+        active = grid.is_current_rank_in_grid()
+        optimizer = pg_collection = None
+        module = None
+        if active:
+            module = model.language_model if name == MIMO_LANGUAGE_MODULE_KEY else model.modality_submodules[name]
+        if module is not None:
+            pg_collection = _get_pg_collection_for_optimizer(grid)
+            optimizer = get_megatron_optimizer(config=config, model_chunks=[module], pg_collection=pg_collection,
+                                               use_gloo_process_groups=False, config_overrides=dict(overrides))
+        infos[name] = ModuleOptimizerInfo(optimizer=optimizer, grid=grid, pg_collection=pg_collection,
+                                          is_active=active)
+    return MimoOptimizer(infos, config)
 
 
 def _without_empty_optimizers(optimizer):

@@ -35,7 +35,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from mimo_sft.config.loader import dump_config
+from mimo_sft.config.loader import config_to_dict, dump_config
 from mimo_sft.config.schema import ExperimentConfig
 from mimo_sft.errors import UserError
 from mimo_sft.parallel import runtime
@@ -45,11 +45,12 @@ from mimo_sft.parallel.layout import LANGUAGE, Layout
 from mimo_sft.train.checkpoint import restore, save_checkpoint, save_gradients
 from mimo_sft.train.feed import Feed, build_feed
 from mimo_sft.train.flops import peak_tflops_for
-from mimo_sft.train.lr import lr_at, set_lr
+from mimo_sft.train.lr import apply_schedule, lr_at
 from mimo_sft.train.metrics import MetricsLogger, StepMetrics, peak_memory_by_module, step_model_flops, throughput
 from mimo_sft.train.setup import TrainContext, build_model_and_optimizer, build_state
 from mimo_sft.train.step import StepOutput, StepRunner
 from mimo_sft.train.stopping import REASONS, StopPolicy, agree, resume_command
+from mimo_sft.train.trackers import open_trackers
 
 
 @dataclass(frozen=True)
@@ -137,7 +138,8 @@ class Trainer:
                                  seq_length=cfg.data.seq_length, local_mbs=cfg.train.micro_batch_size // layout.language.dp,
                                  packing=cfg.data.in_batch_packing)
         self.logger = MetricsLogger(self.output_dir, enabled=self.ctx.is_metrics_rank, total_steps=cfg.train.train_iters,
-                                    log_interval=cfg.logging.log_interval, tensorboard=cfg.logging.tensorboard)
+                                    log_interval=cfg.logging.log_interval, tensorboard=cfg.logging.tensorboard,
+                                    trackers=open_trackers(cfg.logging, config_to_dict(cfg)) if self.ctx.is_metrics_rank else [])
         self.peak_tflops = cfg.logging.peak_tflops or (peak_tflops_for(runtime.device_name()) if runtime.on_gpu() else None)
         self._announce()
 
@@ -194,7 +196,8 @@ class Trainer:
         o = self.cfg.optimizer
         lr = lr_at(self.step, lr=o.lr, min_lr=o.min_lr, warmup=o.lr_warmup_iters, total=self.cfg.train.train_iters,
                    style=o.lr_decay_style)
-        set_lr(self.ctx.optimizer, lr)
+        apply_schedule(self.ctx.optimizer, self.step, warmup=o.lr_warmup_iters, total=self.cfg.train.train_iters,
+                       style=o.lr_decay_style, weight_decay=o.weight_decay)
         runtime.reset_peak_memory()
         self.ctx.optimizer.zero_grad()
         out = self.runner.run(self.num_microbatches)
