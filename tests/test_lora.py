@@ -93,7 +93,6 @@ def test_lora_freezes_the_base_and_adapts_the_targets(tmp_path):
     from mimo_sft.config.lora import LoraSpec
     from mimo_sft.model.builder import build_single_process_model
     from mimo_sft.model.lora import apply_lora, lora_modules, merge_lora
-    from mimo_sft.model.lora_export import write_peft_adapter
 
     model, info = build_single_process_model(_tiny(), prefer="cpu")
     spec = LoraSpec(4, 8.0, 0.0, ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"))
@@ -104,8 +103,6 @@ def test_lora_freezes_the_base_and_adapts_the_targets(tmp_path):
     assert all(".lora_" in n or n.startswith("modality_submodules.") for n in trainable)
     assert any(n.startswith("modality_submodules.") and "lora" not in n for n in trainable)  # vision still trains
     assert len(list(lora_modules(model))) == 2 * 4 and torch.count_nonzero(qkv.lora_b) == 0
-    with pytest.raises(UserError, match="--adapter-only: the run also trained .* base tensors"):
-        write_peft_adapter(model, info, spec, _tiny(), str(tmp_path / "adapter"))
     again, _ = build_single_process_model(_tiny(), prefer="cpu")
     apply_lora(again, spec, seed=3)
     assert torch.equal(again.language_model.decoder.layers[0].self_attention.linear_qkv.lora_a, qkv.lora_a)
@@ -122,3 +119,56 @@ def test_lora_freezes_the_base_and_adapts_the_targets(tmp_path):
         f"{m}.lora_{x}" for m in ("blocks.0.mlp.gate_proj", "blocks.0.mlp.up_proj", "blocks.0.mlp.down_proj",
                                   "blocks.1.mlp.gate_proj", "blocks.1.mlp.up_proj", "blocks.1.mlp.down_proj",
                                   "merger.mlp.0", "merger.mlp.2") for x in "ab"}
+
+
+@pytest.mark.parametrize("targets, frozen, saved", [
+    # the default recipe: language adapters, the whole vision tower (with its merger) trains
+    (("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"), {}, ["model.visual"]),
+    # merger adapters: its base is frozen, so the tower's trained parts are saved around it
+    (("linear_qkv", "merger"), {}, ["model.visual.patch_embed", "model.visual.blocks.0", "model.visual.blocks.1"]),
+    # tower frozen, projector trains
+    (("linear_fc2",), {"freeze_vision": True}, ["model.visual.merger"]),
+])
+def test_peft_adapter_carries_trained_vision_modules(tmp_path, targets, frozen, saved):
+    """``export --adapter-only`` of a LoRA run whose vision tower or projector also trained: the trained
+    modules go in as PEFT ``modules_to_save``, and ``PeftModel.from_pretrained`` on the base model gives
+    the training model's logits, as the merged export does (each within 1e-5)."""
+    from peft import PeftModel
+    from transformers import AutoModelForImageTextToText
+
+    from mimo_sft.config.lora import LoraSpec
+    from mimo_sft.config.schema import ModelConfig
+    from mimo_sft.model.builder import build_single_process_model
+    from mimo_sft.model.check import compare, hf_forward, hf_position_ids, mimo_forward, random_batch
+    from mimo_sft.model.export import export_model
+    from mimo_sft.model.lora import apply_lora, merge_lora
+    from mimo_sft.model.lora_export import write_peft_adapter
+
+    model, info = build_single_process_model(_tiny(), prefer="cpu", model_cfg=ModelConfig(**frozen))
+    spec = LoraSpec(2, 4.0, 0.0, targets)
+    apply_lora(model, spec, seed=1)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # "training": every trainable tensor moves (B away from 0, trained bases)
+        for p in model.parameters():
+            if p.requires_grad:
+                p.add_(0.05 * torch.randn(p.shape, generator=gen))
+    written = write_peft_adapter(model, info, spec, _tiny(), str(tmp_path / "adapter"))
+    assert written["modules_to_save"] == saved
+
+    def hf(path):
+        return AutoModelForImageTextToText.from_pretrained(path, attn_implementation="eager", dtype=torch.float32).eval()
+
+    base = hf(_tiny())
+    batch = random_batch(base.config, seed=3, images_per_sample=((1, 2),))
+    pos = hf_position_ids(base, batch)
+    model.eval()
+    ours = mimo_forward(model, info, batch, pos)
+    base_logits, _ = hf_forward(base, batch)
+    peft_logits, _ = hf_forward(PeftModel.from_pretrained(base, str(tmp_path / "adapter")).eval(), batch)
+    merge_lora(model)
+    export_model(model, _tiny(), str(tmp_path / "merged"))
+    merged_logits, _ = hf_forward(hf(str(tmp_path / "merged")), batch)
+    mask = batch["attention_mask"]
+    assert compare(peft_logits, ours, mask) < 1e-5
+    assert compare(merged_logits, ours, mask) < 1e-5
+    assert compare(base_logits, ours, mask) > 1e-3

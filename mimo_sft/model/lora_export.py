@@ -13,8 +13,10 @@ the caller (``mimo_sft.export`` joins this with ``train.checkpoint``; model/ nev
   ``linear_fc1`` -> ``gate_proj``/``up_proj`` (B = [gate; up]), ``linear_proj`` -> ``o_proj``,
   ``linear_fc2`` -> ``down_proj``; vision layers keep their HF names. ``target_modules`` is a regex
   naming exactly the adapted modules (the vision MLP reuses the language MLP's names).
-  Only adapters can be written this way: a run that also trained base weights (an unfrozen vision
-  tower or projector) is refused with what to do instead.
+  Base weights that also trained (an unfrozen vision tower or projector, the default with LoRA) go
+  in as PEFT ``modules_to_save``: the largest vision modules holding trained weights and no adapter
+  (the whole tower, or its patch embedding and blocks when the merger has adapters, or the merger),
+  written whole under their HF names, as PEFT itself saves them.
 """
 
 from __future__ import annotations
@@ -120,17 +122,63 @@ def target_regex(modules: list[str]) -> str:
     return "|".join(re.escape(m).replace(r"\.N\.", r"\.\d+\.") for m in shapes)
 
 
+def _holds_adapter(module) -> bool:
+    return any(hasattr(m, "lora_a") for m in module.modules())
+
+
+def _trains_base(module, *, every: bool = False) -> bool:
+    trained = [p.requires_grad for n, p in module.named_parameters() if not n.endswith(("lora_a", "lora_b"))]
+    return bool(trained) and (all(trained) if every else any(trained))
+
+
+def modules_to_save(enc) -> list[str]:
+    """The vision tower's (``enc``, transformers' module) trained base weights as whole modules, largest
+    first: a module is saved whole when every weight in it trained, it holds no adapter and it can run on
+    its own (a ``ModuleList`` cannot: PEFT wraps what it saves); a frozen part is never written. Names
+    relative to ``enc`` ("" = all of it)."""
+    out: list[str] = []
+    containers = (torch.nn.ModuleList, torch.nn.ModuleDict)
+
+    def visit(name: str, module) -> None:
+        if not _trains_base(module):
+            return
+        leaf = not any(True for _ in module.children())
+        if not _holds_adapter(module) and (leaf or (_trains_base(module, every=True) and not isinstance(module, containers))):
+            out.append(name)
+            return
+        own = [n for n, p in module.named_parameters(recurse=False) if p.requires_grad]
+        assert not own, f"vision module {name or '<root>'} trains {own} beside adapters: no PEFT form for that"
+        for child, sub in module.named_children():
+            visit(f"{name}.{child}" if name else child, sub)
+
+    visit("", enc)
+    return out
+
+
+def trained_vision_tensors(model) -> tuple[dict, list[str]]:
+    """PEFT ``modules_to_save`` tensors (HF names) and module paths of the vision modules that trained."""
+    tensors: dict[str, torch.Tensor] = {}
+    paths: list[str] = []
+    for enc in (model.modality_submodules[IMAGES].encoders.values() if IMAGES in model.modality_submodules else ()):
+        for name in modules_to_save(enc):
+            module = enc.get_submodule(name) if name else enc
+            path = VISION_PATH + name if name else VISION_PATH.rstrip(".")
+            paths.append(path)
+            for key, value in module.state_dict().items():
+                tensors[f"{PEFT_PREFIX}{path}.{key}"] = value.detach().clone().contiguous()
+    return tensors, paths
+
+
 def write_peft_adapter(model, info, spec: LoraSpec, src_hf_dir: str, out_dir: str) -> dict:
     """``adapter_config.json`` + ``adapter_model.safetensors`` that ``PeftModel.from_pretrained`` loads
-    onto the HF model of ``src_hf_dir``."""
+    onto the HF model of ``src_hf_dir``: the adapters, and the vision modules that trained whole."""
     from safetensors.torch import save_file
 
-    trained = _trained_base(model)
-    if trained:
-        raise UserError(f"--adapter-only: the run also trained {len(trained)} base tensors (e.g. {trained[0]}), "
-                        f"which a PEFT adapter cannot hold; export merged (without --adapter-only), or train "
-                        f"with --freeze-vision --freeze-projector (or LoRA targets vision_attn,vision_mlp,merger)")
+    language = [n for n in _trained_base(model) if not n.startswith("modality_submodules.")]
+    assert not language, f"LoRA keeps the language base frozen, yet {language[:3]} trained"
     tensors, modules = peft_tensors(model, info)
+    saved, to_save = trained_vision_tensors(model)
+    tensors.update(saved)
     if os.path.abspath(out_dir) == os.path.abspath(src_hf_dir):
         raise UserError(f"export target {out_dir} is the source folder; choose a new --out folder")
     os.makedirs(out_dir, exist_ok=True)
@@ -140,8 +188,8 @@ def write_peft_adapter(model, info, spec: LoraSpec, src_hf_dir: str, out_dir: st
         "r": spec.rank, "lora_alpha": spec.alpha, "lora_dropout": spec.dropout, "bias": "none",
         "target_modules": target_regex(modules), "fan_in_fan_out": False,
         "use_rslora": False, "use_dora": False, "init_lora_weights": True, "inference_mode": True,
-        "modules_to_save": None, "rank_pattern": {}, "alpha_pattern": {},
+        "modules_to_save": to_save or None, "rank_pattern": {}, "alpha_pattern": {},
     }
     with open(os.path.join(out_dir, "adapter_config.json"), "w") as fh:
         json.dump(config, fh, indent=2)
-    return {"out_dir": out_dir, "tensors": len(tensors), "modules": len(modules)}
+    return {"out_dir": out_dir, "tensors": len(tensors), "modules": len(modules), "modules_to_save": to_save}
