@@ -130,7 +130,8 @@ class OptimizerConfig:
 @dataclass
 class CheckpointConfig:
     save: Optional[str] = opt(None, "--save", "checkpoint folder (default: OUTPUT_DIR/checkpoints)")
-    save_interval: Optional[int] = opt(None, "--save-interval", "save every N steps (and at the end)")
+    save_interval: Optional[int] = opt(None, "--save-interval", "save every N steps; the final step is always saved unless --no-save")
+    no_save: bool = opt(False, "--no-save", "keep no weights: write no checkpoint at all, not even the final one (refused with --save, --save-interval, --export-hf and the --exit-* flags, which need one)")
     load_checkpoint: Optional[str] = opt(None, "--load-checkpoint", "resume model, optimizer, scheduler, RNG and data position from this folder")
     export_hf: Optional[str] = opt(None, "--export-hf", "write the final weights as a Hugging Face folder here")
     keep_last_checkpoints: Optional[int] = opt(None, "--keep-last-checkpoints", "after each save, remove all but the newest N checkpoints (default: keep all)")

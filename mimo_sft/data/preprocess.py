@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from mimo_sft.data.processor import load_processor
+from mimo_sft.data.rgb import to_rgb
 from mimo_sft.data.sources import open_image_header
 from mimo_sft.errors import UserError
 
@@ -178,7 +179,7 @@ class SamplePreprocessor:
                 raise UserError(f"sample {idx}: cannot decode image {where} ({err}); fix or remove the image") from None
             if spec.orientation in _TRANSPOSE:
                 img = img.transpose(_TRANSPOSE[spec.orientation])
-            images.append(img.convert("RGB"))
+            images.append(to_rgb(img))  # transparency composited onto white, as transformers does
         # numpy, not torch: concatenation then stays single-threaded (torch's intra-op pool in a
         # busy training process made this path 3x slower in bench_data.py)
         out = self.image_processor(images=images, return_tensors=None)

@@ -99,8 +99,22 @@ class Trainer:
             self.close()
         self.shutdown()
         if self.cfg.checkpoint.export_hf and self.rank == 0 and not self._stop_reason:
-            self.export()
+            try:
+                self.export()
+            except Exception as err:  # noqa: BLE001 - the run's weights are safe: say where, and how to retry
+                raise UserError(self._export_failed(err)) from None
         return 0
+
+    def _export_failed(self, err: Exception) -> str:
+        """One line for an export that failed after training: what was kept, where, and the retry."""
+        from mimo_sft.train.checkpoint_files import latest_name
+
+        kept = latest_name(self.save_dir)
+        where = os.path.join(self.save_dir, kept) if kept else self.save_dir
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        return (f"training finished and its final checkpoint is kept in {where}, but --export-hf "
+                f"{self.cfg.checkpoint.export_hf} failed ({type(err).__name__}: {reason}); export it with "
+                f"`mimo-sft export --checkpoint {self.save_dir} --out DIR`")
 
     @property
     def global_batch_size(self) -> int:
@@ -161,7 +175,20 @@ class Trainer:
               f"{layout_text}\n"
               f"mimo-sft: {t.train_iters} steps of {t.global_batch_size} samples ({self.num_microbatches} "
               f"micro-batches of {t.micro_batch_size}), reordering {'on' if cfg.reorder.enabled else 'off'}, "
-              f"{start}, output {self.output_dir}", flush=True)
+              f"{start}, output {self.output_dir}\n"
+              f"mimo-sft: {self._checkpoint_plan()}", flush=True)
+
+    def _checkpoint_plan(self) -> str:
+        """Where the weights go and how often, said before step 0 (a run must never end without
+        weights by surprise)."""
+        ck = self.cfg.checkpoint
+        if ck.no_save:
+            return "--no-save: no checkpoint will be written; the weights are lost when the run ends"
+        every = f"every {ck.save_interval} steps and " if ck.save_interval else ""
+        text = f"checkpoints: {self.save_dir}, {every}at the end (step {self.cfg.train.train_iters})"
+        if ck.export_hf:
+            text += f"; Hugging Face export to {ck.export_hf} after the last step"
+        return text
 
     # ---- one step -------------------------------------------------------------------------------------
     def train(self) -> None:
@@ -246,11 +273,13 @@ class Trainer:
             update_ok=result.update_ok, consumed_samples=self.consumed))
 
     def maybe_save(self) -> bool:
-        """Save every ``--save-interval`` steps, and at the last step when anything needs the
-        checkpoint (an interval, ``--save`` or ``--export-hf``). Collective; True when it saved."""
+        """Save every ``--save-interval`` steps, and always at the last step: a finished run keeps its
+        weights unless ``--no-save`` said not to. Collective; True when it saved."""
         ck = self.cfg.checkpoint
+        if ck.no_save:
+            return False
         interval = ck.save_interval
-        final = self.step == self.cfg.train.train_iters and (interval or ck.save or ck.export_hf)
+        final = self.step == self.cfg.train.train_iters
         if (interval and self.step % interval == 0) or final:
             self.save()
             return True
