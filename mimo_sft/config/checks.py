@@ -309,6 +309,8 @@ def c17_data(ctx):
         yield f"--dataset-path {d.dataset_path}: not found; give a parquet/json/jsonl file or folder, or a save_to_disk folder"
     if d.min_pixels is not None and d.max_pixels is not None and d.min_pixels > d.max_pixels:
         yield f"--min-pixels={d.min_pixels} is above --max-pixels={d.max_pixels}"
+    if d.max_image_pixels < 0:
+        yield f"--max-image-pixels={d.max_image_pixels} must be >= 0 (0: no limit)"
     if d.image_root and not os.path.isdir(d.image_root):
         yield f"--image-root {d.image_root}: folder not found"
 

@@ -58,6 +58,7 @@ class DataConfig:
     image_root: Optional[str] = opt(None, "--image-root", "folder that relative image paths are resolved against (default: the dataset's folder)")
     min_pixels: Optional[int] = opt(None, "--min-pixels", "smallest image area after resizing (default: the processor's)")
     max_pixels: Optional[int] = opt(None, "--max-pixels", "largest image area after resizing (default: the processor's)")
+    max_image_pixels: int = opt(178_956_970, "--max-image-pixels", "largest image file (width x height, before resizing) accepted; the default is PIL's decompression-bomb limit; 0: no limit (a trusted large file is resized to --max-pixels anyway)")
     seq_length: int = opt(1024, "--seq-length", "tokens per sample after padding/truncation")
     pad_to_seq_length: bool = opt(True, "--pad-to-seq-length", "pad every sample to --seq-length (required by reordering)", negatable=True)
     in_batch_packing: bool = opt(False, "--in-batch-packing", "the language model computes each rank's micro-batch as one padding-free packed sequence (THD, per-sample causal attention)")

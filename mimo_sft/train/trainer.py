@@ -46,7 +46,7 @@ from mimo_sft.train.checkpoint import restore, save_checkpoint, save_gradients
 from mimo_sft.train.feed import Feed, build_feed
 from mimo_sft.train.flops import peak_tflops_for
 from mimo_sft.train.lr import lr_at, set_lr
-from mimo_sft.train.metrics import MetricsLogger, StepMetrics, peak_memory_by_module, step_model_flops, throughput
+from mimo_sft.train.metrics import AnswerTally, MetricsLogger, StepMetrics, peak_memory_by_module, step_model_flops, throughput
 from mimo_sft.train.setup import TrainContext, build_model_and_optimizer, build_state
 from mimo_sft.train.step import StepOutput, StepRunner
 from mimo_sft.train.stopping import REASONS, StopPolicy, agree, resume_command
@@ -78,6 +78,7 @@ class Trainer:
     feed: Feed
     runner: StepRunner
     logger: MetricsLogger
+    answers: AnswerTally
     peak_tflops: Optional[float]
     stop: StopPolicy
 
@@ -152,6 +153,7 @@ class Trainer:
                                  packing=cfg.data.in_batch_packing)
         self.logger = MetricsLogger(self.output_dir, enabled=self.ctx.is_metrics_rank, total_steps=cfg.train.train_iters,
                                     log_interval=cfg.logging.log_interval, tensorboard=cfg.logging.tensorboard)
+        self.answers = AnswerTally(cfg.data.seq_length, enabled=self.ctx.is_metrics_rank)
         self.peak_tflops = cfg.logging.peak_tflops or (peak_tflops_for(runtime.device_name()) if runtime.on_gpu() else None)
         self._announce()
 
@@ -251,11 +253,17 @@ class Trainer:
         if not self.is_last_language_stage:
             return
         c, out = self.feed.counters, result.output
-        t = torch.tensor([out.loss_sum, out.num_tokens, c.real_tokens, float(c.samples), c.computed_positions],
-                         dtype=torch.float64)
+        t = torch.tensor([out.loss_sum, out.num_tokens, c.real_tokens, float(c.samples), c.computed_positions,
+                          c.truncated_samples, c.empty_answers], dtype=torch.float64)
+        no_index = float(2 ** 62)  # "none seen" for the MIN reduction of the first flagged sample
+        firsts = torch.tensor([c.first_truncated if c.first_truncated >= 0 else no_index,
+                               c.first_empty if c.first_empty >= 0 else no_index], dtype=torch.float64)
         lang_dp = self.pstate.modules[LANGUAGE].dp_gloo
         if lang_dp is not None and dist.get_world_size(lang_dp) > 1:
             dist.all_reduce(t, group=lang_dp)
+            dist.all_reduce(firsts, op=dist.ReduceOp.MIN, group=lang_dp)
+        self.answers.add(self.step, {"truncated": int(t[5]), "empty": int(t[6])},
+                         {"truncated": int(firsts[0]), "empty": int(firsts[1])})
         loss = float(t[0] / max(t[1], 1.0))
         if not torch.isfinite(torch.tensor(loss)):
             raise UserError(f"loss became {loss} at step {self.step}; lower --lr or check the data")
@@ -270,7 +278,8 @@ class Trainer:
             reorder_exchange_s=c.exchange_s, reorder_wait_s=c.reorder_wait_s, data_wait_s=c.data_wait_s,
             peak_memory_bytes=max(peaks.values()), peak_memory_bytes_by_module=peaks,
             model_flops=model_flops, model_tflops_per_gpu=tflops, mfu=mfu,
-            update_ok=result.update_ok, consumed_samples=self.consumed))
+            update_ok=result.update_ok, consumed_samples=self.consumed,
+            truncated_samples=int(t[5]), empty_answers=int(t[6])))
 
     def maybe_save(self) -> bool:
         """Save every ``--save-interval`` steps, and always at the last step: a finished run keeps its
@@ -297,6 +306,9 @@ class Trainer:
             self.feed.close()
         if getattr(self, "logger", None) is not None:
             self.logger.close()
+        summary = self.answers.summary() if getattr(self, "answers", None) is not None else None
+        if summary and self.answers.enabled:
+            print(summary, flush=True)
 
     def shutdown(self) -> None:
         """Wait for every rank, then end the process group (the run's last collective)."""
