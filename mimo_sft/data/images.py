@@ -41,8 +41,10 @@ def open_sample_image(ref, idx: int, *, max_image_pixels: int | None = PIL_BOMB_
 
     from mimo_sft.data.sources import open_image_header
 
-    if isinstance(ref, Path) and ref.is_dir():
-        raise BadSampleError(idx, str(ref), "is a folder, not an image file; point the sample at the image inside it")
+    if isinstance(ref, Path) and not ref.is_file():
+        if ref.is_dir():
+            raise BadSampleError(idx, str(ref), "is a folder, not an image file; point the sample at the image inside it")
+        raise BadSampleError(idx, str(ref), "image file not found; check the path or set --image-root")
     Image.MAX_IMAGE_PIXELS = None  # the limit below replaces PIL's, which raises without naming the file
     img = open_image_header(ref, idx)
     w, h = img.size

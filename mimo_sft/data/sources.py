@@ -431,8 +431,9 @@ def _sharegpt_messages(turns, idx, col) -> list[dict]:
     return out
 
 
-def load_sft_dataset(data_cfg) -> SFTSource:
-    """Load ``data_cfg.dataset_path`` and pick the schema, columns and image folder it needs."""
+def load_sft_dataset(data_cfg, *, check_files: bool = True) -> SFTSource:
+    """Load ``data_cfg.dataset_path`` and pick the schema, columns and image folder it needs
+    (``check_files=False``: skip the image-file check; ``check-data`` lists every missing file itself)."""
     ds = load_raw_dataset(data_cfg.dataset_path, data_cfg.split)
     cols = list(ds.column_names)
     schema = data_cfg.schema
@@ -470,12 +471,13 @@ def load_sft_dataset(data_cfg) -> SFTSource:
     source = SFTSource(ds, schema=schema, text_column=text_column, images_column=images_column,
                        base_dir=base_dir, image_root=image_root, dataset_path=str(data_cfg.dataset_path))
     try:
-        source.check_image_files()
+        if check_files:
+            source.check_image_files()
     except UserError:
         raise
     except Exception:  # noqa: BLE001 - an Arrow layout we do not know: images are still checked when read
         pass
-    if images_column is None:
+    if images_column is None and check_files:
         # Fail now, not mid-training, if the text asks for images the dataset does not have.
         for i in range(min(len(source), 64)):
             source[i]
