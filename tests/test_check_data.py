@@ -206,3 +206,20 @@ def test_negative_lr_is_one_consistent_line():
     res = runner.invoke(app, ["validate", "--json", "--component", "language=dp=1", "--lr", "-1e-5"])
     problems = json.loads(res.stdout)["problems"]
     assert problems == ["[01] --lr=-1e-05 must be >= 0"]
+
+
+def test_no_save_with_flags_that_need_a_checkpoint_is_refused():
+    res = runner.invoke(app, ["validate", "--json", "--component", "language=dp=1", "--no-save", "--save-interval", "5",
+                              "--export-hf", "/tmp/x"])
+    problems = json.loads(res.stdout)["problems"]
+    assert res.exit_code == 2 and len(problems) == 1, problems
+    assert problems[0].startswith("[15] --no-save with --save-interval, --export-hf")
+
+
+def test_check_data_help_and_bad_flags_are_one_line(tiny_ckpt):
+    res = runner.invoke(app, ["check-data", "--help"])
+    assert res.exit_code == 0 and "--workers" in res.stdout and "--seq-length" in res.stdout
+    res = runner.invoke(app, ["check-data", "--dataset-path", "x.jsonl"])
+    assert res.exit_code == 2 and "needs --hf-model" in res.stderr and "Traceback" not in res.output
+    res = _check_data(tiny_ckpt, "x.jsonl", "--workers", "two")
+    assert res.exit_code == 2 and "--workers 'two'" in res.stderr
