@@ -180,6 +180,14 @@ def plan(ctx: typer.Context) -> None:
     _run_flag_command("plan", ctx, lambda args: planner.run_plan(args), PLAN_FLAGS)
 
 
+@app.command("check-data", context_settings=FLAG_COMMAND)
+def check_data(ctx: typer.Context) -> None:
+    """Decode every sample once, as training would; list every problem with its sample and file, and counts."""
+    from mimo_sft.check_data import CHECK_DATA_FLAGS, run_check_data
+
+    _run_flag_command("check-data", ctx, run_check_data, CHECK_DATA_FLAGS)
+
+
 def main() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")

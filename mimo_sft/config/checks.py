@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from mimo_sft.config import families
+from mimo_sft.config.checks_paths import c26_run_folders, c27_extra_folders
 from mimo_sft.config.families import FamilySpec
 from mimo_sft.config.schema import ExperimentConfig
 from mimo_sft.errors import UserError
@@ -84,9 +85,10 @@ def c01_positive_sizes(ctx):
     if ctx.cfg.logging.peak_tflops is not None and ctx.cfg.logging.peak_tflops <= 0:
         yield f"--peak-tflops={ctx.cfg.logging.peak_tflops} must be > 0 (a GPU's dense bf16 peak, e.g. 989 for an H100 SXM)"
     o = ctx.cfg.optimizer
-    if o.lr < 0 or o.min_lr < 0:
-        yield "--lr and --min-lr must be >= 0"
-    if o.min_lr > o.lr:
+    for name, val in (("--lr", o.lr), ("--min-lr", o.min_lr)):
+        if val < 0:
+            yield f"{name}={val} must be >= 0"
+    if o.lr >= 0 and o.min_lr >= 0 and o.min_lr > o.lr:
         yield f"--min-lr={o.min_lr} is above --lr={o.lr}; lower --min-lr"
     if o.lr_warmup_iters < 0:
         yield f"--lr-warmup-iters={o.lr_warmup_iters} must be >= 0"
@@ -246,6 +248,15 @@ def c15_checkpoints(ctx):
     if c.load_checkpoint and ctx.cfg.model.pretrained_checkpoint:
         yield ("--load-checkpoint and --pretrained-checkpoint are exclusive: resume a run with "
                "--load-checkpoint, or start fresh from weights with --pretrained-checkpoint")
+    if c.no_save:
+        t = ctx.cfg.train
+        needs = [flag for flag, value in (("--save", c.save), ("--save-interval", c.save_interval),
+                                          ("--export-hf", c.export_hf), ("--exit-signal-handler", t.exit_signal_handler),
+                                          ("--exit-interval", t.exit_interval),
+                                          ("--exit-duration-in-mins", t.exit_duration_in_mins)) if value]
+        if needs:
+            yield (f"--no-save with {', '.join(needs)}: those write or need a checkpoint; drop --no-save to keep "
+                   f"the weights, or drop {', '.join(needs)}")
     for flag, path in (("--load-checkpoint", c.load_checkpoint), ("--pretrained-checkpoint", ctx.cfg.model.pretrained_checkpoint)):
         if path and not os.path.isdir(path):
             yield f"{flag} {path}: folder not found"
@@ -282,9 +293,9 @@ def c16_model(ctx):
 def c18_contents_note(ctx):
     m, d = ctx.cfg.model, ctx.cfg.data
     if not ctx.for_run and (m.hf_model or d.dataset_path):
-        yield ("validate checks the layout, the flags, config.json and that the paths exist; weights, columns and "
-               "images are read at finetune start (run `mimo-sft plan` with the same flags to check the data now)",
-               "note")
+        yield ("validate checks the layout, the flags, config.json and that the paths exist and output folders are "
+               "writable; it reads no weights, no rows and no images (run `mimo-sft check-data` with the same flags "
+               "to decode every sample now)", "note")
 
 
 def c17_data(ctx):
@@ -298,6 +309,8 @@ def c17_data(ctx):
         yield f"--dataset-path {d.dataset_path}: not found; give a parquet/json/jsonl file or folder, or a save_to_disk folder"
     if d.min_pixels is not None and d.max_pixels is not None and d.min_pixels > d.max_pixels:
         yield f"--min-pixels={d.min_pixels} is above --max-pixels={d.max_pixels}"
+    if d.max_image_pixels < 0:
+        yield f"--max-image-pixels={d.max_image_pixels} must be >= 0 (0: no limit)"
     if d.image_root and not os.path.isdir(d.image_root):
         yield f"--image-root {d.image_root}: folder not found"
 
@@ -371,6 +384,8 @@ CHECKS: tuple[tuple[int, str, Callable], ...] = (
     (18, "what is left to finetune", c18_contents_note),
     (19, "in-batch packing settings", c19_packing),
     (20, "LoRA settings", c20_lora),
+    (26, "run output folders are usable", c26_run_folders),
+    (27, "export and debugging folders are usable", c27_extra_folders),
     (29, "learning rates and experiment trackers", c29_learning_rates_and_trackers),
 )
 

@@ -58,6 +58,7 @@ class DataConfig:
     image_root: Optional[str] = opt(None, "--image-root", "folder that relative image paths are resolved against (default: the dataset's folder)")
     min_pixels: Optional[int] = opt(None, "--min-pixels", "smallest image area after resizing (default: the processor's)")
     max_pixels: Optional[int] = opt(None, "--max-pixels", "largest image area after resizing (default: the processor's)")
+    max_image_pixels: int = opt(178_956_970, "--max-image-pixels", "largest image file (width x height, before resizing) accepted; the default is PIL's decompression-bomb limit; 0: no limit (a trusted large file is resized to --max-pixels anyway)")
     seq_length: int = opt(1024, "--seq-length", "tokens per sample after padding/truncation")
     pad_to_seq_length: bool = opt(True, "--pad-to-seq-length", "pad every sample to --seq-length (required by reordering)", negatable=True)
     in_batch_packing: bool = opt(False, "--in-batch-packing", "the language model computes each rank's micro-batch as one padding-free packed sequence (THD, per-sample causal attention)")
@@ -132,7 +133,8 @@ class OptimizerConfig:
 @dataclass
 class CheckpointConfig:
     save: Optional[str] = opt(None, "--save", "checkpoint folder (default: OUTPUT_DIR/checkpoints)")
-    save_interval: Optional[int] = opt(None, "--save-interval", "save every N steps (and at the end)")
+    save_interval: Optional[int] = opt(None, "--save-interval", "save every N steps; the final step is always saved unless --no-save")
+    no_save: bool = opt(False, "--no-save", "keep no weights: write no checkpoint at all, not even the final one (refused with --save, --save-interval, --export-hf and the --exit-* flags, which need one)")
     load_checkpoint: Optional[str] = opt(None, "--load-checkpoint", "resume model, optimizer, scheduler, RNG and data position from this folder")
     export_hf: Optional[str] = opt(None, "--export-hf", "write the final weights as a Hugging Face folder here")
     keep_last_checkpoints: Optional[int] = opt(None, "--keep-last-checkpoints", "after each save, remove all but the newest N checkpoints (default: keep all)")

@@ -124,7 +124,7 @@ class MicroBatchIterator:
 
 def build_preprocessor(data_cfg, model_dir) -> SamplePreprocessor:
     return SamplePreprocessor(model_dir, seq_length=data_cfg.seq_length, min_pixels=data_cfg.min_pixels,
-                              max_pixels=data_cfg.max_pixels)
+                              max_pixels=data_cfg.max_pixels, max_image_pixels=data_cfg.max_image_pixels)
 
 
 def check_fits(source: SFTSource, pre: SamplePreprocessor, *, micro_batch_size: int, global_batch_size: int | None = None):

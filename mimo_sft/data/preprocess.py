@@ -21,8 +21,8 @@ import numpy as np
 import torch
 
 from mimo_sft.data.processor import load_processor
-from mimo_sft.data.sources import open_image_header
-from mimo_sft.errors import UserError
+from mimo_sft.data.images import PIL_BOMB_LIMIT, image_where, open_sample_image, to_rgb
+from mimo_sft.errors import BadSampleError, UserError
 
 
 _SWAP_ORIENTATIONS = (5, 6, 7, 8)  # EXIF orientations that rotate by 90 degrees
@@ -108,7 +108,7 @@ class SamplePreprocessor:
     """
 
     def __init__(self, model_dir: str | os.PathLike, *, seq_length: int, min_pixels: int | None = None,
-                 max_pixels: int | None = None):
+                 max_pixels: int | None = None, max_image_pixels: int | None = PIL_BOMB_LIMIT):
         from transformers import AutoConfig
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
@@ -138,6 +138,7 @@ class SamplePreprocessor:
         self.pad_id = int(self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None
                           else self.tokenizer.convert_tokens_to_ids("<|endoftext|>"))
         self.seq_length = int(seq_length)
+        self.max_image_pixels = max_image_pixels  # largest file accepted before resizing (None/0: any)
         self._rope = _RopeIndex(self.config)
         self._special = dict(self.tokenizer.special_tokens_map)
 
@@ -158,27 +159,30 @@ class SamplePreprocessor:
         """Grids from image headers only: no pixel is decoded."""
         specs = []
         for ref in refs:
-            img = open_image_header(ref, idx)
+            img = open_sample_image(ref, idx, max_image_pixels=self.max_image_pixels)
             w, h = img.size
             orientation = header_orientation(img)
             if orientation in _SWAP_ORIENTATIONS:
                 w, h = h, w
-            specs.append(ImageSpec(self.grid_for_size(h, w), ref, orientation))
+            try:
+                grid = self.grid_for_size(h, w)
+            except UserError as err:
+                raise BadSampleError(idx, image_where(ref), str(err)) from None
+            specs.append(ImageSpec(grid, ref, orientation))
         return specs
 
     def pixels(self, specs: list[ImageSpec], idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Decode, orient (by the header's EXIF tag, as the grid was) and patchify the images."""
         images = []
         for spec in specs:
-            img = open_image_header(spec.ref, idx)
+            img = open_sample_image(spec.ref, idx, max_image_pixels=self.max_image_pixels)
             try:
                 img.load()
             except OSError as err:
-                where = "(in-dataset bytes)" if isinstance(spec.ref, bytes) else str(spec.ref)
-                raise UserError(f"sample {idx}: cannot decode image {where} ({err}); fix or remove the image") from None
+                raise BadSampleError(idx, image_where(spec.ref), f"cannot decode image ({err}); fix or remove the image") from None
             if spec.orientation in _TRANSPOSE:
                 img = img.transpose(_TRANSPOSE[spec.orientation])
-            images.append(img.convert("RGB"))
+            images.append(to_rgb(img))  # transparency composited onto white, as transformers does
         # numpy, not torch: concatenation then stays single-threaded (torch's intra-op pool in a
         # busy training process made this path 3x slower in bench_data.py)
         out = self.image_processor(images=images, return_tensors=None)
@@ -267,6 +271,10 @@ class SamplePreprocessor:
             "grids": grids,
             "sample_id": int(idx),
             "n_tokens": n_real,
+            # silent data changes, counted by the training loop: supervised tokens cut by seq_length,
+            # an assistant turn with no text (it trains on the end-of-turn token alone)
+            "answer_cut": int(amask[1:].sum()) > int(nxt_mask.sum()),
+            "answer_empty": has_empty_answer(messages),
         }
         if need_pixels and specs:
             sample["pixel_values"], sample["image_grid_thw"] = self.pixels(specs, idx)
@@ -284,6 +292,12 @@ class SamplePreprocessor:
         msgs = [{"role": "user", "content": [{"type": "image"}]}, {"role": "assistant", "content": [{"type": "text", "text": "x"}]}]
         ids, _ = self.tokens(msgs, [grid], -1)
         return len(ids)
+
+
+def has_empty_answer(messages: list[dict]) -> bool:
+    """Whether an assistant turn has no text (whitespace only): it would train on ``<|im_end|>`` alone."""
+    return any(m["role"] == "assistant" and not "".join(p.get("text") or "" for p in m["content"]
+                                                          if p["type"] == "text").strip() for m in messages)
 
 
 def collate(samples: list[dict], *, pad_id: int, seq_length: int | None, need_pixels: bool,
@@ -314,6 +328,8 @@ def collate(samples: list[dict], *, pad_id: int, seq_length: int | None, need_pi
         "mm_token_type_ids": mm,
         "image_counts": torch.tensor([len(s["grids"]) for s in samples], dtype=torch.int64),
         "sample_ids": torch.tensor([s["sample_id"] for s in samples], dtype=torch.int64),
+        "answer_cut": torch.tensor([bool(s.get("answer_cut", False)) for s in samples], dtype=torch.bool),
+        "answer_empty": torch.tensor([bool(s.get("answer_empty", False)) for s in samples], dtype=torch.bool),
     }
     if need_pixels:
         pv = [s["pixel_values"] for s in samples if "pixel_values" in s]

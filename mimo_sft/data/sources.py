@@ -19,6 +19,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from mimo_sft.data.load_errors import load_failure, object_top_level
 from mimo_sft.errors import UserError
 
 _ROLE_MAP = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "model": "assistant",
@@ -58,6 +59,9 @@ def load_raw_dataset(dataset_path: str | None, split: str = "train"):
                 raise UserError(f"--dataset-split {split}: {path} is a single file, which is one split ('train'); "
                                 f"point --dataset-path at the {split} file instead")
             ds = datasets.load_dataset(builder, data_files={split: str(path)}, split=split)
+            nested = object_top_level(ds, path)
+            if nested:
+                raise UserError(nested)
         elif path.is_dir():
             if (path / "dataset_dict.json").is_file() or (path / "state.json").is_file():
                 ds = datasets.load_from_disk(str(path))
@@ -80,9 +84,9 @@ def load_raw_dataset(dataset_path: str | None, split: str = "train"):
         msg = _first_line(err)
         if "split" in msg.lower():
             raise UserError(f"--dataset-split '{split}' not found in {dataset_path} ({msg})") from None
-        raise UserError(f"--dataset-path {dataset_path}: cannot load ({msg})") from None
+        raise UserError(f"--dataset-path {dataset_path}: cannot load ({load_failure(path, err)})") from None
     except Exception as err:  # datasets raises many types (FileNotFoundError, DatasetNotFoundError, ArrowInvalid)
-        raise UserError(f"--dataset-path {dataset_path}: cannot load ({type(err).__name__}: {_first_line(err)})") from None
+        raise UserError(f"--dataset-path {dataset_path}: cannot load ({load_failure(path, err)})") from None
     finally:
         ds_logger.setLevel(level)
     return ds
@@ -321,7 +325,8 @@ class SFTSource:
         if missing:
             row, path = missing[0]
             more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
-            raise UserError(f"sample {row}: image file {path} not found{more}; check the paths or set --image-root")
+            what = "is a folder, not an image file" if path.is_dir() else "not found"
+            raise UserError(f"sample {row}: image file {path} {what}{more}; check the paths or set --image-root")
 
     def _resolve(self, ref, idx):
         """bytes -> ``bytes``; path or URI -> absolute ``Path`` / ``bytes``; PIL image -> itself."""
@@ -426,8 +431,9 @@ def _sharegpt_messages(turns, idx, col) -> list[dict]:
     return out
 
 
-def load_sft_dataset(data_cfg) -> SFTSource:
-    """Load ``data_cfg.dataset_path`` and pick the schema, columns and image folder it needs."""
+def load_sft_dataset(data_cfg, *, check_files: bool = True) -> SFTSource:
+    """Load ``data_cfg.dataset_path`` and pick the schema, columns and image folder it needs
+    (``check_files=False``: skip the image-file check; ``check-data`` lists every missing file itself)."""
     ds = load_raw_dataset(data_cfg.dataset_path, data_cfg.split)
     cols = list(ds.column_names)
     schema = data_cfg.schema
@@ -465,12 +471,13 @@ def load_sft_dataset(data_cfg) -> SFTSource:
     source = SFTSource(ds, schema=schema, text_column=text_column, images_column=images_column,
                        base_dir=base_dir, image_root=image_root, dataset_path=str(data_cfg.dataset_path))
     try:
-        source.check_image_files()
+        if check_files:
+            source.check_image_files()
     except UserError:
         raise
     except Exception:  # noqa: BLE001 - an Arrow layout we do not know: images are still checked when read
         pass
-    if images_column is None:
+    if images_column is None and check_files:
         # Fail now, not mid-training, if the text asks for images the dataset does not have.
         for i in range(min(len(source), 64)):
             source[i]

@@ -167,6 +167,9 @@ def build_plan(cfg, opts: PlanOptions) -> dict:
         "data": {"dataset_path": cfg.data.dataset_path, "dataloader_type": cfg.data.dataloader_type,
                  "seed": cfg.train.seed, "seq_length": cfg.data.seq_length, **facts},
         "sample_ids": [mb.sample_ids for mb in mbs_list],
+        "not_checked": (f"plan read the chat text and image headers of the first {opts.steps} micro-batches only; "
+                        "it decodes no pixels and skips every other row: run `mimo-sft check-data` with the same "
+                        "flags to decode every sample"),
         "modules": modules,
         "language_positions": positions,
         "train_steps": {

@@ -66,6 +66,8 @@ def print_plan(plan: dict, console: Console | None = None) -> None:
         _print_compare(plan, console)
     if plan.get("png"):
         console.print(f"plot: {plan['png']}")
+    if plan.get("not_checked"):
+        console.print(f"note: {plan['not_checked']}")
 
 
 def _print_compare(plan: dict, console: Console) -> None:

@@ -35,6 +35,10 @@ class StepCounters:
     exchange_s: float = 0.0    # reorder exchange time the buffer reported (its own wall time, maybe off the critical path)
     reorder_wait_s: float = 0.0  # time the training loop was blocked on the reorder exchange
     data_wait_s: float = 0.0   # time blocked in the source's next()
+    truncated_samples: int = 0  # samples whose supervised answer was cut at --seq-length
+    empty_answers: int = 0      # samples with an assistant turn that has no text
+    first_truncated: int = -1   # smallest dataset index of each kind seen this step (-1: none)
+    first_empty: int = -1
 
 
 class Feed:
@@ -75,7 +79,20 @@ class Feed:
         self.counters.real_tokens += float(batch["attention_mask"].sum())
         self.counters.computed_positions += computed_positions(batch, packed=self.packed)
         self.counters.samples += int(batch["input_ids"].shape[0])
+        self._count_answers(batch)
         return batch
+
+    def _count_answers(self, batch: dict) -> None:
+        """Truncated and empty answers of this rank's samples (language ranks count them once each)."""
+        c, ids = self.counters, batch.get("sample_ids")
+        for key, count, first in (("answer_cut", "truncated_samples", "first_truncated"),
+                                  ("answer_empty", "empty_answers", "first_empty")):
+            flags = batch.get(key)
+            if flags is None or ids is None or not bool(flags.any()):
+                continue
+            setattr(c, count, getattr(c, count) + int(flags.sum()))
+            lowest = int(ids[flags].min())
+            setattr(c, first, lowest if getattr(c, first) < 0 else min(getattr(c, first), lowest))
 
     # ---- loop side ------------------------------------------------------------------------------
     def start_step(self) -> None:

@@ -53,6 +53,10 @@ class StepMetrics:
     mfu: Optional[float]
     update_ok: bool
     consumed_samples: int
+    #: samples of this step whose supervised answer was cut at --seq-length
+    truncated_samples: int = 0
+    #: samples of this step with an assistant turn that has no text (trained on the end-of-turn token alone)
+    empty_answers: int = 0
 
     def to_json(self) -> dict:
         """The ``metrics.jsonl`` object: every field, dict fields flattened to ``<prefix><key>``."""
@@ -159,6 +163,37 @@ def peak_memory_by_module(pstate) -> dict[str, int]:
     t = torch.tensor([mine if pstate.modules[n].member else 0 for n in names], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=pstate.world_gloo)
     return {n: int(v) for n, v in zip(names, t.tolist())}
+
+
+class AnswerTally:
+    """Run totals of the silent data changes (answers cut at --seq-length, empty answers), said once
+    when first met and summed up when the run ends, each with the first dataset index that had it."""
+
+    KINDS = (("truncated", "answer(s) cut at --seq-length {seq}", "raise --seq-length to keep them whole"),
+             ("empty", "sample(s) with an empty assistant answer (trained on the end-of-turn token alone)",
+              "fill in or drop those rows"))
+
+    def __init__(self, seq_length: int, *, enabled: bool):
+        self.seq_length, self.enabled = seq_length, enabled
+        self.totals = {"truncated": 0, "empty": 0}
+        self.first = {"truncated": -1, "empty": -1}
+
+    def add(self, step: int, counts: dict[str, int], firsts: dict[str, int]) -> None:
+        for kind, what, fix in self.KINDS:
+            if counts[kind] <= 0:
+                continue
+            if self.totals[kind] == 0 and self.enabled:
+                key = "truncated_samples" if kind == "truncated" else "empty_answers"
+                print(f"mimo-sft: note: step {step} has {counts[kind]} {what.format(seq=self.seq_length)} (first: sample "
+                      f"{firsts[kind]}); counted per step in metrics.jsonl as {key}; {fix}", flush=True)
+            self.totals[kind] += counts[kind]
+            if self.first[kind] < 0 or 0 <= firsts[kind] < self.first[kind]:
+                self.first[kind] = firsts[kind]
+
+    def summary(self) -> str | None:
+        parts = [f"{self.totals[k]} {what.format(seq=self.seq_length)} (first: sample {self.first[k]})"
+                 for k, what, _fix in self.KINDS if self.totals[k]]
+        return "mimo-sft: data over the run: " + "; ".join(parts) if parts else None
 
 
 class MetricsLogger:

@@ -46,7 +46,7 @@ from mimo_sft.train.checkpoint import restore, save_checkpoint, save_gradients
 from mimo_sft.train.feed import Feed, build_feed
 from mimo_sft.train.flops import peak_tflops_for
 from mimo_sft.train.lr import apply_schedule, lr_at
-from mimo_sft.train.metrics import MetricsLogger, StepMetrics, peak_memory_by_module, step_model_flops, throughput
+from mimo_sft.train.metrics import AnswerTally, MetricsLogger, StepMetrics, peak_memory_by_module, step_model_flops, throughput
 from mimo_sft.train.setup import TrainContext, build_model_and_optimizer, build_state
 from mimo_sft.train.step import StepOutput, StepRunner
 from mimo_sft.train.stopping import REASONS, StopPolicy, agree, resume_command
@@ -79,6 +79,7 @@ class Trainer:
     feed: Feed
     runner: StepRunner
     logger: MetricsLogger
+    answers: AnswerTally
     peak_tflops: Optional[float]
     stop: StopPolicy
 
@@ -100,8 +101,22 @@ class Trainer:
             self.close()
         self.shutdown()
         if self.cfg.checkpoint.export_hf and self.rank == 0 and not self._stop_reason:
-            self.export()
+            try:
+                self.export()
+            except Exception as err:  # noqa: BLE001 - the run's weights are safe: say where, and how to retry
+                raise UserError(self._export_failed(err)) from None
         return 0
+
+    def _export_failed(self, err: Exception) -> str:
+        """One line for an export that failed after training: what was kept, where, and the retry."""
+        from mimo_sft.train.checkpoint_files import latest_name
+
+        kept = latest_name(self.save_dir)
+        where = os.path.join(self.save_dir, kept) if kept else self.save_dir
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        return (f"training finished and its final checkpoint is kept in {where}, but --export-hf "
+                f"{self.cfg.checkpoint.export_hf} failed ({type(err).__name__}: {reason}); export it with "
+                f"`mimo-sft export --checkpoint {self.save_dir} --out DIR`")
 
     @property
     def global_batch_size(self) -> int:
@@ -140,6 +155,7 @@ class Trainer:
         self.logger = MetricsLogger(self.output_dir, enabled=self.ctx.is_metrics_rank, total_steps=cfg.train.train_iters,
                                     log_interval=cfg.logging.log_interval, tensorboard=cfg.logging.tensorboard,
                                     trackers=open_trackers(cfg.logging, config_to_dict(cfg)) if self.ctx.is_metrics_rank else [])
+        self.answers = AnswerTally(cfg.data.seq_length, enabled=self.ctx.is_metrics_rank)
         self.peak_tflops = cfg.logging.peak_tflops or (peak_tflops_for(runtime.device_name()) if runtime.on_gpu() else None)
         self._announce()
 
@@ -163,7 +179,20 @@ class Trainer:
               f"{layout_text}\n"
               f"mimo-sft: {t.train_iters} steps of {t.global_batch_size} samples ({self.num_microbatches} "
               f"micro-batches of {t.micro_batch_size}), reordering {'on' if cfg.reorder.enabled else 'off'}, "
-              f"{start}, output {self.output_dir}", flush=True)
+              f"{start}, output {self.output_dir}\n"
+              f"mimo-sft: {self._checkpoint_plan()}", flush=True)
+
+    def _checkpoint_plan(self) -> str:
+        """Where the weights go and how often, said before step 0 (a run must never end without
+        weights by surprise)."""
+        ck = self.cfg.checkpoint
+        if ck.no_save:
+            return "--no-save: no checkpoint will be written; the weights are lost when the run ends"
+        every = f"every {ck.save_interval} steps and " if ck.save_interval else ""
+        text = f"checkpoints: {self.save_dir}, {every}at the end (step {self.cfg.train.train_iters})"
+        if ck.export_hf:
+            text += f"; Hugging Face export to {ck.export_hf} after the last step"
+        return text
 
     # ---- one step -------------------------------------------------------------------------------------
     def train(self) -> None:
@@ -227,11 +256,17 @@ class Trainer:
         if not self.is_last_language_stage:
             return
         c, out = self.feed.counters, result.output
-        t = torch.tensor([out.loss_sum, out.num_tokens, c.real_tokens, float(c.samples), c.computed_positions],
-                         dtype=torch.float64)
+        t = torch.tensor([out.loss_sum, out.num_tokens, c.real_tokens, float(c.samples), c.computed_positions,
+                          c.truncated_samples, c.empty_answers], dtype=torch.float64)
+        no_index = float(2 ** 62)  # "none seen" for the MIN reduction of the first flagged sample
+        firsts = torch.tensor([c.first_truncated if c.first_truncated >= 0 else no_index,
+                               c.first_empty if c.first_empty >= 0 else no_index], dtype=torch.float64)
         lang_dp = self.pstate.modules[LANGUAGE].dp_gloo
         if lang_dp is not None and dist.get_world_size(lang_dp) > 1:
             dist.all_reduce(t, group=lang_dp)
+            dist.all_reduce(firsts, op=dist.ReduceOp.MIN, group=lang_dp)
+        self.answers.add(self.step, {"truncated": int(t[5]), "empty": int(t[6])},
+                         {"truncated": int(firsts[0]), "empty": int(firsts[1])})
         loss = float(t[0] / max(t[1], 1.0))
         if not torch.isfinite(torch.tensor(loss)):
             raise UserError(f"loss became {loss} at step {self.step}; lower --lr or check the data")
@@ -246,14 +281,17 @@ class Trainer:
             reorder_exchange_s=c.exchange_s, reorder_wait_s=c.reorder_wait_s, data_wait_s=c.data_wait_s,
             peak_memory_bytes=max(peaks.values()), peak_memory_bytes_by_module=peaks,
             model_flops=model_flops, model_tflops_per_gpu=tflops, mfu=mfu,
-            update_ok=result.update_ok, consumed_samples=self.consumed))
+            update_ok=result.update_ok, consumed_samples=self.consumed,
+            truncated_samples=int(t[5]), empty_answers=int(t[6])))
 
     def maybe_save(self) -> bool:
-        """Save every ``--save-interval`` steps, and at the last step when anything needs the
-        checkpoint (an interval, ``--save`` or ``--export-hf``). Collective; True when it saved."""
+        """Save every ``--save-interval`` steps, and always at the last step: a finished run keeps its
+        weights unless ``--no-save`` said not to. Collective; True when it saved."""
         ck = self.cfg.checkpoint
+        if ck.no_save:
+            return False
         interval = ck.save_interval
-        final = self.step == self.cfg.train.train_iters and (interval or ck.save or ck.export_hf)
+        final = self.step == self.cfg.train.train_iters
         if (interval and self.step % interval == 0) or final:
             self.save()
             return True
@@ -271,6 +309,9 @@ class Trainer:
             self.feed.close()
         if getattr(self, "logger", None) is not None:
             self.logger.close()
+        summary = self.answers.summary() if getattr(self, "answers", None) is not None else None
+        if summary and self.answers.enabled:
+            print(summary, flush=True)
 
     def shutdown(self) -> None:
         """Wait for every rank, then end the process group (the run's last collective)."""
