@@ -32,12 +32,26 @@ def test_good_lora_flags_pass():
     (["--lora-rank", "-2"], "[20] --lora-rank=-2: must be 0 (LoRA off) or a positive rank"),
     (["--lora-rank", "4", "--lora-alpha", "0"], "[20] --lora-alpha=0.0: must be positive"),
     (["--lora-rank", "4", "--lora-dropout", "1"], "[20] --lora-dropout=1.0: must be in [0, 1)"),
-    (["--lora-rank", "4", "--use-distributed-optimizer"], "[20] --use-distributed-optimizer with --lora-rank is not supported"),
     (["--lora-rank", "4", "--lora-target-modules", ","], "[20] --lora-target-modules is empty"),
 ])
 def test_bad_lora_flags_are_refused(args, expected):
     probs = lora_problems(args)
     assert len(probs) == 1 and probs[0].startswith(expected), probs
+
+
+def test_lora_uses_the_plain_optimizer_with_a_note():
+    """The distributed optimizer is the default; a LoRA run quietly uses the plain one and says so."""
+    from mimo_sft.config.lora import distributed_optimizer_in_use
+
+    for args in ([], ["--use-distributed-optimizer"]):
+        cfg = load_config([*GOOD, "--lora-rank", "4", *args])
+        res = check_config(cfg)
+        assert res.ok and not distributed_optimizer_in_use(cfg)
+        assert any(n.check == 20 and "plain (unsharded) optimizer" in n.message for n in res.notes), res.notes
+    full = load_config(GOOD)
+    assert full.optimizer.use_distributed_optimizer and distributed_optimizer_in_use(full)
+    assert not distributed_optimizer_in_use(load_config([*GOOD, "--no-use-distributed-optimizer"]))
+    assert not any(n.check == 20 for n in check_config(full).notes)
 
 
 def test_all_lora_problems_at_once_through_validate():

@@ -54,7 +54,7 @@ def _assert_continues(cont, resumed, steps, rel=1e-5):
 
 @pytest.mark.parametrize("optimizer", ["plain", "distributed"])
 def test_resume_on_another_layout_continues_the_run(optimizer):
-    extra = ["--use-distributed-optimizer"] if optimizer == "distributed" else []
+    extra = ["--use-distributed-optimizer" if optimizer == "distributed" else "--no-use-distributed-optimizer"]
     cont4, _ = _run(f"relayout_cont4_{optimizer}", 4, FOUR, extra, iters=4)
     ckpt4 = cont4 + "/checkpoints/iter_0000002"
     # (a) the same layout: bit for bit, RNG streams restored, no notice

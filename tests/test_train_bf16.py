@@ -48,8 +48,7 @@ def _assert_same_tree(a, b, where="state"):
 def test_bf16_resume_reproduces_the_continuous_run(optimizer):
     args = ["--hf-model", tiny_model(), "--dataset-path", demo_data(), *COMMON, "--train-iters", "4", "--lr", "3e-3",
             "--lr-warmup-iters", "1", "--save-interval", "2"]
-    if optimizer == "distributed":
-        args.append("--use-distributed-optimizer")
+    args.append("--use-distributed-optimizer" if optimizer == "distributed" else "--no-use-distributed-optimizer")
     cont, resumed = new_dir(f"bf16_cont_{optimizer}"), new_dir(f"bf16_resumed_{optimizer}")
     torchrun(2, [*args, "--output-dir", cont])
     torchrun(2, [*args, "--output-dir", resumed, "--load-checkpoint", cont + "/checkpoints/iter_0000002"])
@@ -97,7 +96,7 @@ def test_bf16_pretrained_checkpoint_trains_from_the_loaded_weights():
     trained = new_dir("bf16_pre_source")
     torchrun(1, [*base, "--train-iters", "2", "--lr", "2e-2", "--save-interval", "2", "--output-dir", trained])
     source = checkpoint_tensors(trained + "/checkpoints/iter_0000002")
-    for optimizer in ([], ["--use-distributed-optimizer"]):
+    for optimizer in (["--no-use-distributed-optimizer"], ["--use-distributed-optimizer"]):
         run = new_dir("bf16_pre_run")
         torchrun(1, [*base, "--dtype", "bf16", "--train-iters", "2", "--lr", "1e-12", "--save-interval", "2",
                      "--pretrained-checkpoint", trained + "/checkpoints", "--output-dir", run, *optimizer])

@@ -20,7 +20,7 @@ import os
 from dataclasses import dataclass
 from typing import Callable
 
-from mimo_sft.config import families
+from mimo_sft.config import checks_memory, families
 from mimo_sft.config.checks_paths import c26_run_folders, c27_extra_folders
 from mimo_sft.config.families import FamilySpec
 from mimo_sft.config.schema import ExperimentConfig
@@ -327,7 +327,10 @@ def c19_packing(ctx):
 def c20_lora(ctx):
     from mimo_sft.config.lora import lora_problems
 
-    yield from lora_problems(ctx.cfg.model, use_distributed_optimizer=ctx.cfg.optimizer.use_distributed_optimizer)
+    yield from lora_problems(ctx.cfg.model)
+    if ctx.cfg.model.lora_rank > 0 and ctx.cfg.optimizer.use_distributed_optimizer:
+        yield ("--lora-rank: the adapters train with the plain (unsharded) optimizer, not the distributed one "
+               "(mimo-sft's choice: adapter optimizer state is small)", "note")
 
 
 def c29_learning_rates_and_trackers(ctx):
@@ -384,6 +387,8 @@ CHECKS: tuple[tuple[int, str, Callable], ...] = (
     (18, "what is left to finetune", c18_contents_note),
     (19, "in-batch packing settings", c19_packing),
     (20, "LoRA settings", c20_lora),
+    (21, "activation recomputation settings", checks_memory.c21_recompute),
+    (22, "sequence parallelism settings", checks_memory.c22_sequence_parallel),
     (26, "run output folders are usable", c26_run_folders),
     (27, "export and debugging folders are usable", c27_extra_folders),
     (29, "learning rates and experiment trackers", c29_learning_rates_and_trackers),

@@ -72,7 +72,14 @@ class LoraSpec:
         return cls(rank, float(alpha), float(m.lora_dropout), tuple(split_targets(m.lora_target_modules)))
 
 
-def lora_problems(m, *, use_distributed_optimizer: bool) -> list[str]:
+def distributed_optimizer_in_use(cfg) -> bool:
+    """Whether a run of ``ExperimentConfig`` ``cfg`` shards its optimizer state over DP: the distributed
+    optimizer (the default) except with LoRA, which uses the plain one (mimo-sft's choice: adapter
+    optimizer state is small, and LoRA checkpoints hold only what trains; check 20 says so in a note)."""
+    return bool(cfg.optimizer.use_distributed_optimizer) and int(cfg.model.lora_rank or 0) <= 0
+
+
+def lora_problems(m) -> list[str]:
     """Every problem with the LoRA flags of ``ModelConfig`` ``m`` (one line each, naming the flag)."""
     out = []
     rank = m.lora_rank
@@ -101,7 +108,4 @@ def lora_problems(m, *, use_distributed_optimizer: bool) -> list[str]:
     if getattr(m, "allow_random_init", False):
         out.append("--allow-random-init with --lora-rank: a LoRA checkpoint keeps only its adapters and reads the "
                    "base weights from --hf-model's safetensors again; drop --allow-random-init")
-    if use_distributed_optimizer:
-        out.append("--use-distributed-optimizer with --lora-rank is not supported (mimo-sft's choice: adapter "
-                   "optimizer state is small); drop --use-distributed-optimizer")
     return out

@@ -127,7 +127,7 @@ class OptimizerConfig:
     adam_beta2: float = opt(0.95, "--adam-beta2", "Adam beta2")
     adam_eps: float = opt(1e-8, "--adam-eps", "Adam epsilon")
     clip_grad: float = opt(1.0, "--clip-grad", "global gradient-norm clip (0 disables)")
-    use_distributed_optimizer: bool = opt(False, "--use-distributed-optimizer", "shard optimizer state across DP ranks")
+    use_distributed_optimizer: bool = opt(True, "--use-distributed-optimizer", "shard optimizer state (Adam moments, fp32 main weights) across DP ranks; on by default (LoRA runs use the plain optimizer)", negatable=True)
 
 
 @dataclass

@@ -11,6 +11,7 @@ them with a message, and export and check-model build a fixed 1-rank layout with
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -18,6 +19,7 @@ import torch
 from mimo_sft.config.families import layout_problems
 from mimo_sft.model.family import ModelInfo
 from mimo_sft.model.hf_checkpoint import HFCheckpoint, read_config_json
+from mimo_sft.model.recompute import enable_vision_recompute, language_memory_settings, require_decoder_input_grad
 from mimo_sft.model.registry import get_family
 from mimo_sft.parallel import runtime
 from mimo_sft.parallel.layout import IMAGES, LANGUAGE
@@ -47,12 +49,11 @@ def _freeze(model, adapter, model_cfg) -> None:
     if model_cfg.freeze_language and model.language_model is not None:
         for p in model.language_model.parameters():
             p.requires_grad_(False)
-    if IMAGES in model.modality_submodules:
-        for enc in model.modality_submodules[IMAGES].encoders.values():
-            for name, p in enc.named_parameters():
-                projector = adapter.projector_param(name)
-                if (projector and model_cfg.freeze_projector) or (not projector and model_cfg.freeze_vision):
-                    p.requires_grad_(False)
+    for enc in _encoders(model):
+        for name, p in enc.named_parameters():
+            projector = adapter.projector_param(name)
+            if (projector and model_cfg.freeze_projector) or (not projector and model_cfg.freeze_vision):
+                p.requires_grad_(False)
 
 
 def build_mimo_model(hf_dir: str, *, layout, parallel_state, model_cfg=None, random_init: Optional[bool] = None,
@@ -60,84 +61,146 @@ def build_mimo_model(hf_dir: str, *, layout, parallel_state, model_cfg=None, ran
                      attention: Optional[str] = None, cpu_init: Optional[bool] = None):
     """Build ``MimoModel`` (this rank's modules) with weights from ``hf_dir``; returns ``(model, ModelInfo)``.
 
-    ``model_cfg`` is a ``config.schema.ModelConfig`` (family, dtype, freeze flags, allow_random_init);
-    ``random_init`` overrides ``model_cfg.allow_random_init``. ``config_overrides`` is applied to the
-    language ``TransformerConfig`` (and the encoder's DDP config), e.g. ``calculate_per_token_loss``.
+    ``model_cfg`` is a ``config.schema.ModelConfig`` (family, dtype, freeze flags, allow_random_init,
+    recompute and sequence-parallel settings: ``model.recompute``); ``random_init`` overrides
+    ``model_cfg.allow_random_init``. ``config_overrides`` is applied to the language
+    ``TransformerConfig`` (and the encoder's DDP config), e.g. ``calculate_per_token_loss``.
     ``attention``: ``"sdpa"`` (``model.attention.SDPAttention`` for the language model, transformers'
     SDPA for the vision tower) or ``"local"`` (megatron's local core, transformers' eager vision
     attention); default ``model_cfg.attention_backend``, else ``"sdpa"``. ``cpu_init``: create the
     parameters in host memory (default: when the process's device is the CPU; export asks for it on
     GPU machines too). ``runtime.init_megatron`` must have run.
     """
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.mimo import MimoModel, MimoModelConfig
-    from megatron.core.models.mimo.submodules.vision import VisionModalitySubmodules
-    from megatron.core.transformer.spec_utils import ModuleSpec
-    from megatron.core.transformer.transformer_block import get_num_layers_to_build
-    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
-
     if cpu_init is None:
         cpu_init = runtime.device().type == "cpu"
     attention = attention or getattr(model_cfg, "attention_backend", None) or "sdpa"
-    raw = read_config_json(hf_dir)
-    adapter = get_family(raw, hf_dir=hf_dir, requested=getattr(model_cfg, "family", "auto"))
-    hf_cfg = adapter.load_hf_config(hf_dir, raw)
     if random_init is None:
         random_init = bool(getattr(model_cfg, "allow_random_init", False))
-    dtype = DTYPES[getattr(model_cfg, "dtype", "fp32") or "fp32"]
+    b = _BuildInputs.read(hf_dir, layout, model_cfg, random_init=random_init)
     overrides = dict(config_overrides or {})
-    _check_layout(layout, hf_cfg, adapter, hf_dir)
-    ckpt = None
-    if not random_init:
-        ckpt = HFCheckpoint(hf_dir)
-        adapter.check_weights(ckpt, hf_cfg)
-
     lang = layout.spec(LANGUAGE)
-    info: ModelInfo = adapter.info(hf_cfg, tp=lang.tp)
+    info: ModelInfo = b.adapter.info(b.hf_cfg, tp=lang.tp)
     info.hf_dir = hf_dir
-    info.prefix_style = ckpt.prefix_style if ckpt is not None else "legacy"
+    info.prefix_style = b.ckpt.prefix_style if b.ckpt is not None else "legacy"
     info.modules_on_rank = parallel_state.mine()
-    lang_cfg = adapter.language_transformer_config(hf_cfg, tp=lang.tp, pp=lang.pp, dtype=dtype,
-                                                   random_init=random_init, cpu_init=cpu_init, overrides=overrides)
-    info.language_config = lang_cfg
-    lang_groups = parallel_state.modules[LANGUAGE]
-    pp_rank = lang_groups.pg_collection.pp.rank() if lang_groups.member else 0
-    pre, post = pp_rank == 0, pp_rank == lang.pp - 1
-    num_local_layers = get_num_layers_to_build(lang_cfg, pp_rank=pp_rank)
-    lm_params = dict(config=lang_cfg, transformer_layer_spec=adapter.block_spec(hf_cfg, num_local_layers, attention=attention), pre_process=pre,
-                     post_process=post, pg_collection=lang_groups.pg_collection,
-                     **adapter.language_model_params(hf_cfg, padded_vocab=info.padded_vocab_size, max_seq_len=max_seq_len))
+    lang_overrides = {**overrides, **language_memory_settings(model_cfg, tp=lang.tp)}
+    info.language_config = b.adapter.language_transformer_config(
+        b.hf_cfg, tp=lang.tp, pp=lang.pp, dtype=b.dtype, random_init=random_init, cpu_init=cpu_init,
+        overrides=lang_overrides)
     modality_specs = {}
     if IMAGES in layout.names:
-        info.vision_config = adapter.vision_transformer_config(hf_cfg, dtype=dtype, cpu_init=cpu_init,
-                                                               overrides=overrides)
-        enc_spec = ModuleSpec(module=adapter.encoder_class(),
-                              params=adapter.encoder_params(hf_cfg, attn_implementation=VISION_ATTENTION[attention]))
-        modality_specs[IMAGES] = ModuleSpec(module=VisionModalitySubmodules,
-                                            params={"pg_collection": parallel_state.modules[IMAGES].pg_collection},
-                                            submodules={"encoders": {adapter.encoder_name: enc_spec}})
+        info.vision_config = b.adapter.vision_transformer_config(b.hf_cfg, dtype=b.dtype, cpu_init=cpu_init,
+                                                                 overrides=overrides)
+        modality_specs[IMAGES] = _vision_spec(b, parallel_state, attention)
+    model = _assemble(b, info, parallel_state, modality_specs, attention=attention, max_seq_len=max_seq_len)
+    _load_weights(model, b, info, parallel_state, hf_dir)
+    _freeze(model, b.adapter, model_cfg)
+    _enable_recompute(model, info, model_cfg)
+    return model, info
+
+
+@dataclass
+class _BuildInputs:
+    """What ``build_mimo_model`` reads before building: the family adapter, the transformers config,
+    the dtype and (unless random init) the checkpoint, whose tensor shapes are checked here."""
+
+    adapter: object
+    hf_cfg: object
+    dtype: torch.dtype
+    ckpt: Optional[HFCheckpoint]
+
+    @classmethod
+    def read(cls, hf_dir: str, layout, model_cfg, *, random_init: bool) -> "_BuildInputs":
+        raw = read_config_json(hf_dir)
+        adapter = get_family(raw, hf_dir=hf_dir, requested=getattr(model_cfg, "family", "auto"))
+        hf_cfg = adapter.load_hf_config(hf_dir, raw)
+        _check_layout(layout, hf_cfg, adapter, hf_dir)
+        ckpt = None
+        if not random_init:
+            ckpt = HFCheckpoint(hf_dir)
+            adapter.check_weights(ckpt, hf_cfg)
+        return cls(adapter, hf_cfg, DTYPES[getattr(model_cfg, "dtype", "fp32") or "fp32"], ckpt)
+
+
+def _language_stage(info, parallel_state) -> tuple[int, bool, bool]:
+    """This rank's language pipeline stage: ``(pp_rank, pre_process, post_process)``."""
+    groups = parallel_state.modules[LANGUAGE]
+    pp_rank = groups.pg_collection.pp.rank() if groups.member else 0
+    return pp_rank, pp_rank == 0, pp_rank == info.language_config.pipeline_model_parallel_size - 1
+
+
+def _vision_spec(b: _BuildInputs, parallel_state, attention: str):
+    from megatron.core.models.mimo.submodules.vision import VisionModalitySubmodules
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    enc_spec = ModuleSpec(module=b.adapter.encoder_class(),
+                          params=b.adapter.encoder_params(b.hf_cfg, attn_implementation=VISION_ATTENTION[attention]))
+    return ModuleSpec(module=VisionModalitySubmodules,
+                      params={"pg_collection": parallel_state.modules[IMAGES].pg_collection},
+                      submodules={"encoders": {b.adapter.encoder_name: enc_spec}})
+
+
+def _assemble(b: _BuildInputs, info, parallel_state, modality_specs: dict, *, attention: str, max_seq_len: int):
+    """``MimoModel`` from the language ``GPTModel`` spec and the modality specs (collective)."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.mimo import MimoModel, MimoModelConfig
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+
+    lang_cfg = info.language_config
+    pp_rank, pre, post = _language_stage(info, parallel_state)
+    lang_groups = parallel_state.modules[LANGUAGE]
+    layer_spec = b.adapter.block_spec(b.hf_cfg, get_num_layers_to_build(lang_cfg, pp_rank=pp_rank), attention=attention)
+    lm_params = dict(config=lang_cfg, transformer_layer_spec=layer_spec, pre_process=pre, post_process=post,
+                     pg_collection=lang_groups.pg_collection,
+                     **b.adapter.language_model_params(b.hf_cfg, padded_vocab=info.padded_vocab_size,
+                                                       max_seq_len=max_seq_len))
     mimo_cfg = MimoModelConfig(language_model_spec=ModuleSpec(module=GPTModel, params=lm_params),
                                modality_submodules_spec=modality_specs, special_token_ids=dict(info.special_token_ids),
                                module_to_grid_map=parallel_state.grids)
-    model = MimoModel(mimo_cfg)
+    # the TP group of megatron's MIMO sequence-parallel scatter (PartitionAdapter); megatron's global
+    # groups are never initialised here
+    groups = {"tp_group": lang_groups.pg_collection.tp, "cp_group": lang_groups.pg_collection.cp} if lang_groups.member else {}
+    return MimoModel(mimo_cfg, **groups)
+
+
+def _load_weights(model, b: _BuildInputs, info, parallel_state, hf_dir: str) -> None:
+    """Cast to the dtype and copy this rank's slices of the checkpoint in (nothing with random init)."""
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
     from mimo_sft.model.decoder_weights import copy_into
 
     if model.language_model is not None:
-        model.language_model.to(dtype)
-        if ckpt is not None:
-            offset = get_transformer_layer_offset(lang_cfg, None, pp_rank)
-            tensors = adapter.load_language(ckpt, hf_cfg, tp_rank=lang_groups.pg_collection.tp.rank(), tp=lang.tp,
-                                            layer_offset=offset, num_local_layers=len(model.language_model.decoder.layers),
-                                            pre_process=pre, post_process=post, padded_vocab=info.padded_vocab_size)
+        model.language_model.to(b.dtype)
+        if b.ckpt is not None:
+            pp_rank, pre, post = _language_stage(info, parallel_state)
+            lang_groups = parallel_state.modules[LANGUAGE]
+            tensors = b.adapter.load_language(
+                b.ckpt, b.hf_cfg, tp_rank=lang_groups.pg_collection.tp.rank(), tp=lang_groups.pg_collection.tp.size(),
+                layer_offset=get_transformer_layer_offset(info.language_config, None, pp_rank),
+                num_local_layers=len(model.language_model.decoder.layers), pre_process=pre, post_process=post,
+                padded_vocab=info.padded_vocab_size)
             copy_into(model.language_model, tensors, where=f"{hf_dir} language")
-    if IMAGES in model.modality_submodules:
-        for enc in model.modality_submodules[IMAGES].encoders.values():
-            _cast_keeping_fp32_buffers(enc, dtype)
-            if ckpt is not None:
-                copy_into(enc, adapter.load_encoder(ckpt, hf_cfg), where=f"{hf_dir} vision")
-    _freeze(model, adapter, model_cfg)
-    return model, info
+    for enc in _encoders(model):
+        _cast_keeping_fp32_buffers(enc, b.dtype)
+        if b.ckpt is not None:
+            copy_into(enc, b.adapter.load_encoder(b.ckpt, b.hf_cfg), where=f"{hf_dir} vision")
+
+
+def _encoders(model) -> list:
+    if IMAGES not in model.modality_submodules:
+        return []
+    return list(model.modality_submodules[IMAGES].encoders.values())
+
+
+def _enable_recompute(model, info, model_cfg) -> None:
+    """``--recompute-vision`` on the tower; under language recomputation the decoder's input requires
+    grad (``model.recompute``: megatron's re-entrant checkpoint needs it)."""
+    if model.language_model is not None and info.language_config.recompute_granularity:
+        require_decoder_input_grad(model.language_model)
+    if getattr(model_cfg, "recompute_vision", False):
+        for enc in _encoders(model):
+            enable_vision_recompute(enc)
 
 
 def _cast_keeping_fp32_buffers(module: torch.nn.Module, dtype: torch.dtype) -> None:

@@ -6,8 +6,7 @@ names (``linear_qkv.weight``), its class swapped for a subclass that adds ``lora
 checkpoint keys of the base weights and export therefore work unchanged, and :func:`merge_lora`
 folds the adapters into the weights and restores the original class.
 
-Tensor parallelism (megatron's local ``ColumnParallelLinear`` / ``RowParallelLinear``; sequence
-parallelism is never on here):
+Tensor parallelism (megatron's local ``ColumnParallelLinear`` / ``RowParallelLinear``):
 
 * column-parallel (``linear_qkv``, ``linear_fc1``; output sharded): A whole and replicated, B holds
   this rank's output rows. ``A x`` goes through megatron's copy-to-TP region, whose backward
@@ -16,6 +15,11 @@ parallelism is never on here):
 * row-parallel (``linear_proj``, ``linear_fc2``; input sharded): A holds this rank's input
   columns, its partial product is all-reduced over TP (reduce-from-TP region, identity backward),
   B whole and replicated; ``dL/dB`` is the same on every rank because the output is.
+* with ``--sequence-parallel`` the column layer's input and the row layer's output hold 1/tp of the
+  positions, as megatron's own layers do: ``A x`` is all-gathered along the sequence (column; backward
+  reduce-scatter) or reduce-scattered along it (row; backward all-gather) instead, and the replicated
+  adapter (column A, row B), whose gradient then covers this rank's positions only, is marked
+  ``sequence_parallel`` so that megatron's ``finalize_model_grads`` sums it over TP.
 
 Replicated adapters are marked ``tensor_model_parallel=False`` and sharded ones ``True`` with their
 partition dim, so megatron's grad-norm (``param_is_not_tensor_parallel_duplicate``) counts each
@@ -70,6 +74,9 @@ class _LoraMixin:
                                         else (self.lora_a, self.lora_b, 1))
             set_tensor_model_parallel_attributes(sharded, True, dim, 1)
             set_tensor_model_parallel_attributes(replicated, False, -1, 1)
+            # under sequence parallelism the replicated adapter sees 1/tp of the positions on each rank:
+            # megatron's finalize_model_grads sums its gradient over TP (as for the norms)
+            replicated.sequence_parallel = self._lora_sequence_parallel()
 
     def lora_delta(self, x: torch.Tensor) -> torch.Tensor:
         if self.lora_dropout and self.training:
@@ -77,12 +84,19 @@ class _LoraMixin:
         h = F.linear(x, self.lora_a)
         tp = self.lora_tp_group
         if tp is not None and tp.size() > 1:
-            from megatron.core.tensor_parallel.mappings import (copy_to_tensor_model_parallel_region,
-                                                                reduce_from_tensor_model_parallel_region)
+            from megatron.core.tensor_parallel import mappings
 
-            h = (copy_to_tensor_model_parallel_region(h, group=tp) if self.lora_kind == "column"
-                 else reduce_from_tensor_model_parallel_region(h, group=tp))
+            if self._lora_sequence_parallel():  # x holds 1/tp of the positions (column) / the output does (row)
+                h = (mappings.gather_from_sequence_parallel_region(h, group=tp) if self.lora_kind == "column"
+                     else mappings.reduce_scatter_to_sequence_parallel_region(h, group=tp))
+            else:
+                h = (mappings.copy_to_tensor_model_parallel_region(h, group=tp) if self.lora_kind == "column"
+                     else mappings.reduce_from_tensor_model_parallel_region(h, group=tp))
         return F.linear(h, self.lora_b) * self.lora_scaling
+
+    def _lora_sequence_parallel(self) -> bool:
+        """megatron's linear runs sequence-parallel (its input or output split over TP by position)."""
+        return self.lora_kind != "plain" and bool(getattr(self, "sequence_parallel", False))
 
     def _lora_dropout_input(self, x: torch.Tensor) -> torch.Tensor:
         """Dropout on the adapter's input from a tracked stream: the column-parallel input is replicated,
@@ -94,7 +108,8 @@ class _LoraMixin:
         from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
         tracker = get_cuda_rng_tracker()
-        with (tracker.fork(DROPOUT_RNG) if self.lora_kind == "column" else tracker.fork()):
+        shared = self.lora_kind == "column" and not self._lora_sequence_parallel()  # input replicated over TP
+        with (tracker.fork(DROPOUT_RNG) if shared else tracker.fork()):
             return F.dropout(x, self.lora_dropout)
 
     def _lora_sharded(self, sd: dict, prefix: str, sharded_offsets, metadata) -> dict:

@@ -146,10 +146,13 @@ class Qwen25VLAdapter(FamilyAdapter):
         t = hf_cfg.text_config
         return dict(vocab_size=padded_vocab, max_sequence_length=max_seq_len, position_embedding_type="mrope",
                     rotary_base=int(t.rope_parameters.get("rope_theta", 1e6)),
-                    share_embeddings_and_output_weights=bool(hf_cfg.tie_word_embeddings), parallel_output=True)
+                    share_embeddings_and_output_weights=bool(hf_cfg.tie_word_embeddings), parallel_output=True,
+                    # MIMO scatters the combined text+image embeddings itself under sequence parallelism
+                    scatter_embedding_sequence_parallel=False)
 
     def block_spec(self, hf_cfg, num_local_layers: int, *, attention: str = "sdpa"):
-        """megatron's local layer spec for ``num_local_layers`` layers, every norm torch's RMSNorm, with
+        """megatron's local layer spec for ``num_local_layers`` layers, every norm ``model.norm.RMSNorm``
+        (torch's RMSNorm whose weight megatron reduces over TP under sequence parallelism), with
         ``attention``'s core (``model.attention``: SDPA by default, megatron's local core on request).
 
         Spelled out as block submodules because megatron picks the final norm itself otherwise:
@@ -158,16 +161,17 @@ class Qwen25VLAdapter(FamilyAdapter):
         from dataclasses import replace
 
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-        from megatron.core.transformer.torch_norm import WrappedTorchNorm
         from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
         from mimo_sft.model.attention import core_attention_class
+        from mimo_sft.model.norm import RMSNorm
 
         layer = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=False)
         attn = layer.submodules.self_attention
         attn = replace(attn, submodules=replace(attn.submodules, core_attention=core_attention_class(attention)))
-        layer = replace(layer, submodules=replace(layer.submodules, self_attention=attn))
-        return TransformerBlockSubmodules(layer_specs=[layer] * num_local_layers, layer_norm=WrappedTorchNorm)
+        layer = replace(layer, submodules=replace(layer.submodules, self_attention=attn, input_layernorm=RMSNorm,
+                                                  pre_mlp_layernorm=RMSNorm))
+        return TransformerBlockSubmodules(layer_specs=[layer] * num_local_layers, layer_norm=RMSNorm)
 
     def encoder_class(self) -> type:
         return Qwen25VisionEncoder

@@ -68,10 +68,29 @@ def write_tiny_checkpoint(
     """Write config.json, model.safetensors and the processor files to ``out_dir``; return it.
 
     ``config_only`` skips the weights (the folder then needs ``--allow-random-init``)."""
-    from transformers import Qwen2_5_VLConfig
-
     from mimo_sft.data.processor import write_tiny_processor
 
+    _check_tiny_shape(vision_hidden=vision_hidden, vision_heads=vision_heads, text_hidden=text_hidden, heads=heads,
+                      kv_heads=kv_heads)
+    out = Path(out_dir)
+    if config_only:
+        _refuse_old_weights(out)
+    out.mkdir(parents=True, exist_ok=True)
+    processor = write_tiny_processor(
+        out, patch_size=patch_size, merge_size=merge_size, min_pixels=min_pixels, max_pixels=max_pixels,
+        vocab_size=tokenizer_vocab,
+    )
+    text = dict(hidden_size=text_hidden, intermediate_size=intermediate, num_hidden_layers=text_layers,
+                num_attention_heads=heads, num_key_value_heads=kv_heads)
+    vision = dict(depth=vision_depth, hidden_size=vision_hidden, num_heads=vision_heads, patch_size=patch_size,
+                  spatial_merge_size=merge_size)
+    config = _tiny_config(processor.tokenizer, text=text, vision=vision, tie_embeddings=tie_embeddings)
+    _save(config, out, seed=seed, config_only=config_only)
+    return out
+
+
+def _check_tiny_shape(*, vision_hidden: int, vision_heads: int, text_hidden: int, heads: int, kv_heads: int) -> None:
+    """The shape limits transformers' Qwen2.5-VL puts on a tiny model, as one UserError."""
     problems = []
     if (vision_hidden // max(vision_heads, 1)) % 4 or vision_hidden % max(vision_heads, 1):
         problems.append("--vision-hidden / --vision-heads must be a multiple of 4 (vision head_dim)")
@@ -82,27 +101,21 @@ def write_tiny_checkpoint(
     if problems:
         raise UserError("; ".join(problems))
 
-    out = Path(out_dir)
-    if config_only:
-        _refuse_old_weights(out)
-    out.mkdir(parents=True, exist_ok=True)
-    processor = write_tiny_processor(
-        out, patch_size=patch_size, merge_size=merge_size, min_pixels=min_pixels, max_pixels=max_pixels,
-        vocab_size=tokenizer_vocab,
-    )
-    tok = processor.tokenizer
+
+def _tiny_config(tok, *, text: dict, vision: dict, tie_embeddings: bool):
+    """transformers' ``Qwen2_5_VLConfig`` for the tiny sizes: Qwen's constants (eps, rotary base, temporal
+    patch, tokens per second), the tokenizer's special-token ids, an embedding table padded like Qwen's."""
+    from transformers import Qwen2_5_VLConfig
+
     ids = {t: tok.convert_tokens_to_ids(t) for t in ("<|endoftext|>", "<|im_end|>", "<|image_pad|>",
                                                      "<|video_pad|>", "<|vision_start|>", "<|vision_end|>")}
     vocab_size = -(-len(tok) // VOCAB_PAD_MULTIPLE) * VOCAB_PAD_MULTIPLE  # padded like Qwen's, >= len(tokenizer)
-    text_head_dim = text_hidden // heads
-    config = Qwen2_5_VLConfig(
+    text_head_dim = text["hidden_size"] // text["num_attention_heads"]
+    patch, merge, depth = vision["patch_size"], vision["spatial_merge_size"], vision["depth"]
+    return Qwen2_5_VLConfig(
         text_config=dict(
+            **text,
             vocab_size=vocab_size,
-            hidden_size=text_hidden,
-            intermediate_size=intermediate,
-            num_hidden_layers=text_layers,
-            num_attention_heads=heads,
-            num_key_value_heads=kv_heads,
             max_position_embeddings=TINY_MAX_POSITIONS,
             rms_norm_eps=QWEN_RMS_NORM_EPS,
             rope_parameters={"rope_type": "default", "rope_theta": QWEN_ROPE_THETA,
@@ -113,17 +126,13 @@ def write_tiny_checkpoint(
             tie_word_embeddings=tie_embeddings,
         ),
         vision_config=dict(
-            depth=vision_depth,
-            hidden_size=vision_hidden,
-            intermediate_size=2 * vision_hidden,
-            num_heads=vision_heads,
-            patch_size=patch_size,
-            spatial_merge_size=merge_size,
+            **vision,
+            intermediate_size=2 * vision["hidden_size"],
             temporal_patch_size=QWEN_TEMPORAL_PATCH,
             tokens_per_second=QWEN_TOKENS_PER_SECOND,
-            window_size=2 * patch_size * merge_size,  # two merged tokens per attention window side
-            out_hidden_size=text_hidden,
-            fullatt_block_indexes=[vision_depth - 1],
+            window_size=2 * patch * merge,  # two merged tokens per attention window side
+            out_hidden_size=text["hidden_size"],
+            fullatt_block_indexes=[depth - 1],
         ),
         image_token_id=ids["<|image_pad|>"],
         video_token_id=ids["<|video_pad|>"],
@@ -131,8 +140,6 @@ def write_tiny_checkpoint(
         vision_end_token_id=ids["<|vision_end|>"],
         tie_word_embeddings=tie_embeddings,
     )
-    _save(config, out, seed=seed, config_only=config_only)
-    return out
 
 
 def _refuse_old_weights(out: Path) -> None:

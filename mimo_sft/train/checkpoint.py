@@ -38,6 +38,7 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
+from mimo_sft.config.lora import distributed_optimizer_in_use
 from mimo_sft.errors import UserError
 from mimo_sft.parallel import runtime
 from mimo_sft.train.checkpoint_files import (LATEST, fsync_file, iter_dir, kill_point, publish, read_meta,  # noqa: F401
@@ -164,6 +165,7 @@ def save_gradients(folder: str, ctx) -> None:
     scale, before clipping and the optimizer) written as a model checkpoint (``folder/model``), so any layout's
     gradients can be compared tensor by tensor with any other's (a 1-rank run's, say). Collective.
 
+    With the distributed optimizer the reduce-scattered grad buffers are all-gathered over DP first.
     Each parameter's value is swapped for its ``main_grad`` (zeros where it has none: frozen) while
     megatron's dist-checkpointing writes, then restored. Holds one extra copy of the weights, in
     the parameters' dtype: a debugging aid for short runs.
@@ -175,6 +177,7 @@ def save_gradients(folder: str, ctx) -> None:
             shutil.rmtree(folder)
         os.makedirs(os.path.join(folder, "model"))
     dist.barrier()
+    _gather_sharded_grads(ctx)
     params = list(ctx.model.parameters())
     kept = [p.detach().clone() for p in params]
     try:
@@ -189,6 +192,25 @@ def save_gradients(folder: str, ctx) -> None:
             for p, value in zip(params, kept):
                 p.copy_(value)
     dist.barrier()
+
+
+def _gather_sharded_grads(ctx) -> None:
+    """With the distributed optimizer each DP rank's grad buffer holds the reduced gradient only in its own
+    shard (megatron reduce-scatters); all-gather the shards so every ``main_grad`` is the reduced one.
+    The optimizer reads only its own shard, so the step is unchanged."""
+    from megatron.core.distributed.param_and_grad_buffer import shard_buffer
+
+    for module in ctx.modules.values():
+        if not module.ddp_config.use_distributed_optimizer:
+            continue
+        for group in [*module.bucket_groups, *module.expert_parallel_bucket_groups]:
+            size = group.intra_distributed_optimizer_instance_size
+            if size == 1:
+                continue
+            pg = group.intra_distributed_optimizer_instance_group
+            for bucket in group.buckets:
+                local = shard_buffer(bucket.grad_data, size)[group.intra_distributed_optimizer_instance_rank].clone()
+                dist.all_gather_into_tensor(bucket.grad_data, local, group=pg)
 
 
 def load_model_weights(model, ckpt: str, *, pretrained: bool = False) -> None:
@@ -255,8 +277,10 @@ def load_checkpoint(path: str, ctx) -> tuple[int, int]:
     check_lora_compatible(meta, ctx.cfg.model, flag="--load-checkpoint", path=ckpt, resume=True)
     for key, value in _optimizer_kind(ctx).items():
         if key in meta and meta[key] != value:
+            flag = {"use_distributed_optimizer": "--use-distributed-optimizer / --no-use-distributed-optimizer",
+                    "dtype": "--dtype"}.get(key, key)
             raise UserError(f"--load-checkpoint {ckpt} was saved with {key}={meta[key]} but this run uses {value}; "
-                            f"resume with the setting it was saved with, or start from its weights with "
+                            f"resume with the setting it was saved with ({flag}), or start from its weights with "
                             f"--pretrained-checkpoint")
     rank_file = os.path.join(ckpt, f"rank_{dist.get_rank():05d}.pt")
     if same_layout and not os.path.isfile(rank_file):
@@ -276,7 +300,7 @@ def load_checkpoint(path: str, ctx) -> tuple[int, int]:
 
 def _optimizer_kind(ctx) -> dict:
     """What the optimizer checkpoint's keys depend on (the layout they do not)."""
-    return {"use_distributed_optimizer": bool(ctx.cfg.optimizer.use_distributed_optimizer),
+    return {"use_distributed_optimizer": distributed_optimizer_in_use(ctx.cfg),
             "dtype": ctx.cfg.model.dtype}
 
 

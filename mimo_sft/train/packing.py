@@ -38,12 +38,14 @@ def real_lengths(attention_mask: torch.Tensor) -> torch.Tensor:
     return lengths
 
 
-def pack_micro_batch(batch: dict) -> tuple[dict, dict]:
+def pack_micro_batch(batch: dict, *, multiple: int = 1) -> tuple[dict, dict]:
     """``(packed batch, packing_kwargs)`` for ``MimoModel.forward``; see the module docstring.
 
     The packed batch holds every key of ``batch``; ``input_ids``, ``labels``, ``loss_mask`` become
     ``[1, T]``, ``position_ids`` ``[3, 1, T]``, ``attention_mask`` all ones ``[1, T]``. Encoder inputs
-    (pixels, grids, bridge counts) are untouched.
+    (pixels, grids, bridge counts) are untouched. ``multiple`` (the language tp under sequence
+    parallelism, which splits the T positions over the TP ranks): T is padded up to a multiple of it
+    with one segment of its own (``pad_segment``).
     """
     mask = batch["attention_mask"].bool()
     lengths = real_lengths(mask)
@@ -52,12 +54,30 @@ def pack_micro_batch(batch: dict) -> tuple[dict, dict]:
         if batch.get(key) is not None:
             out[key] = batch[key][mask][None]
     out["position_ids"] = batch["position_ids"][:, mask][:, None]
+    pad = -int(lengths.sum()) % multiple
+    if pad:
+        out, lengths = pad_segment(out, pad), torch.cat([lengths, lengths.new_tensor([pad])])
     out["attention_mask"] = torch.ones_like(out["input_ids"], dtype=torch.bool)
     cu = torch.zeros(lengths.numel() + 1, dtype=torch.int32)
     cu[1:] = torch.cumsum(lengths, 0)
     longest = int(lengths.max()) if lengths.numel() else 0
     kwargs = dict(cu_seqlens_q=cu, cu_seqlens_kv=cu.clone(), max_seqlen_q=longest, max_seqlen_kv=longest)
     return out, kwargs
+
+
+def pad_segment(packed: dict, pad: int) -> dict:
+    """``packed`` with ``pad`` positions appended as a sample of its own: its attention sees only itself
+    (its own ``cu_seqlens`` segment), it is never supervised (loss mask 0), and its tokens are the pad id
+    (the label of every unsupervised position, ``data.preprocess``), never an image placeholder."""
+    out = dict(packed)
+    unsupervised = packed["labels"][packed["loss_mask"] == 0]
+    pad_id = unsupervised[0] if unsupervised.numel() else packed["labels"][0, -1]
+    for key, value in (("input_ids", pad_id), ("labels", pad_id), ("loss_mask", 0)):
+        if packed.get(key) is not None:
+            out[key] = torch.cat([packed[key], packed[key].new_full((1, pad), value)], dim=1)
+    positions = torch.arange(pad, dtype=packed["position_ids"].dtype).expand(3, 1, pad)
+    out["position_ids"] = torch.cat([packed["position_ids"], positions], dim=2)
+    return out
 
 
 def computed_positions(batch: dict, *, packed: bool) -> int:

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from mimo_sft.config.schema import ExperimentConfig
-from mimo_sft.config.lora import LoraSpec
+from mimo_sft.config.lora import LoraSpec, distributed_optimizer_in_use
 from mimo_sft.parallel import runtime  # first: importing mimo_sft.parallel makes megatron importable
 from mimo_sft.parallel.groups import ParallelState, build_parallel_state
 from mimo_sft.parallel.layout import LANGUAGE, Layout
@@ -81,7 +81,7 @@ def build_model_and_optimizer(cfg: ExperimentConfig, layout: Layout, pstate: Par
                                image_token_id=info.image_token_id)
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-        use_distributed_optimizer=cfg.optimizer.use_distributed_optimizer,
+        use_distributed_optimizer=distributed_optimizer_in_use(cfg),
         check_for_nan_in_grad=True, bucket_size=None)
     modules = {}
     if model.language_model is not None:
@@ -102,7 +102,7 @@ def build_model_and_optimizer(cfg: ExperimentConfig, layout: Layout, pstate: Par
         optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay, adam_beta1=o.adam_beta1,
         adam_beta2=o.adam_beta2, adam_eps=o.adam_eps, clip_grad=o.clip_grad, bf16=bf16, fp16=False,
         params_dtype=torch.bfloat16 if bf16 else torch.float32,
-        use_distributed_optimizer=o.use_distributed_optimizer)
+        use_distributed_optimizer=distributed_optimizer_in_use(cfg))
     optimizer = _without_empty_optimizers(build_mimo_optimizer(model, opt_cfg, _lr_overrides(o)))
     return TrainContext(cfg, layout, pstate, model, info, modules, optimizer, rank)
 

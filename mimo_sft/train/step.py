@@ -7,7 +7,8 @@ between the encoder's and the language model's DP layouts; where those differ it
 ``train.bridge.PaddedBridge``, which the forward step hands each micro-batch's per-sample image-token
 counts, so images of any size, several per sample or none cross it exactly. With
 ``--in-batch-packing`` the forward step packs each language rank's padded rows into one THD sequence
-(``train.packing``) after the bridge has read them, so reordering, the bridge and packing compose.
+(``train.packing``) after the bridge has read them, so reordering, the bridge and packing compose
+(under ``--sequence-parallel`` the packed length is padded to a multiple of the language tp).
 
 Loss is per token: every loss function returns ``(sum of token losses, token count)`` and DDP sums
 (``calculate_per_token_loss=True`` pins its scaling to 1). After the DP reduction every module's
@@ -91,7 +92,9 @@ class StepRunner:
         self.mine = pstate.mine()
         self.colocated = layout.colocated
         self.bridges = padded_bridges(model)  # colocated fan-in / fan-out only
-        cfg = model.config
+        cfg = model.config  # the language model's TransformerConfig (on every rank)
+        # sequence parallelism splits the packed positions over the language TP ranks: pad to a multiple
+        self.pack_multiple = cfg.tensor_model_parallel_size if cfg.sequence_parallel else 1
         cfg.no_sync_func = self._no_sync
         cfg.finalize_model_grads_func = self._finalize
         cfg.grad_scale_func = None
@@ -147,7 +150,7 @@ class StepRunner:
         has_enc = any(n != LANGUAGE for n in self.mine)
         packing_kwargs = None
         if self.packing and has_lang:  # every language stage packs the same rows the same way
-            batch, packing_kwargs = pack_micro_batch(batch)
+            batch, packing_kwargs = pack_micro_batch(batch, multiple=self.pack_multiple)
             packing_kwargs = runtime.to_device(packing_kwargs)
         batch = runtime.to_device(batch)
         kwargs = {"input_ids": batch["input_ids"]}
