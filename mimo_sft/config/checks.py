@@ -22,6 +22,7 @@ from typing import Callable
 
 from mimo_sft.config import families
 from mimo_sft.config.families import FamilySpec
+from mimo_sft.config.checks_memory import c23_memory
 from mimo_sft.config.schema import ExperimentConfig
 from mimo_sft.errors import UserError
 from mimo_sft.parallel.components import ComponentSpec
@@ -46,6 +47,9 @@ class CheckContext:
     world_size: int | None
     for_run: bool
     hf_config: dict | None
+    #: check 23's forecast (``config.checks_memory``); ``workload``: plan's heaviest micro-batch, if any
+    memory: dict | None = None
+    workload: object = None
 
 
 def _pow2(n: int) -> bool:
@@ -344,6 +348,7 @@ CHECKS: tuple[tuple[int, str, Callable], ...] = (
     (18, "what is left to finetune", c18_contents_note),
     (19, "in-batch packing settings", c19_packing),
     (20, "LoRA settings", c20_lora),
+    (23, "memory forecast fits the GPU", c23_memory),
 )
 
 
@@ -353,6 +358,8 @@ class CheckResult:
     problems: list[Problem]
     notes: list[Problem]
     hf_config: dict | None
+    #: check 23's forecast: ``{"forecast": MemoryForecast, "budget_bytes", "budget_source"}`` or None
+    memory: dict | None = None
 
     @property
     def ok(self) -> bool:
@@ -395,8 +402,10 @@ def read_hf_config(path: str | None) -> dict | None:
         return None
 
 
-def check_config(cfg: ExperimentConfig, *, world_size: int | None = None, for_run: bool = False) -> CheckResult:
-    """Run every check; never raises for config problems (they come back in ``problems``)."""
+def check_config(cfg: ExperimentConfig, *, world_size: int | None = None, for_run: bool = False,
+                 workload=None) -> CheckResult:
+    """Run every check; never raises for config problems (they come back in ``problems``).
+    ``workload``: a ``memory.forecast.Workload`` to forecast instead of the worst case (``plan``)."""
     try:
         specs = cfg.parallel.specs()
     except UserError as e:
@@ -405,13 +414,13 @@ def check_config(cfg: ExperimentConfig, *, world_size: int | None = None, for_ru
     sane = specs and all(min(s.tp, s.pp, s.cp, s.dp, s.etp) >= 1 and s.rank_offset >= 0 for s in specs)
     layout = Layout.from_specs(specs, world) if sane else None
     ctx = CheckContext(cfg, specs, layout, world, for_run,
-                       read_hf_config(cfg.model.hf_model))
+                       read_hf_config(cfg.model.hf_model), workload=workload)
     problems, notes = [], []
     for number, _title, fn in CHECKS:
         for item in fn(ctx) or ():
             msg, sev = (item, "error") if isinstance(item, str) else (item[0], item[1] if len(item) > 1 else "error")
             (notes if sev == "note" else problems).append(Problem(number, msg, sev))
-    return CheckResult(layout, problems, notes, ctx.hf_config)
+    return CheckResult(layout, problems, notes, ctx.hf_config, ctx.memory)
 
 
 def require_valid(cfg: ExperimentConfig, **kw) -> CheckResult:

@@ -37,6 +37,8 @@ def print_report(cfg: ExperimentConfig, result: CheckResult, console: Console, *
         packing = "packed (one padding-free sequence per language rank)" if cfg.data.in_batch_packing else "padded rows"
         console.print(f"data: {data_mode}; reordering: {reorder}; language: {packing}, "
                       f"{cfg.model.attention_backend} attention")
+    if result.memory is not None:
+        print_memory(result.memory, console)
     for note in result.notes:
         console.print(f"[yellow]note[/yellow] {note}", highlight=False, soft_wrap=True)
     if result.ok:
@@ -45,3 +47,26 @@ def print_report(cfg: ExperimentConfig, result: CheckResult, console: Console, *
         console.print(f"[bold red]INVALID[/bold red]: {len(result.problems)} problem(s):")
         for p in result.problems:
             console.print(f"  x {p}", highlight=False, markup=False, soft_wrap=True)
+
+
+#: the forecast table's columns, in order (a module without a term shows "-")
+MEMORY_COLUMNS = ("weights", "gradients", "optimizer", "activations", "recompute", "logits", "inputs", "bridge",
+                  "allowance")
+
+
+def print_memory(memory: dict, console: Console) -> None:
+    """The memory forecast (check 23) as a table: GiB per term on each module's most loaded rank."""
+    from mimo_sft.memory.forecast import GIB
+
+    forecast, budget = memory["forecast"], memory["budget_bytes"]
+    table = Table(title=f"Memory forecast per GPU (GiB), budget {budget / GIB:.1f} GiB: {memory['budget_source']}",
+                  title_justify="left")
+    for col in ("module", "rank", "params") + MEMORY_COLUMNS + ("peak",):
+        table.add_column(col, justify="left" if col in ("module", "rank") else "right")
+    for name, m in forecast.modules.items():
+        cells = [f"{m.terms[c] / GIB:.1f}" if c in m.terms else "-" for c in MEMORY_COLUMNS]
+        table.add_row(name, m.rank, f"{m.parameters / 1e9:.2f}B", *cells, f"{m.peak_bytes / GIB:.1f}")
+    console.print(table)
+    peaks = forecast.gpu_peaks()
+    verdicts = ", ".join(f"{g} {p / GIB:.1f} GiB {'fits' if p <= budget else 'DOES NOT FIT'}" for g, p in peaks.items())
+    console.print(f"memory: {verdicts} ({forecast.workload.source}; docs/memory.md)", highlight=False)
