@@ -22,7 +22,7 @@ from typing import Callable
 
 from mimo_sft.config import families
 from mimo_sft.config.families import FamilySpec
-from mimo_sft.config.checks_memory import c23_memory
+from mimo_sft.config.checks_forecast import c23_memory
 from mimo_sft.config.schema import ExperimentConfig
 from mimo_sft.errors import UserError
 from mimo_sft.parallel.components import ComponentSpec
@@ -47,7 +47,7 @@ class CheckContext:
     world_size: int | None
     for_run: bool
     hf_config: dict | None
-    #: check 23's forecast (``config.checks_memory``); ``workload``: plan's heaviest micro-batch, if any
+    #: check 23's forecast (``config.checks_forecast``); ``workload``: plan's heaviest micro-batch, if any
     memory: dict | None = None
     workload: object = None
 

@@ -67,7 +67,7 @@ def flash_sdpa():
 def language_layer(hf_dir: str, *, dtype: torch.dtype, recompute: dict | None = None):
     """One decoder layer (``TransformerBlock`` with ``num_layers=1``, no final norm) of ``hf_dir``'s
     language model, built as ``model.builder`` builds them (our adapter's config and spec, SDPA core),
-    tp 1, random weights. ``recompute``: TransformerConfig recompute fields (``recompute_granularity``,
+    tp 1, weights not initialised. ``recompute``: TransformerConfig recompute fields (``recompute_granularity``,
     ``recompute_method``, ``recompute_num_layers``, ``recompute_modules``). Needs the 1-rank world
     (``parallel.bootstrap.start_single_process``)."""
     from megatron.core.transformer.transformer_block import TransformerBlock
@@ -83,7 +83,9 @@ def language_layer(hf_dir: str, *, dtype: torch.dtype, recompute: dict | None = 
     hf_cfg.text_config.num_hidden_layers = 1
     overrides = {"calculate_per_token_loss": True, "attention_dropout": 0.0, "hidden_dropout": 0.0}
     overrides.update(recompute or {})
-    cfg = adapter.language_transformer_config(hf_cfg, tp=1, pp=1, dtype=dtype, random_init=True, cpu_init=True,
+    # no initialisation (weights left as allocated): what is saved depends on shapes, not values, and a
+    # 7B-wide layer then builds in a fraction of the time
+    cfg = adapter.language_transformer_config(hf_cfg, tp=1, pp=1, dtype=dtype, random_init=False, cpu_init=True,
                                               overrides=overrides)
     spec = adapter.block_spec(hf_cfg, 1)
     block = TransformerBlock(cfg, spec, post_layer_norm=False, pg_collection=state.modules["language"].pg_collection)
