@@ -101,8 +101,7 @@ def _memory_json(memory: dict | None) -> dict:
     """``validate --json``'s memory keys: each module's forecast and the budget it was held to."""
     if memory is None:
         return {"memory": None}
-    return {"memory": memory["forecast"].to_json(), "gpu_memory_bytes": memory["budget_bytes"],
-            "memory_workload": memory["forecast"].workload.source}
+    return {"memory": memory["modules"], "gpu_memory_bytes": memory["budget_bytes"], "memory_workload": memory["workload"]}
 
 
 @app.command(context_settings=FLAG_COMMAND)

@@ -106,8 +106,8 @@ def test_state_terms_equal_the_built_models_counts(name, tiny_untied, tiny_tied)
                 assert f.rank_parameters == held and f.terms["weights"] == held * b
                 assert f.terms["gradients"] == 4 * trainable
                 if cfg.optimizer.use_distributed_optimizer:
-                    # megatron shards the flat buffer: each rank's share is the ceiling or less
-                    assert 0 < got["main_numel"] <= -(-trainable // dp) + 64
+                    # megatron shards the flat (aligned) buffer: each rank holds about 1/dp of it
+                    assert 0 < got["main_numel"] <= -(-(trainable + slack) // dp), (rank, module)
                     assert f.terms["optimizer"] == 12 * -(-trainable // dp)
                 else:
                     assert got["main_numel"] == trainable and f.terms["optimizer"] == 12 * trainable

@@ -358,7 +358,7 @@ class CheckResult:
     problems: list[Problem]
     notes: list[Problem]
     hf_config: dict | None
-    #: check 23's forecast: ``{"forecast": MemoryForecast, "budget_bytes", "budget_source"}`` or None
+    #: check 23's forecast, ``memory.forecast.MemoryForecast.report`` (JSON-ready), or None
     memory: dict | None = None
 
     @property

@@ -65,7 +65,7 @@ def c23_memory(ctx):
     forecast = forecast_memory(ctx.cfg, ctx.layout, ctx.hf_config, workload=ctx.workload,
                                processor_max_pixels=proc_pixels)
     budget, source = gpu_budget_bytes(gb)
-    ctx.memory = {"forecast": forecast, "budget_bytes": budget, "budget_source": source}
+    ctx.memory = forecast.report(budget, source)
     yield from over_budget_messages(ctx.cfg, ctx.layout, ctx.hf_config, forecast, budget,
                                     max_pixels=max_pixels_of(ctx.cfg, ctx.hf_config, proc_pixels),
                                     processor_max_pixels=proc_pixels)

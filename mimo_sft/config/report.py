@@ -55,18 +55,18 @@ MEMORY_COLUMNS = ("weights", "gradients", "optimizer", "activations", "recompute
 
 
 def print_memory(memory: dict, console: Console) -> None:
-    """The memory forecast (check 23) as a table: GiB per term on each module's most loaded rank."""
-    from mimo_sft.memory.forecast import GIB
-
-    forecast, budget = memory["forecast"], memory["budget_bytes"]
-    table = Table(title=f"Memory forecast per GPU (GiB), budget {budget / GIB:.1f} GiB: {memory['budget_source']}",
+    """The memory forecast (check 23, ``MemoryForecast.report``) as a table: GiB per term on each
+    module's most loaded rank, then each GPU group's verdict."""
+    gib = 1024 ** 3
+    budget = memory["budget_bytes"]
+    table = Table(title=f"Memory forecast per GPU (GiB), budget {budget / gib:.1f} GiB: {memory['budget_source']}",
                   title_justify="left")
     for col in ("module", "rank", "params") + MEMORY_COLUMNS + ("peak",):
         table.add_column(col, justify="left" if col in ("module", "rank") else "right")
-    for name, m in forecast.modules.items():
-        cells = [f"{m.terms[c] / GIB:.1f}" if c in m.terms else "-" for c in MEMORY_COLUMNS]
-        table.add_row(name, m.rank, f"{m.parameters / 1e9:.2f}B", *cells, f"{m.peak_bytes / GIB:.1f}")
+    for name, m in memory["modules"].items():
+        cells = [f"{m['terms'][c] / gib:.1f}" if c in m["terms"] else "-" for c in MEMORY_COLUMNS]
+        table.add_row(name, m["rank"], f"{m['parameters'] / 1e9:.2f}B", *cells, f"{m['peak_bytes'] / gib:.1f}")
     console.print(table)
-    peaks = forecast.gpu_peaks()
-    verdicts = ", ".join(f"{g} {p / GIB:.1f} GiB {'fits' if p <= budget else 'DOES NOT FIT'}" for g, p in peaks.items())
-    console.print(f"memory: {verdicts} ({forecast.workload.source}; docs/memory.md)", highlight=False)
+    verdicts = ", ".join(f"{g} {p / gib:.1f} GiB {'fits' if p <= budget else 'DOES NOT FIT'}"
+                         for g, p in memory["gpu_peaks"].items())
+    console.print(f"memory: {verdicts} ({memory['workload']}; docs/memory.md)", highlight=False)

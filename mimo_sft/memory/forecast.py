@@ -85,6 +85,11 @@ class MemoryForecast:
     def to_json(self) -> dict:
         return {name: m.to_json() for name, m in self.modules.items()}
 
+    def report(self, budget_bytes: int, budget_source: str) -> dict:
+        """The JSON-ready report the tables print and ``--json`` carries: modules, per-GPU peaks, budget."""
+        return {"modules": self.to_json(), "gpu_peaks": self.gpu_peaks(), "budget_bytes": budget_bytes,
+                "budget_source": budget_source, "workload": self.workload.source}
+
 
 def _bytes(dtype: str) -> int:
     return 2 if dtype == "bf16" else 4
