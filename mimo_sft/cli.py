@@ -89,11 +89,19 @@ def validate(ctx: typer.Context) -> None:
             "canonical_grid": layout.canonical_grid if layout else None,
             "colocated": layout.colocated if layout else None,
             "modules": layout.rank_rows(cfg.train.micro_batch_size) if layout else [],
+            **_memory_json(result.memory),
         }))
     else:
         print_report(cfg, result, Console(), show_config=not quiet, config_text=dump_config(cfg))
     if not result.ok:
         raise typer.Exit(2)
+
+
+def _memory_json(memory: dict | None) -> dict:
+    """``validate --json``'s memory keys: each module's forecast and the budget it was held to."""
+    if memory is None:
+        return {"memory": None}
+    return {"memory": memory["modules"], "gpu_memory_bytes": memory["budget_bytes"], "memory_workload": memory["workload"]}
 
 
 @app.command(context_settings=FLAG_COMMAND)

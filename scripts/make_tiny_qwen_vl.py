@@ -42,7 +42,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-pixels", type=int, default=None,
                    help="default: 64 merged tokens' worth (a --preset: the model's own)")
     p.add_argument("--tokenizer-vocab", type=int, default=1024)
-    p.add_argument("--preset", default=None, help="a released architecture instead of the tiny one: qwen2.5-vl-3b")
+    p.add_argument("--preset", default=None, help="a released architecture instead of the tiny one: qwen2.5-vl-3b, qwen2.5-vl-7b, qwen2.5-vl-72b")
     p.add_argument("--config-only", action="store_true", help="write config and processor, no weights")
     a = p.parse_args(argv)
     from mimo_sft.testing.tiny_checkpoint import PRESETS, write_preset_checkpoint, write_tiny_checkpoint

@@ -23,6 +23,7 @@ from typing import Callable
 from mimo_sft.config import checks_memory, families
 from mimo_sft.config.checks_paths import c26_run_folders, c27_extra_folders
 from mimo_sft.config.families import FamilySpec
+from mimo_sft.config.checks_forecast import c23_memory
 from mimo_sft.config.schema import ExperimentConfig
 from mimo_sft.errors import UserError
 from mimo_sft.parallel.components import ComponentSpec
@@ -47,6 +48,9 @@ class CheckContext:
     world_size: int | None
     for_run: bool
     hf_config: dict | None
+    #: check 23's forecast (``config.checks_forecast``); ``workload``: plan's heaviest micro-batch, if any
+    memory: dict | None = None
+    workload: object = None
 
 
 def _pow2(n: int) -> bool:
@@ -389,6 +393,7 @@ CHECKS: tuple[tuple[int, str, Callable], ...] = (
     (20, "LoRA settings", c20_lora),
     (21, "activation recomputation settings", checks_memory.c21_recompute),
     (22, "sequence parallelism settings", checks_memory.c22_sequence_parallel),
+    (23, "memory forecast fits the GPU", c23_memory),
     (26, "run output folders are usable", c26_run_folders),
     (27, "export and debugging folders are usable", c27_extra_folders),
     (29, "learning rates and experiment trackers", c29_learning_rates_and_trackers),
@@ -401,6 +406,8 @@ class CheckResult:
     problems: list[Problem]
     notes: list[Problem]
     hf_config: dict | None
+    #: check 23's forecast, ``memory.forecast.MemoryForecast.report`` (JSON-ready), or None
+    memory: dict | None = None
 
     @property
     def ok(self) -> bool:
@@ -443,8 +450,10 @@ def read_hf_config(path: str | None) -> dict | None:
         return None
 
 
-def check_config(cfg: ExperimentConfig, *, world_size: int | None = None, for_run: bool = False) -> CheckResult:
-    """Run every check; never raises for config problems (they come back in ``problems``)."""
+def check_config(cfg: ExperimentConfig, *, world_size: int | None = None, for_run: bool = False,
+                 workload=None) -> CheckResult:
+    """Run every check; never raises for config problems (they come back in ``problems``).
+    ``workload``: a ``memory.forecast.Workload`` to forecast instead of the worst case (``plan``)."""
     try:
         specs = cfg.parallel.specs()
     except UserError as e:
@@ -453,13 +462,13 @@ def check_config(cfg: ExperimentConfig, *, world_size: int | None = None, for_ru
     sane = specs and all(min(s.tp, s.pp, s.cp, s.dp, s.etp) >= 1 and s.rank_offset >= 0 for s in specs)
     layout = Layout.from_specs(specs, world) if sane else None
     ctx = CheckContext(cfg, specs, layout, world, for_run,
-                       read_hf_config(cfg.model.hf_model))
+                       read_hf_config(cfg.model.hf_model), workload=workload)
     problems, notes = [], []
     for number, _title, fn in CHECKS:
         for item in fn(ctx) or ():
             msg, sev = (item, "error") if isinstance(item, str) else (item[0], item[1] if len(item) > 1 else "error")
             (notes if sev == "note" else problems).append(Problem(number, msg, sev))
-    return CheckResult(layout, problems, notes, ctx.hf_config)
+    return CheckResult(layout, problems, notes, ctx.hf_config, ctx.memory)
 
 
 def require_valid(cfg: ExperimentConfig, **kw) -> CheckResult:

@@ -37,6 +37,8 @@ def print_report(cfg: ExperimentConfig, result: CheckResult, console: Console, *
         packing = "packed (one padding-free sequence per language rank)" if cfg.data.in_batch_packing else "padded rows"
         console.print(f"data: {data_mode}; reordering: {reorder}; language: {packing}, "
                       f"{cfg.model.attention_backend} attention")
+    if result.memory is not None:
+        print_memory(result.memory, console)
     for note in result.notes:
         console.print(f"[yellow]note[/yellow] {note}", highlight=False, soft_wrap=True)
     if result.ok:
@@ -45,3 +47,26 @@ def print_report(cfg: ExperimentConfig, result: CheckResult, console: Console, *
         console.print(f"[bold red]INVALID[/bold red]: {len(result.problems)} problem(s):")
         for p in result.problems:
             console.print(f"  x {p}", highlight=False, markup=False, soft_wrap=True)
+
+
+#: the forecast table's columns, in order (a module without a term shows "-")
+MEMORY_COLUMNS = ("weights", "gradients", "optimizer", "activations", "recompute", "logits", "inputs", "bridge",
+                  "allowance")
+
+
+def print_memory(memory: dict, console: Console) -> None:
+    """The memory forecast (check 23, ``MemoryForecast.report``) as a table: GiB per term on each
+    module's most loaded rank, then each GPU group's verdict."""
+    gib = 1024 ** 3
+    budget = memory["budget_bytes"]
+    table = Table(title=f"Memory forecast per GPU (GiB), budget {budget / gib:.1f} GiB: {memory['budget_source']}",
+                  title_justify="left")
+    for col in ("module", "rank", "params") + MEMORY_COLUMNS + ("peak",):
+        table.add_column(col, justify="left" if col in ("module", "rank") else "right")
+    for name, m in memory["modules"].items():
+        cells = [f"{m['terms'][c] / gib:.1f}" if c in m["terms"] else "-" for c in MEMORY_COLUMNS]
+        table.add_row(name, m["rank"], f"{m['parameters'] / 1e9:.2f}B", *cells, f"{m['peak_bytes'] / gib:.1f}")
+    console.print(table)
+    verdicts = ", ".join(f"{g} {p / gib:.1f} GiB {'fits' if p <= budget else 'DOES NOT FIT'}"
+                         for g, p in memory["gpu_peaks"].items())
+    console.print(f"memory: {verdicts} ({memory['workload']}; docs/memory.md)", highlight=False)

@@ -112,6 +112,7 @@ class TrainConfig:
     exit_signal_handler: bool = opt(False, "--exit-signal-handler", "on SIGTERM or SIGUSR1 (any rank), finish the step, save a checkpoint and exit 0")
     exit_interval: Optional[int] = opt(None, "--exit-interval", "save and exit 0 after the first step divisible by N")
     exit_duration_in_mins: Optional[float] = opt(None, "--exit-duration-in-mins", "save and exit 0 before M minutes of wall time have passed")
+    gpu_memory_gb: Optional[float] = opt(None, "--gpu-memory-gb", "memory of one GPU in GiB that the memory forecast must fit (check 23; an '80 GB' H100 is 80; default: this machine's GPU, else 80)")
 
 
 @dataclass

@@ -187,6 +187,18 @@ PRESETS: dict[str, dict] = {
         min_pixels=QWEN_MIN_PIXELS, max_pixels=QWEN_MAX_PIXELS,
     ),
 }
+#: Qwen2.5-VL-7B-Instruct and -72B-Instruct: the same vision tower (its output width is the text
+#: width), wider and deeper untied decoders with a 152,064-row vocabulary.
+for _name, _text in (
+        ("qwen2.5-vl-7b", dict(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+                               intermediate_size=18944)),
+        ("qwen2.5-vl-72b", dict(hidden_size=8192, num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
+                                intermediate_size=29568))):
+    _base = PRESETS["qwen2.5-vl-3b"]
+    PRESETS[_name] = dict(
+        _base, text=dict(_base["text"], vocab_size=152064, **_text),
+        vision=dict(_base["vision"], out_hidden_size=_text["hidden_size"]), tie_word_embeddings=False)
+del _name, _text, _base
 
 
 def _qwen_bpe_ranks() -> dict[bytes, int]:

@@ -1,0 +1,71 @@
+"""Check 23: the memory forecast of every module's most loaded rank fits one GPU.
+
+Runs ``memory.forecast`` on ``--hf-model``'s config.json (no weights read) for the checked layout;
+a GPU group over ``--gpu-memory-gb`` (default: this machine's GPU, else 80 GiB) is an error that
+names the module, the forecast, its largest terms and the cheapest fix (``memory.fixes``). The
+forecast is kept on the check context so ``validate`` prints its table and ``--json`` carries it.
+Layouts that other checks refuse (no language module, tp not dividing the heads, ...) are not
+forecast: those checks already say what to change.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from mimo_sft.config import families
+from mimo_sft.parallel.layout import LANGUAGE
+
+
+def processor_max_pixels(hf_dir: str | None) -> int | None:
+    """The image processor's largest image area, from the folder's preprocessor/processor JSON."""
+    for name in ("preprocessor_config.json", "processor_config.json"):
+        try:
+            with open(os.path.join(hf_dir or "", name)) as fh:
+                data = json.load(fh)
+        except (OSError, ValueError):
+            continue
+        proc = data.get("image_processor", data)
+        value = proc.get("max_pixels") or (proc.get("size") or {}).get("longest_edge")
+        if value:
+            return int(value)
+    return None
+
+
+def _forecastable(ctx) -> bool:
+    cfg, layout, hf = ctx.cfg, ctx.layout, ctx.hf_config
+    if hf is None or layout is None or LANGUAGE not in layout.names:
+        return False
+    spec = families.family_for_model_type(hf.get("model_type"))
+    if spec is None or "vision_config" not in hf:
+        return False
+    lang = layout.spec(LANGUAGE)
+    if list(families.language_divisibility_findings(spec, lang, hf)):
+        return False
+    return cfg.train.micro_batch_size >= 1 and cfg.train.global_batch_size >= 1 and cfg.data.seq_length >= 1
+
+
+def c23_memory(ctx):
+    from mimo_sft.memory.fixes import over_budget_messages
+    from mimo_sft.memory.forecast import forecast_memory, max_pixels_of
+    from mimo_sft.memory.gpu import gpu_budget_bytes
+
+    gb = ctx.cfg.train.gpu_memory_gb
+    if gb is not None and not gb > 0:
+        yield f"--gpu-memory-gb={gb} must be > 0 (the memory of one GPU in GiB, e.g. 80)"
+        return
+    if ctx.cfg.model.hf_model is None:
+        if gb is not None:
+            yield ("--gpu-memory-gb is set but there is no --hf-model: the memory forecast reads the model's "
+                   "config.json; give --hf-model DIR", "note")
+        return
+    if not _forecastable(ctx):
+        return  # check 16 (no config.json, unsupported model) or the layout checks say what to change
+    proc_pixels = processor_max_pixels(ctx.cfg.model.hf_model)
+    forecast = forecast_memory(ctx.cfg, ctx.layout, ctx.hf_config, workload=ctx.workload,
+                               processor_max_pixels=proc_pixels)
+    budget, source = gpu_budget_bytes(gb)
+    ctx.memory = forecast.report(budget, source)
+    yield from over_budget_messages(ctx.cfg, ctx.layout, ctx.hf_config, forecast, budget,
+                                    max_pixels=max_pixels_of(ctx.cfg, ctx.hf_config, proc_pixels),
+                                    processor_max_pixels=proc_pixels)

@@ -1,0 +1,160 @@
+"""Model sizes and parameter counts per module and rank, from a config.json dict alone.
+
+Why a file of its own: the forecast (``memory.forecast``) needs, for each module's most loaded rank,
+how many parameters it holds and how many of them train; those counts must equal what
+``model.builder`` builds (megatron's local-spec ``GPTModel`` under TP and PP, transformers' vision
+tower, ``model.lora``'s adapters), and ``tests/test_memory.py`` checks them against built models.
+
+Pure: no torch, no megatron, no transformers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mimo_sft.config.lora import LoraSpec
+
+
+@dataclass(frozen=True)
+class TextDims:
+    hidden: int
+    ffn: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    tied: bool
+
+    @classmethod
+    def from_config(cls, config: dict) -> "TextDims":
+        t = config.get("text_config", config)
+        heads = t["num_attention_heads"]
+        tied = bool(config.get("tie_word_embeddings", t.get("tie_word_embeddings", False)))
+        return cls(hidden=t["hidden_size"], ffn=t["intermediate_size"], layers=t["num_hidden_layers"], heads=heads,
+                   kv_heads=t.get("num_key_value_heads") or heads,
+                   head_dim=t.get("head_dim") or t["hidden_size"] // heads, vocab=t["vocab_size"], tied=tied)
+
+    def padded_vocab(self, tp: int) -> int:
+        """megatron's embedding rows: the vocabulary padded to a multiple of tp (``decoder_weights.pad_vocab``)."""
+        return -(-self.vocab // tp) * tp
+
+    @property
+    def qkv_width(self) -> int:
+        return (self.heads + 2 * self.kv_heads) * self.head_dim
+
+
+@dataclass(frozen=True)
+class VisionDims:
+    hidden: int
+    ffn: int
+    depth: int
+    heads: int
+    out_hidden: int
+    patch: int
+    merge: int
+    temporal: int
+    in_channels: int
+
+    @classmethod
+    def from_config(cls, config: dict) -> "VisionDims":
+        v = config["vision_config"]
+        return cls(hidden=v["hidden_size"], ffn=v["intermediate_size"], depth=v["depth"], heads=v["num_heads"],
+                   out_hidden=v["out_hidden_size"], patch=v["patch_size"], merge=v["spatial_merge_size"],
+                   temporal=v.get("temporal_patch_size", 2), in_channels=v.get("in_channels", v.get("in_chans", 3)))
+
+    @property
+    def patch_values(self) -> int:
+        """Values per patch in ``pixel_values`` (1176 for Qwen2.5-VL)."""
+        return self.in_channels * self.temporal * self.patch * self.patch
+
+    @property
+    def merged(self) -> int:
+        """The merger's input width (hidden x merge^2)."""
+        return self.hidden * self.merge ** 2
+
+
+# ---- language: parameters of one pipeline stage on one tensor rank -----------------------------
+def language_layer_params(d: TextDims, tp: int) -> int:
+    """One decoder layer on one tp rank: two replicated RMSNorms, column-parallel fused QKV with bias,
+    row-parallel output projection, column-parallel fused gate/up, row-parallel down (no other biases)."""
+    qkv = d.qkv_width // tp
+    return 2 * d.hidden + qkv * d.hidden + qkv + d.hidden * (d.heads * d.head_dim // tp) + 3 * d.hidden * (d.ffn // tp)
+
+
+def language_stage_params(d: TextDims, *, tp: int, pp: int, stage: int) -> int:
+    """Parameters on one rank of language pipeline stage ``stage``: its layers, the embedding on the first
+    stage, final norm and output layer on the last (a tied model keeps a copy of the embedding there when
+    pp > 1, which megatron keeps equal by an all-reduce)."""
+    n = d.layers // pp * language_layer_params(d, tp)
+    table = d.padded_vocab(tp) // tp * d.hidden
+    if stage == 0:
+        n += table
+    if stage == pp - 1:
+        n += d.hidden + (table if (not d.tied or pp > 1) else 0)
+    return n
+
+
+def language_params(d: TextDims) -> int:
+    """The whole language model (tp 1, pp 1; unpadded vocabulary)."""
+    table = d.vocab * d.hidden
+    return d.layers * language_layer_params(d, 1) + table + d.hidden + (0 if d.tied else table)
+
+
+def language_lora_params(d: TextDims, lora: LoraSpec, tp: int) -> int:
+    """Adapters of one layer on one tp rank (``model.lora``: column-parallel A whole and B split;
+    row-parallel A split and B whole)."""
+    r, h = lora.rank, d.hidden
+    per = {"linear_qkv": r * h + d.qkv_width // tp * r,
+           "linear_proj": r * (d.heads * d.head_dim // tp) + h * r,
+           "linear_fc1": r * h + 2 * d.ffn // tp * r,
+           "linear_fc2": r * (d.ffn // tp) + h * r}
+    return sum(per[t] for t in lora.language)
+
+
+# ---- vision tower (unsharded) ----------------------------------------------------------------------
+def vision_block_params(v: VisionDims) -> int:
+    h, i = v.hidden, v.ffn
+    return 2 * h + (3 * h * h + 3 * h) + (h * h + h) + 2 * (i * h + i) + (h * i + h)
+
+
+def projector_params(v: VisionDims) -> int:
+    c = v.merged
+    return v.hidden + c * c + c + v.out_hidden * c + v.out_hidden
+
+
+def vision_params(v: VisionDims) -> tuple[int, int]:
+    """``(tower, projector)`` parameters: patch embedding and blocks; the patch merger."""
+    return v.hidden * v.patch_values + v.depth * vision_block_params(v), projector_params(v)
+
+
+def vision_lora_params(v: VisionDims, lora: LoraSpec) -> int:
+    r, h, i, c = lora.rank, v.hidden, v.ffn, v.merged
+    n = 0
+    if "vision_attn" in lora.targets:
+        n += v.depth * ((r * h + 3 * h * r) + (r * h + h * r))
+    if "vision_mlp" in lora.targets:
+        n += v.depth * (2 * (r * h + i * r) + (r * i + h * r))
+    if "merger" in lora.targets:
+        n += (r * c + c * r) + (r * c + v.out_hidden * r)
+    return n
+
+
+@dataclass(frozen=True)
+class ModuleParams:
+    """A module's whole parameter count and its most loaded rank's: held and trained."""
+
+    total: int
+    rank: int
+    rank_trainable: int
+
+
+def vision_module_params(v: VisionDims, model_cfg, lora: LoraSpec | None) -> ModuleParams:
+    """What ``model.builder._freeze`` and ``model.lora.apply_lora`` leave trainable in the tower."""
+    tower, proj = vision_params(v)
+    adapters = vision_lora_params(v, lora) if lora else 0
+    targets = set(lora.targets) if lora else set()
+    tower_trains = not model_cfg.freeze_vision and not targets & {"vision_attn", "vision_mlp"}
+    proj_trains = not model_cfg.freeze_projector and "merger" not in targets
+    trainable = (tower if tower_trains else 0) + (proj if proj_trains else 0) + adapters
+    return ModuleParams(tower + proj + adapters, tower + proj + adapters, trainable)

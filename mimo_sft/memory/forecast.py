@@ -1,0 +1,242 @@
+"""GPU memory of each module's most loaded rank, forecast from config.json and the config alone.
+
+Why: a layout that runs out of memory at step 1 costs a queue wait and a node-hour to find out;
+``validate``, ``plan`` and ``finetune`` (check 23) forecast it before any process starts, and name
+the cheapest change that makes it fit (``memory.fixes``). No weights are read, so a 72B layout is
+forecast on a laptop.
+
+Terms (bytes, per rank; docs/memory.md has every formula and what was measured):
+
+* ``weights``: every parameter the rank holds, in ``--dtype`` (frozen ones too).
+* ``gradients``: megatron DDP's grad buffer, fp32 (``train.setup`` sets ``grad_reduce_in_fp32``), one
+  value per trainable parameter, also with the distributed optimizer (it reduce-scatters into it).
+* ``optimizer``: Adam's two moments, plus fp32 main weights in bf16: 8 or 12 bytes per trainable
+  parameter, divided by the module's dp x cp with the distributed optimizer (megatron shards it over
+  ``dp_cp``). LoRA runs the plain optimizer.
+* ``activations``: what autograd keeps (``memory.activations``) times the micro-batches the schedule
+  holds: 1F1B (non-colocated) keeps ``stages - stage`` in flight, the encoder stage ``pp + 1``; a
+  colocated step runs one at a time. ``recompute``: the one layer group (or block) rebuilt during
+  backward. ``logits``: last stage's final norm and cross entropy.
+* ``inputs`` (vision): pixel values and rotary tables. ``bridge``: the tensors crossing the
+  encoder-language bridge and pipeline stages that the schedule keeps until their backward.
+* ``allowance``: 2 GiB per GPU (CUDA context, cuBLAS workspace, NCCL buffers) plus 10 % of the
+  activation terms (allocator fragmentation, backward temporaries). An assumption, not a measurement.
+
+Pure: no torch, no megatron.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from mimo_sft.config.lora import LoraSpec
+from mimo_sft.memory import activations as act
+from mimo_sft.memory.dims import (TextDims, VisionDims, language_lora_params, language_params, language_stage_params,
+                                  vision_module_params)
+from mimo_sft.parallel.layout import IMAGES, LANGUAGE
+
+GIB = 1024 ** 3
+ALLOWANCE_FIXED = 2 * GIB
+ALLOWANCE_SHARE = 0.10
+#: Qwen2.5-VL's processor default (preprocessor_config.json ``max_pixels``) when nothing else says
+DEFAULT_MAX_PIXELS = 28 * 28 * 16384
+ACTIVATION_TERMS = ("activations", "recompute", "logits")
+
+
+@dataclass
+class Workload:
+    """What one rank computes per micro-batch: the forecast's worst case, or a dataset's heaviest."""
+
+    language_tokens: int
+    image_patches: int
+    image_tokens: int  # image tokens reaching one language rank
+    source: str
+
+
+@dataclass
+class ModuleForecast:
+    module: str
+    parameters: int       # the module's whole parameter count
+    rank_parameters: int  # held by its most loaded rank
+    rank: str             # which rank that is
+    terms: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def peak_bytes(self) -> int:
+        return sum(self.terms.values())
+
+    def to_json(self) -> dict:
+        return {"peak_bytes": self.peak_bytes, "parameters": self.parameters, "rank_parameters": self.rank_parameters,
+                "rank": self.rank, "terms": dict(self.terms)}
+
+
+@dataclass
+class MemoryForecast:
+    modules: dict[str, ModuleForecast]
+    colocated: bool
+    workload: Workload
+
+    def gpu_peaks(self) -> dict[str, int]:
+        """Peak bytes per GPU group: each module's own ranks, or one sum when colocated."""
+        if self.colocated:
+            return {"+".join(self.modules): sum(m.peak_bytes for m in self.modules.values())}
+        return {name: m.peak_bytes for name, m in self.modules.items()}
+
+    def to_json(self) -> dict:
+        return {name: m.to_json() for name, m in self.modules.items()}
+
+    def report(self, budget_bytes: int, budget_source: str) -> dict:
+        """The JSON-ready report the tables print and ``--json`` carries: modules, per-GPU peaks, budget."""
+        return {"modules": self.to_json(), "gpu_peaks": self.gpu_peaks(), "budget_bytes": budget_bytes,
+                "budget_source": budget_source, "workload": self.workload.source}
+
+
+def _bytes(dtype: str) -> int:
+    return 2 if dtype == "bf16" else 4
+
+
+def _optimizer_bytes(trainable: int, *, b: int, distributed: bool, shards: int) -> int:
+    per = 8 + (4 if b == 2 else 0)  # Adam moments (+ fp32 main weights for bf16 parameters)
+    return per * (-(-trainable // shards) if distributed else trainable)
+
+
+def _state_terms(held: int, trainable: int, *, b: int, distributed: bool, shards: int) -> dict[str, int]:
+    return {"weights": held * b, "gradients": 4 * trainable,
+            "optimizer": _optimizer_bytes(trainable, b=b, distributed=distributed, shards=shards)}
+
+
+def max_pixels_of(cfg, hf_config: dict | None, processor_max_pixels: int | None) -> int:
+    return int(cfg.data.max_pixels or processor_max_pixels or DEFAULT_MAX_PIXELS)
+
+
+def worst_case_workload(cfg, layout, hf_config: dict, *, max_pixels: int) -> Workload:
+    """Every sample padded to ``--seq-length`` and carrying one image at ``--max-pixels`` (its tokens
+    capped at ``--seq-length``: a larger one does not fit and is dropped)."""
+    v = VisionDims.from_config(hf_config)
+    mbs, seq = cfg.train.micro_batch_size, cfg.data.seq_length
+    lang = layout.spec(LANGUAGE)
+    tokens_per_image = max(1, max_pixels // (v.patch * v.merge) ** 2)
+    image_tokens = min(tokens_per_image, seq)
+    vis_dp = layout.spec(IMAGES).dp if IMAGES in layout.names else 1
+    return Workload(language_tokens=max(1, mbs // lang.dp) * seq,
+                    image_patches=max(1, mbs // vis_dp) * image_tokens * v.merge ** 2,
+                    image_tokens=max(1, mbs // lang.dp) * image_tokens,
+                    source=f"worst case: every sample {seq} tokens with one image of {image_tokens} tokens "
+                           f"(--max-pixels {max_pixels:,})")
+
+
+def _in_flight(layout, module: str, stage: int, num_microbatches: int) -> int:
+    """Micro-batches whose activations a stage holds at its peak (megatron's 1F1B warmup + 1)."""
+    if layout.colocated:
+        return 1
+    pp = layout.spec(LANGUAGE).pp
+    return min(pp + 1 if module != LANGUAGE else pp - stage, num_microbatches)
+
+
+def _language_stage(cfg, layout, d: TextDims, stage: int, wl: Workload, lora: LoraSpec | None) -> dict[str, int]:
+    m, lang = cfg.model, layout.spec(LANGUAGE)
+    tp, pp, b = lang.tp, lang.pp, _bytes(m.dtype)
+    sp = bool(m.sequence_parallel) and tp > 1
+    held = language_stage_params(d, tp=tp, pp=pp, stage=stage)
+    layers = d.layers // pp
+    adapters = layers * language_lora_params(d, lora, tp) if lora else 0
+    trainable = adapters if lora else (0 if m.freeze_language else held)
+    distributed = cfg.optimizer.use_distributed_optimizer and not lora
+    terms = _state_terms(held + adapters, trainable, b=b, distributed=distributed, shards=lang.dp * lang.cp)
+    tokens = wl.language_tokens
+    modules = tuple(m.recompute_modules if isinstance(m.recompute_modules, (list, tuple))
+                    else str(m.recompute_modules or "").split(","))
+    selective = modules if m.recompute_granularity == "selective" else ()
+    full = sum(act.language_layer_terms(d, tp=tp, sp=sp, b=b).values()) * tokens
+    kept = sum(act.language_layer_terms(d, tp=tp, sp=sp, b=b, recompute_modules=selective).values()) * tokens
+    if lora and m.lora_dropout > 0:  # each adapted input is dropped out into a copy, with its mask
+        widths = {"linear_qkv": d.hidden, "linear_proj": d.heads * d.head_dim // tp, "linear_fc1": d.hidden,
+                  "linear_fc2": d.ffn // tp}
+        kept += sum((b + 1) * widths[t] for t in lora.language) * tokens
+    inp = act.language_layer_input(d, tp=tp, sp=sp, b=b) * tokens
+    n = min(m.recompute_num_layers or 1, layers)
+    if m.recompute_granularity == "full" and (m.recompute_method or "uniform") == "uniform":
+        stored, transient = -(-layers // n) * inp, n * full
+    elif m.recompute_granularity == "full":  # block: the first n layers of the stage
+        stored, transient = n * inp + (layers - n) * kept, full
+    else:
+        stored, transient = layers * kept, 0
+    flight = _in_flight(layout, LANGUAGE, stage, _num_microbatches(cfg))
+    terms["activations"] = int(flight * stored)
+    terms["recompute"] = int(transient)
+    terms["logits"] = int(sum(act.language_head_terms(d, tp=tp, sp=sp, b=b).values()) * tokens) if stage == pp - 1 else 0
+    hidden_stream = tokens * d.hidden * b // (tp if sp else 1)
+    bridge = (stage > 0) * flight * hidden_stream + (stage < pp - 1) * flight * hidden_stream
+    if stage == 0 and IMAGES in layout.names:
+        bridge += (flight + 1) * wl.image_tokens * d.hidden * b
+    terms["bridge"] = int(bridge)
+    return terms
+
+
+def _num_microbatches(cfg) -> int:
+    return max(1, cfg.train.global_batch_size // max(1, cfg.train.micro_batch_size))
+
+
+def _allowance(terms: dict[str, int], *, fixed: bool) -> int:
+    share = ALLOWANCE_SHARE * sum(terms.get(k, 0) for k in ACTIVATION_TERMS + ("inputs",))
+    return int((ALLOWANCE_FIXED if fixed else 0) + share)
+
+
+def language_forecast(cfg, layout, hf_config: dict, wl: Workload) -> ModuleForecast:
+    d = TextDims.from_config(hf_config)
+    lora = LoraSpec.from_model_config(cfg.model)
+    pp = layout.spec(LANGUAGE).pp
+    stages = [_language_stage(cfg, layout, d, s, wl, lora) for s in range(pp)]
+    best = max(range(pp), key=lambda s: sum(stages[s].values()))
+    terms = stages[best]
+    terms["allowance"] = _allowance(terms, fixed=True)
+    tp = layout.spec(LANGUAGE).tp
+    held = language_stage_params(d, tp=tp, pp=pp, stage=best)
+    adapters = d.layers // pp * language_lora_params(d, lora, tp) if lora else 0
+    total = language_params(d) + (d.layers * language_lora_params(d, lora, 1) if lora else 0)
+    return ModuleForecast(LANGUAGE, total, held + adapters, f"pp stage {best} of {pp}" if pp > 1 else "every rank",
+                          terms)
+
+
+def vision_forecast(cfg, layout, hf_config: dict, wl: Workload) -> ModuleForecast:
+    m = cfg.model
+    v = VisionDims.from_config(hf_config)
+    lora = LoraSpec.from_model_config(m)
+    spec = layout.spec(IMAGES)
+    b = _bytes(m.dtype)
+    params = vision_module_params(v, m, lora)
+    distributed = cfg.optimizer.use_distributed_optimizer and not lora
+    terms = _state_terms(params.rank, params.rank_trainable, b=b, distributed=distributed, shards=spec.dp * spec.cp)
+    targets = set(lora.targets) if lora else set()
+    tower_trains = (not m.freeze_vision) or bool(targets & {"vision_attn", "vision_mlp"})
+    merger_trains = tower_trains or not m.freeze_projector or "merger" in targets
+    patches = wl.image_patches
+    flight = _in_flight(layout, IMAGES, 0, _num_microbatches(cfg))
+    full = sum(act.vision_block_terms(v, b=b).values()) * patches
+    if not tower_trains:
+        stored, transient = 0, 0
+    elif m.recompute_vision:
+        stored, transient = v.depth * act.vision_block_input(v, b=b) * patches, full
+    else:
+        stored, transient = v.depth * full, 0
+    if merger_trains:
+        stored += act.merger_terms(v, b=b) * patches
+    terms["inputs"] = int(flight * act.vision_input_terms(v, b=b, tower_trains=tower_trains) * patches)
+    terms["activations"] = int(flight * stored)
+    terms["recompute"] = int(transient)
+    image_tokens = patches // v.merge ** 2
+    terms["bridge"] = int((flight + 1) * image_tokens * v.out_hidden * b)
+    terms["allowance"] = _allowance(terms, fixed=not layout.colocated)
+    return ModuleForecast(IMAGES, params.total, params.rank, "every rank", terms)
+
+
+def forecast_memory(cfg, layout, hf_config: dict, *, workload: Workload | None = None,
+                    processor_max_pixels: int | None = None) -> MemoryForecast:
+    """The forecast of every module in ``layout`` (a checked ``parallel.layout.Layout``) for ``cfg``
+    (an ``ExperimentConfig``) and a Qwen2.5-VL config.json dict."""
+    wl = workload or worst_case_workload(cfg, layout, hf_config,
+                                         max_pixels=max_pixels_of(cfg, hf_config, processor_max_pixels))
+    modules = {LANGUAGE: language_forecast(cfg, layout, hf_config, wl)}
+    if IMAGES in layout.names:
+        modules[IMAGES] = vision_forecast(cfg, layout, hf_config, wl)
+    return MemoryForecast(modules, layout.colocated, wl)

@@ -1,0 +1,159 @@
+#!/usr/bin/env python
+"""Forecast vs measured activation bytes at real width, on the CPU: the table in docs/benchmarks.md.
+
+    python scripts/bench_memory.py [--preset qwen2.5-vl-7b] [--tokens 512] [--patches 1024] [--dtype bf16]
+
+For one megatron decoder layer of the preset (built as mimo-sft builds it: our config, spec and SDPA
+core, tp 1) with each recompute setting, its attention and MLP parts alone, one transformers
+Qwen2.5-VL vision block (with and without ``--recompute-vision``'s checkpointing, full and windowed
+attention), the patch merger, and megatron's vocab-parallel cross entropy on the preset's vocabulary,
+it prints the bytes ``mimo_sft.memory``'s formulas forecast and the bytes autograd saves
+(``mimo_sft.testing.saved_bytes``: distinct storages seen by ``saved_tensors_hooks``), per token or
+patch, and their ratio. Attention runs on torch's flash SDPA kernel, the one GPUs use.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+SETTINGS = {
+    "no recompute": None,
+    "selective core_attn": {"recompute_granularity": "selective", "recompute_modules": ["core_attn"]},
+    "selective mlp": {"recompute_granularity": "selective", "recompute_modules": ["mlp"]},
+    "selective core_attn,mlp": {"recompute_granularity": "selective", "recompute_modules": ["core_attn", "mlp"]},
+    "full (uniform, 1 layer)": {"recompute_granularity": "full", "recompute_method": "uniform",
+                                "recompute_num_layers": 1},
+}
+
+
+def language_rows(hf_dir, d, tokens, dtype, b):
+    import torch
+
+    from mimo_sft.memory import activations as act
+    from mimo_sft.testing import saved_bytes as sb
+
+    rows = []
+    for name, rc in SETTINGS.items():
+        block, cfg = sb.language_layer(hf_dir, dtype=dtype, recompute=rc)
+        measured = sb.language_layer_saved(block, cfg, tokens, dtype=dtype)
+        if rc and rc["recompute_granularity"] == "full":
+            forecast = act.language_layer_input(d, tp=1, sp=False, b=b)
+        else:
+            mods = rc["recompute_modules"] if rc else ()
+            forecast = sum(act.language_layer_terms(d, tp=1, sp=False, b=b, recompute_modules=mods).values())
+        rows.append((f"decoder layer, {name}", "token", forecast, measured / tokens))
+        if rc is None:
+            rows += _layer_parts(block, cfg, d, tokens, dtype, b)
+        del block
+    return rows
+
+
+def _layer_parts(block, cfg, d, tokens, dtype, b):
+    """The attention and MLP halves of the layer alone, against their terms."""
+    import torch
+
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import MultimodalRotaryEmbedding
+
+    from mimo_sft.memory import activations as act
+    from mimo_sft.testing import saved_bytes as sb
+
+    layer = block.layers[0]
+    terms = act.language_layer_terms(d, tp=1, sp=False, b=b)
+    rope = MultimodalRotaryEmbedding(kv_channels=cfg.kv_channels, rotary_percent=1.0)
+    emb = rope(torch.arange(tokens).view(1, 1, tokens).expand(3, 1, tokens), cfg.mrope_section)
+    x = torch.randn(tokens, 1, d.hidden, dtype=dtype, requires_grad=True)
+    params = list(layer.parameters())
+    with sb.flash_sdpa():
+        attn, _ = sb.saved_bytes(lambda t: layer.self_attention(t, None, rotary_pos_emb=emb), x, exclude=params + [emb])
+        mlp, _ = sb.saved_bytes(layer.mlp, x, exclude=params)
+    half = terms["linear inputs"] / 2
+    return [("  attention part (qkv + rotary + attention + its input)", "token",
+             half + terms["qkv"] + terms["rotary"] + terms["attention"], attn / tokens),
+            ("  MLP part (mlp + its input)", "token", half + terms["mlp"], mlp / tokens)]
+
+
+def vision_rows(hf_dir, v, patches, dtype, b):
+    import copy
+
+    import torch
+    from transformers import Qwen2_5_VLConfig
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLPatchMerger
+
+    from mimo_sft.memory import activations as act
+    from mimo_sft.testing import saved_bytes as sb
+
+    block, vcfg = sb.vision_block(hf_dir, dtype=dtype)
+    full = sum(act.vision_block_terms(v, b=b).values())
+    rows = [("vision block, full attention", "patch", full, sb.vision_block_saved(block, vcfg, patches, dtype=dtype) / patches),
+            ("vision block, windows of 64 patches", "patch", full,
+             sb.vision_block_saved(block, vcfg, patches, dtype=dtype, window=64) / patches),
+            ("vision block, --recompute-vision", "patch", act.vision_block_input(v, b=b),
+             sb.vision_block_saved(block, vcfg, patches, dtype=dtype, recompute=True) / patches)]
+    cfg = copy.deepcopy(Qwen2_5_VLConfig.from_pretrained(hf_dir).vision_config)
+    merger = Qwen2_5_VLPatchMerger(dim=cfg.out_hidden_size, context_dim=cfg.hidden_size,
+                                   spatial_merge_size=cfg.spatial_merge_size).to(dtype)
+    x = torch.randn(patches, v.hidden, dtype=dtype, requires_grad=True)
+    measured, _ = sb.saved_bytes(merger, x, exclude=list(merger.parameters()) + [x])
+    rows.append(("patch merger", "patch", act.merger_terms(v, b=b), measured / patches))
+    return rows
+
+
+def cross_entropy_row(d, tokens, dtype, b):
+    """megatron's vocab-parallel cross entropy (tp 1) on this vocabulary: what it keeps for backward
+    (the fp32 softmax, plus the int64 target and bool mask: 9 bytes a token)."""
+    import torch
+    from megatron.core import tensor_parallel
+
+    from mimo_sft.memory import activations as act
+    from mimo_sft.parallel.bootstrap import start_single_process
+    from mimo_sft.testing import saved_bytes as sb
+
+    state = start_single_process("cpu")
+    vocab = d.padded_vocab(1)
+    logits = torch.randn(tokens, 1, vocab, dtype=dtype, requires_grad=True)
+    labels = torch.randint(0, d.vocab, (tokens, 1))
+    measured, _ = sb.saved_bytes(tensor_parallel.vocab_parallel_cross_entropy, logits, labels,
+                                 tp_group=state.modules["language"].pg_collection.tp, exclude=[logits])
+    saved = act.FP32 * vocab  # the forecast's "cross entropy" term also holds the bf16 logits beside it
+    return [("cross entropy, saved softmax (fp32)", "token", saved, measured / tokens)]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="qwen2.5-vl-7b")
+    p.add_argument("--tokens", type=int, default=512)
+    p.add_argument("--patches", type=int, default=1024)
+    p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
+    a = p.parse_args(argv)
+    os.environ.setdefault("OMP_NUM_THREADS", "2")
+    import torch
+
+    from mimo_sft.config.checks import read_hf_config
+    from mimo_sft.memory.dims import TextDims, VisionDims
+    from mimo_sft.testing.tiny_checkpoint import preset_config
+
+    dtype, b = (torch.bfloat16, 2) if a.dtype == "bf16" else (torch.float32, 4)
+    with tempfile.TemporaryDirectory() as tmp:
+        preset_config(a.preset).save_pretrained(tmp)
+        hf = read_hf_config(tmp)
+        d, v = TextDims.from_config(hf), VisionDims.from_config(hf)
+        rows = language_rows(tmp, d, a.tokens, dtype, b) + vision_rows(tmp, v, a.patches, dtype, b)
+        rows += cross_entropy_row(d, a.tokens, dtype, b)
+    print(f"{a.preset}, {a.dtype}: language hidden {d.hidden}, {a.tokens} tokens; vision hidden {v.hidden}, "
+          f"{a.patches} patches (bytes per token / patch; hidden multiples in brackets)")
+    print(f"| {'what':<58} | {'per':<5} | {'forecast':>18} | {'measured':>18} | {'ratio':>6} |")
+    print(f"|{'-' * 60}|{'-' * 7}|{'-' * 20}|{'-' * 20}|{'-' * 8}|")
+    for name, per, forecast, measured in rows:
+        width = d.hidden if per == "token" else v.hidden
+        print(f"| {name:<58} | {per:<5} | {forecast:>9,.0f} ({forecast / width:5.1f}h) | "
+              f"{measured:>9,.0f} ({measured / width:5.1f}h) | {forecast / measured if measured else float('nan'):6.3f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
