@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import os
 
+from mimo_sft.train.checkpoint_model import encoder_replica_rank, model_sharded_state_dict
+
 OPTIMIZER_DIR = "optimizer"
 _COMMON = "_mimo_sft_common"
 #: the distributed optimizer's format: whole parameter-shaped tensors (gathered over the module's
@@ -35,7 +37,6 @@ def _optimizer_sharded_state_dict(ctx, *, is_loading: bool) -> dict:
     from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, ShardedBase, ShardedObject
     from megatron.core.models.mimo.optimizer import _get_replica_id
 
-    from mimo_sft.train.checkpoint import encoder_replica_rank, model_sharded_state_dict
 
     model_sd = model_sharded_state_dict(ctx.model, encoder_replica_rank(ctx))
     sd = ctx.optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=dict(_METADATA))
