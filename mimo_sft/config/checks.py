@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from mimo_sft.config import families
+from mimo_sft.config.checks_checkpoint import c24_checkpoint_writing
 from mimo_sft.config.families import FamilySpec
 from mimo_sft.config.schema import ExperimentConfig
 from mimo_sft.errors import UserError
@@ -344,6 +345,7 @@ CHECKS: tuple[tuple[int, str, Callable], ...] = (
     (18, "what is left to finetune", c18_contents_note),
     (19, "in-batch packing settings", c19_packing),
     (20, "LoRA settings", c20_lora),
+    (24, "checkpoint writing and resharding", c24_checkpoint_writing),
 )
 
 
