@@ -66,11 +66,18 @@ def one_request(parts: list, publish, *, step: int):
             args[1] = part.preload_fn()
         writes.append((part.async_fn, args, dict(part.async_fn_kwargs)))
     finalize = [fn for part in parts for fn in part.finalize_fns] + [publish]
-    return AsyncRequest(_write_parts if writes else None, (writes, step), finalize)
+    return AsyncRequest(_write_parts if writes else None, (writes, step, os.getpid()), finalize)
 
 
-def _write_parts(writes: list, step: int) -> None:
-    """Every part's write on this rank (in the forked writer with ``--async-save``)."""
+#: niceness of a background writer: training keeps the CPU it needs, the writer takes what is left
+WRITER_NICENESS = 10
+
+
+def _write_parts(writes: list, step: int, trainer_pid: int) -> None:
+    """Every part's write on this rank (in the forked writer with ``--async-save``: at a lower CPU
+    priority than the training process it was forked from)."""
+    if os.getpid() != trainer_pid:
+        os.nice(WRITER_NICENESS)
     for fn, args, kwargs in writes:
         if _enospc_injected(step):
             _fail_like_a_full_disk(args)
@@ -162,11 +169,14 @@ class _failures_as_one_line:
             return False
         import torch.distributed as dist
 
+        reason = [_reason(err)]
+        if isinstance(err, CheckpointException):  # raised on every rank; the failing ranks' errors are on rank 0
+            dist.broadcast_object_list(reason, src=0)
         if dist.get_rank() == 0:
             shutil.rmtree(self.tmp, ignore_errors=True)
         latest = latest_name(self.root)
         kept = f"{latest} stays the latest checkpoint" if latest else "no earlier checkpoint exists"
-        raise SaveFailed(f"saving step {self.step} to {self.root} failed: {_reason(err)}; {kept}") from None
+        raise SaveFailed(f"saving step {self.step} to {self.root} failed: {reason[0]}; {kept}") from None
 
 
 def _reason(err: BaseException) -> str:
