@@ -166,6 +166,30 @@ def export(
     Console().print(f"wrote {'PEFT adapter' if adapter_only else 'Hugging Face checkpoint'} to {path}")
 
 
+checkpoint_app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                             help="Inspect mimo-sft checkpoints.")
+app.add_typer(checkpoint_app, name="checkpoint")
+
+
+@checkpoint_app.command("info")
+def checkpoint_info(
+    folder: str = typer.Argument(..., help="a mimo-sft checkpoint folder (or its parent with 'latest')"),
+    component: list[str] = typer.Option([], "--component", help="a layout to ask about, as for finetune: NAME=k=v,... (repeat)"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
+) -> None:
+    """Step, layout, dtype, optimizer, sizes per module -- and whether it resumes on --component's layout. Reads no tensor."""
+    from mimo_sft.parallel.components import parse_component
+    from mimo_sft.train.checkpoint_info import describe, format_info
+
+    try:
+        info = describe(folder, [parse_component(c) for c in component] or None)
+    except UserError as e:
+        _fail(e)
+    print(json.dumps(info) if as_json else format_info(info))
+    if not info.get("resumes_on", {"ok": True})["ok"]:
+        raise typer.Exit(1)
+
+
 PLAN_FLAGS = {"--steps": "micro-batches to simulate (default 50)", "--out": "folder for the PNG",
               "--json": "print the figures as one JSON object",
               "--compare-window": "comma-separated window sizes to compare, e.g. 1,2,4",
