@@ -152,6 +152,7 @@ def export(
     out: str = typer.Option(..., "--out", help="folder to write the Hugging Face checkpoint into"),
     hf_model: Optional[str] = typer.Option(None, "--hf-model", help="source HF folder (default: the one recorded in the checkpoint)"),
     adapter_only: bool = typer.Option(False, "--adapter-only", help="LoRA checkpoint: write a PEFT adapter folder (adapter_config.json + adapter_model.safetensors) instead of merged weights"),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="fp32 or bf16: the dtype of the written weights (default: the run's training --dtype)"),
 ) -> None:
     """Write a fine-tuned checkpoint as a Hugging Face folder that transformers loads (LoRA: merged, or a PEFT adapter)."""
     from mimo_sft.quiet import quiet_libraries
@@ -160,7 +161,7 @@ def export(
     from mimo_sft.export import export_checkpoint
 
     try:
-        path = export_checkpoint(checkpoint, out, hf_model=hf_model, adapter_only=adapter_only)
+        path = export_checkpoint(checkpoint, out, hf_model=hf_model, adapter_only=adapter_only, dtype=dtype)
     except UserError as e:
         _fail(e)
     Console().print(f"wrote {'PEFT adapter' if adapter_only else 'Hugging Face checkpoint'} to {path}")

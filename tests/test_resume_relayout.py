@@ -106,3 +106,28 @@ def test_bf16_resume_on_another_layout_restores_the_main_weights():
         worst = max(worst, ((a[k] - b[k]).abs().max() / a[k].abs().max().clamp_min(1e-30)).item())
     assert worst < 1e-6, worst
     print(f"bf16: largest relative main-weight difference {worst:.2e}")
+    _assert_exports_in_bf16(cont + "/checkpoints/iter_0000002")
+
+
+def _assert_exports_in_bf16(ckpt):
+    """Export writes a bf16 run's weights in bf16 by default, exactly as trained: the fp32 export of
+    the same checkpoint holds only bf16-representable values (the bf16 weights, upcast) and equals
+    the bf16 export upcast; config.json says bfloat16, and transformers loads it as bf16."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForImageTextToText
+
+    from mimo_sft.export import export_checkpoint
+
+    as_bf16 = export_checkpoint(ckpt, new_dir("export_bf16"))
+    as_fp32 = export_checkpoint(ckpt, new_dir("export_fp32"), dtype="fp32")
+    a, b = load_file(as_bf16 + "/model.safetensors"), load_file(as_fp32 + "/model.safetensors")
+    assert a.keys() == b.keys() and len(a) > 10
+    for k in a:
+        assert a[k].dtype == torch.bfloat16 and b[k].dtype == torch.float32, k
+        assert torch.equal(b[k].to(torch.bfloat16).float(), b[k]) and torch.equal(a[k].float(), b[k]), k
+    import json
+
+    assert json.load(open(as_bf16 + "/config.json"))["dtype"] == "bfloat16"
+    assert json.load(open(as_fp32 + "/config.json"))["dtype"] == "float32"
+    hf = AutoModelForImageTextToText.from_pretrained(as_bf16, dtype="auto")
+    assert {p.dtype for p in hf.parameters()} == {torch.bfloat16}
