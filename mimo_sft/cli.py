@@ -160,6 +160,7 @@ def export(
     out: str = typer.Option(..., "--out", help="folder to write the Hugging Face checkpoint into"),
     hf_model: Optional[str] = typer.Option(None, "--hf-model", help="source HF folder (default: the one recorded in the checkpoint)"),
     adapter_only: bool = typer.Option(False, "--adapter-only", help="LoRA checkpoint: write a PEFT adapter folder (adapter_config.json + adapter_model.safetensors) instead of merged weights"),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="fp32 or bf16: the dtype of the written weights (default: the run's training --dtype)"),
 ) -> None:
     """Write a fine-tuned checkpoint as a Hugging Face folder that transformers loads (LoRA: merged, or a PEFT adapter)."""
     from mimo_sft.quiet import quiet_libraries
@@ -168,10 +169,34 @@ def export(
     from mimo_sft.export import export_checkpoint
 
     try:
-        path = export_checkpoint(checkpoint, out, hf_model=hf_model, adapter_only=adapter_only)
+        path = export_checkpoint(checkpoint, out, hf_model=hf_model, adapter_only=adapter_only, dtype=dtype)
     except UserError as e:
         _fail(e)
     Console().print(f"wrote {'PEFT adapter' if adapter_only else 'Hugging Face checkpoint'} to {path}")
+
+
+checkpoint_app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                             help="Inspect mimo-sft checkpoints.")
+app.add_typer(checkpoint_app, name="checkpoint")
+
+
+@checkpoint_app.command("info")
+def checkpoint_info(
+    folder: str = typer.Argument(..., help="a mimo-sft checkpoint folder (or its parent with 'latest')"),
+    component: list[str] = typer.Option([], "--component", help="a layout to ask about, as for finetune: NAME=k=v,... (repeat)"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
+) -> None:
+    """Step, layout, dtype, optimizer, sizes per module -- and whether it resumes on --component's layout. Reads no tensor."""
+    from mimo_sft.parallel.components import parse_component
+    from mimo_sft.train.checkpoint_info import describe, format_info
+
+    try:
+        info = describe(folder, [parse_component(c) for c in component] or None)
+    except UserError as e:
+        _fail(e)
+    print(json.dumps(info) if as_json else format_info(info))
+    if not info.get("resumes_on", {"ok": True})["ok"]:
+        raise typer.Exit(1)
 
 
 PLAN_FLAGS = {"--steps": "micro-batches to simulate (default 50)", "--out": "folder for the PNG",

@@ -19,15 +19,17 @@ import os
 from mimo_sft.errors import UserError
 
 
-def export_checkpoint(checkpoint: str, out_dir: str, *, hf_model: str | None = None, adapter_only: bool = False) -> str:
+def export_checkpoint(checkpoint: str, out_dir: str, *, hf_model: str | None = None, adapter_only: bool = False,
+                      dtype: str | None = None) -> str:
     """Write the checkpoint ``checkpoint`` (a folder, or its parent with ``latest``) to ``out_dir``.
 
     ``hf_model``: the source Hugging Face folder (config and processor files are copied from it);
     default: the one the checkpoint records. A LoRA checkpoint (meta.json ``"lora"``) is built on the
     base weights of that folder with its adapters merged (``model.lora_export``), or written as a PEFT
-    adapter folder with ``adapter_only``. Returns ``out_dir``.
+    adapter folder with ``adapter_only``. ``dtype`` (``fp32``/``bf16``): the weights' dtype on disk;
+    default: the run's ``--dtype`` as meta.json records it. Returns ``out_dir``.
     """
-    from mimo_sft.model.export import export_weights
+    from mimo_sft.model.export import EXPORT_DTYPES, export_weights
     from mimo_sft.train.checkpoint import load_model_weights, read_meta, resolve_checkpoint
 
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
@@ -39,12 +41,17 @@ def export_checkpoint(checkpoint: str, out_dir: str, *, hf_model: str | None = N
         raise UserError(f"--checkpoint {ckpt} does not record its source model; pass --hf-model DIR")
     if not os.path.isdir(src):
         raise UserError(f"--hf-model {src}: folder not found (export copies its config and processor files)")
+    dtype = dtype or meta.get("dtype", "fp32")
+    if dtype not in EXPORT_DTYPES:
+        raise UserError(f"--dtype {dtype}: choose one of {', '.join(EXPORT_DTYPES)}")
+    torch_dtype = EXPORT_DTYPES[dtype][0]
     if meta.get("lora"):
         from mimo_sft.model.lora_export import export_lora
 
-        export_lora(lambda model: load_model_weights(model, ckpt), src, out_dir, meta["lora"], adapter_only=adapter_only)
+        export_lora(lambda model: load_model_weights(model, ckpt), src, out_dir, meta["lora"], adapter_only=adapter_only,
+                    dtype=torch_dtype)
         return out_dir
     if adapter_only:
         raise UserError(f"--adapter-only: {ckpt} is a full fine-tuning checkpoint (no LoRA adapters); export it without --adapter-only")
-    export_weights(lambda model: load_model_weights(model, ckpt), src, out_dir)
+    export_weights(lambda model: load_model_weights(model, ckpt), src, out_dir, dtype=torch_dtype)
     return out_dir

@@ -1,6 +1,8 @@
 """A save killed (SIGKILL) at any point leaves a loadable checkpoint, and the resumed run continues
 exactly where the run that was never killed would have been. Real torchrun processes on CPU."""
 
+import os
+
 import pytest
 
 from mimo_sft.train.checkpoint_files import complete_checkpoints, resolve_checkpoint
@@ -11,11 +13,11 @@ pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("dist")]
 POINTS = ["start", "after_model", "before_meta", "before_rename", "after_rename", "after_latest"]
 
 
-def _args(out, iters):
+def _args(out, iters, components=("language=dp=1", "images=dp=1")):
     return ["--hf-model", tiny_model(), "--dataset-path", demo_data(), "--seq-length", "160", "--micro-batch-size", "2",
             "--global-batch-size", "4", "--train-iters", str(iters), "--lr", "3e-3", "--lr-decay-style", "constant",
             "--dataloader-type", "cyclic",
-            "--no-tensorboard", "--component", "language=dp=1", "--component", "images=dp=1", "--save-interval", "2",
+            "--no-tensorboard", *[a for c in components for a in ("--component", c)], "--save-interval", "2",
             "--output-dir", out]
 
 
@@ -43,3 +45,42 @@ def test_save_killed_at_any_point_resumes_exactly(point, never_killed):
         assert loss == never_killed[step], (point, step)
     assert [s for s, _v, _n in complete_checkpoints(out + "/checkpoints")] == [5]
     assert resolve_checkpoint(out + "/checkpoints").endswith("iter_0000005")
+
+
+@pytest.mark.parametrize("point", ["before_meta", "after_latest"])
+def test_async_save_killed_resumes_exactly(point, never_killed):
+    """--async-save: the step-4 save is written in the background during step 5 and published by a
+    later poll; killed before its meta.json the step-2 checkpoint stays latest, killed after its
+    publication it is latest -- either way the resumed run continues exactly (the background write
+    saw the state of step 4 although step 5 updated the weights meanwhile)."""
+    out = new_dir(f"kill_async_{point}")
+    proc = torchrun(1, _args(out, 5) + ["--async-save"], check=False,
+                    extra_env={"MIMO_SFT_TEST_KILL_AT": f"{point}:4"})
+    assert proc.returncode != 0, "the save of step 4 should have been killed"
+    assert "saved checkpoint" in proc.stdout and "iter_0000002" in proc.stdout
+    resumed_from = 4 if point == "after_latest" else 2
+    assert resolve_checkpoint(out + "/checkpoints").endswith(f"iter_{resumed_from:07d}")
+    again = new_dir(f"kill_async_{point}_resumed")
+    torchrun(1, _args(again, 5) + ["--async-save", "--load-checkpoint", out + "/checkpoints"])
+    got = {m["step"]: m["loss"] for m in metrics(again)}
+    assert sorted(got) == list(range(resumed_from + 1, 6))
+    for step, loss in got.items():
+        assert loss == never_killed[step], (point, step)
+
+
+def test_full_disk_fails_the_save_in_one_line():
+    """A disk that fills up while a background save is written (ENOSPC injected into megatron's
+    writer on one of two ranks): the run stops with one line naming the cause and the checkpoint
+    that stays latest; the unfinished folder is removed and the step-2 checkpoint still resumes."""
+    out = new_dir("enospc")
+    args = _args(out, 5, ("language=dp=2", "images=dp=2")) + ["--async-save"]
+    proc = torchrun(2, args, check=False, extra_env={"MIMO_SFT_TEST_ENOSPC_AT": "4:1"})
+    assert proc.returncode != 0
+    lines = [ln for ln in proc.stderr.splitlines() if "saving step 4" in ln]
+    assert len(lines) == 2 and all("the disk is full (No space left on device)" in ln and "iter_0000002 stays the latest" in ln
+                         for ln in lines), proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr.split("torchrun")[0]
+    root = out + "/checkpoints"
+    assert resolve_checkpoint(root).endswith("iter_0000002")
+    assert [s for s, _v, _n in complete_checkpoints(root)] == [2]
+    assert not any(name.endswith(".tmp") for name in os.listdir(root))

@@ -25,8 +25,11 @@ BASE = ["--seq-length", "160", "--micro-batch-size", "4", "--global-batch-size",
         "--vision-lr", "2e-3", "--projector-lr", "5e-4", "--weight-decay", "0.05"]
 FOUR = ["language=dp=2", "images=dp=2,rank_offset=2"]
 ONE = ["language=dp=1", "images=dp=1"]
-#: 2 ranks: colocated, same DP (plain); colocated with language tp 2 fed by encoder DP 2 (distributed)
-TWO = {"plain": ["language=dp=2", "images=dp=2"], "distributed": ["language=tp=2,dp=1", "images=dp=2"]}
+#: 2 ranks: colocated, same DP (plain); non-colocated, DP 2 -> 1 on the same TP/PP (distributed, the DP-only
+#: form it saves by default)
+TWO = {"plain": ["language=dp=2", "images=dp=2"], "distributed": ["language=dp=1", "images=dp=1,rank_offset=1"]}
+#: colocated with language tp 2 fed by encoder DP 2: another TP, which the DP-only form cannot take
+TP2 = ["language=tp=2,dp=1", "images=dp=2"]
 NOTICE = "resuming on another layout: RNG streams restart from the seed"
 
 
@@ -65,15 +68,21 @@ def test_resume_on_another_layout_continues_the_run(optimizer):
     assert NOTICE not in proc.stdout
     oa, ob = optimizer_tensors(cont4 + "/checkpoints/iter_0000004"), optimizer_tensors(same + "/checkpoints/iter_0000004")
     assert oa.keys() == ob.keys() and all(oa[k].equal(ob[k]) for k in oa)
-    # (b) 4 non-colocated ranks -> 2 colocated ranks
+    # (b) 4 ranks -> 2 ranks (plain: colocated; distributed: DP 2 -> 1)
     two, proc = _run(f"relayout_two_{optimizer}", 2, TWO[optimizer], extra, iters=4, load=ckpt4)
     assert NOTICE in proc.stdout
     diffs = _assert_continues(cont4, two, [3, 4])
-    # (c) 1 rank -> 4 ranks, against the 1-rank continuous run
-    cont1, _ = _run(f"relayout_cont1_{optimizer}", 1, ONE, extra, iters=4)
-    four, proc = _run(f"relayout_four_{optimizer}", 4, FOUR, extra, iters=4, load=cont1 + "/checkpoints/iter_0000002")
+    # (c) 1 rank -> 4 ranks, against the 1-rank continuous run (distributed: saved --save-reshardable)
+    reshardable = ["--save-reshardable"] if optimizer == "distributed" else []
+    cont1, _ = _run(f"relayout_cont1_{optimizer}", 1, ONE, extra + reshardable, iters=4)
+    ckpt1 = cont1 + "/checkpoints/iter_0000002"
+    four, proc = _run(f"relayout_four_{optimizer}", 4, FOUR, extra, iters=4, load=ckpt1)
     assert NOTICE in proc.stdout
     diffs.update({f"1->4 step {k}": v for k, v in _assert_continues(cont1, four, [3, 4]).items()})
+    if optimizer == "distributed":
+        # (d) another TP: the reshardable form continues (the DP-only form is refused: test_checkpoint_info.py)
+        tp2, proc = _run("relayout_tp2_distributed", 2, TP2, extra, iters=4, load=ckpt1)
+        diffs.update({f"1->tp2 step {k}": v for k, v in _assert_continues(cont1, tp2, [3, 4]).items()})
     print(f"{optimizer}: relative loss differences {diffs}")
 
 
@@ -91,7 +100,7 @@ def test_bf16_resume_on_another_layout_restores_the_main_weights():
     _assert_continues(cont, resumed, [3], rel=1e-3)
     a = optimizer_tensors(cont + "/checkpoints/iter_0000002")
     b = optimizer_tensors(resumed + "/checkpoints/iter_0000003")
-    mains = [k for k in a if ".optimizer.state.param." in k]
+    mains = [k for k in a if k.endswith(".param")]  # the DP-only form's flat fp32 main weights
     assert mains and a.keys() == b.keys()
     worst = 0.0
     for k in mains:
@@ -99,3 +108,28 @@ def test_bf16_resume_on_another_layout_restores_the_main_weights():
         worst = max(worst, ((a[k] - b[k]).abs().max() / a[k].abs().max().clamp_min(1e-30)).item())
     assert worst < 1e-6, worst
     print(f"bf16: largest relative main-weight difference {worst:.2e}")
+    _assert_exports_in_bf16(cont + "/checkpoints/iter_0000002")
+
+
+def _assert_exports_in_bf16(ckpt):
+    """Export writes a bf16 run's weights in bf16 by default, exactly as trained: the fp32 export of
+    the same checkpoint holds only bf16-representable values (the bf16 weights, upcast) and equals
+    the bf16 export upcast; config.json says bfloat16, and transformers loads it as bf16."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForImageTextToText
+
+    from mimo_sft.export import export_checkpoint
+
+    as_bf16 = export_checkpoint(ckpt, new_dir("export_bf16"))
+    as_fp32 = export_checkpoint(ckpt, new_dir("export_fp32"), dtype="fp32")
+    a, b = load_file(as_bf16 + "/model.safetensors"), load_file(as_fp32 + "/model.safetensors")
+    assert a.keys() == b.keys() and len(a) > 10
+    for k in a:
+        assert a[k].dtype == torch.bfloat16 and b[k].dtype == torch.float32, k
+        assert torch.equal(b[k].to(torch.bfloat16).float(), b[k]) and torch.equal(a[k].float(), b[k]), k
+    import json
+
+    assert json.load(open(as_bf16 + "/config.json"))["dtype"] == "bfloat16"
+    assert json.load(open(as_fp32 + "/config.json"))["dtype"] == "float32"
+    hf = AutoModelForImageTextToText.from_pretrained(as_bf16, dtype="auto")
+    assert {p.dtype for p in hf.parameters()} == {torch.bfloat16}

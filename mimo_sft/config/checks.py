@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from mimo_sft.config import checks_memory, families
+from mimo_sft.config.checks_checkpoint import c24_checkpoint_writing
 from mimo_sft.config.checks_paths import c26_run_folders, c27_extra_folders
 from mimo_sft.config.families import FamilySpec
 from mimo_sft.config.checks_forecast import c23_memory
@@ -394,6 +395,7 @@ CHECKS: tuple[tuple[int, str, Callable], ...] = (
     (21, "activation recomputation settings", checks_memory.c21_recompute),
     (22, "sequence parallelism settings", checks_memory.c22_sequence_parallel),
     (23, "memory forecast fits the GPU", c23_memory),
+    (24, "checkpoint writing and resharding", c24_checkpoint_writing),
     (26, "run output folders are usable", c26_run_folders),
     (27, "export and debugging folders are usable", c27_extra_folders),
     (29, "learning rates and experiment trackers", c29_learning_rates_and_trackers),

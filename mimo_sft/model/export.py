@@ -28,6 +28,8 @@ from mimo_sft.model.hf_checkpoint import SAFE_INDEX, SAFE_SINGLE, HFCheckpoint, 
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack")
 _WEIGHT_INDEXES = (SAFE_INDEX, "pytorch_model.bin.index.json")
 DEFAULT_MAX_SHARD_BYTES = 4 * 1024 ** 3
+#: the training dtypes (``--dtype``) as torch dtypes and as config.json spells them
+EXPORT_DTYPES = {"fp32": (torch.float32, "float32"), "bf16": (torch.bfloat16, "bfloat16")}
 
 
 def split_mimo_state(sd: dict) -> tuple[dict, dict]:
@@ -127,8 +129,32 @@ def export_hf(megatron_state_dict_tp1: dict, src_hf_dir: str, out_dir: str, *, d
         raise UserError(f"export target {out_dir} is the source folder; choose a new --out folder")
     os.makedirs(out_dir, exist_ok=True)
     copied = _copy_side_files(src_hf_dir, out_dir)
+    if dtype is not None:
+        _set_config_dtype(os.path.join(out_dir, "config.json"), dtype)
     files = write_safetensors(tensors, out_dir, max_shard_bytes)
     return {"out_dir": out_dir, "tensors": len(tensors), "weight_files": files, "copied": copied}
+
+
+def _set_config_dtype(config_path: str, dtype: torch.dtype) -> None:
+    """config.json names the dtype the weights are written in (``dtype``, and ``torch_dtype`` --
+    the older transformers key -- wherever the source had one), so ``from_pretrained(dtype="auto")``
+    loads them as written."""
+    name = str(dtype).removeprefix("torch.")
+    with open(config_path) as fh:
+        cfg = json.load(fh)
+
+    def walk(node):
+        if isinstance(node, dict):
+            for key in ("torch_dtype", "dtype"):
+                if key in node:
+                    node[key] = name
+            for value in node.values():
+                walk(value)
+
+    walk(cfg)
+    cfg["dtype"] = name
+    with open(config_path, "w") as fh:
+        json.dump(cfg, fh, indent=2, sort_keys=True)
 
 
 def export_model(model, src_hf_dir: str, out_dir: str, **kw) -> dict:
@@ -136,8 +162,10 @@ def export_model(model, src_hf_dir: str, out_dir: str, **kw) -> dict:
     return export_hf(model.state_dict(), src_hf_dir, out_dir, **kw)
 
 
-def export_weights(load_weights: Callable[[torch.nn.Module], None], src_hf_dir: str, out_dir: str) -> dict:
-    """Build the 1-rank TP=1 model of ``src_hf_dir``, fill it with ``load_weights(model)``, write ``out_dir``.
+def export_weights(load_weights: Callable[[torch.nn.Module], None], src_hf_dir: str, out_dir: str, *,
+                   dtype: Optional[torch.dtype] = None) -> dict:
+    """Build the 1-rank TP=1 model of ``src_hf_dir``, fill it with ``load_weights(model)``, write ``out_dir``
+    (in ``dtype``: the run's training dtype, so a bf16 run's weights are written as trained, not upcast).
 
     The model is built in host memory with megatron's initialisation off (``load_weights`` supplies
     every weight), so export never uses a GPU, never competes with training memory on a GPU node,
@@ -148,4 +176,4 @@ def export_weights(load_weights: Callable[[torch.nn.Module], None], src_hf_dir: 
     model, _info = build_single_process_model(src_hf_dir, random_init=True, prefer="cpu", cpu_init=True,
                                               config_overrides={"perform_initialization": False})
     load_weights(model)
-    return export_model(model, src_hf_dir, out_dir)
+    return export_model(model, src_hf_dir, out_dir, dtype=dtype)

@@ -33,100 +33,38 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
 
 from mimo_sft.config.lora import distributed_optimizer_in_use
+from mimo_sft.config.checks_checkpoint import reshard_problem
 from mimo_sft.errors import UserError
 from mimo_sft.parallel import runtime
 from mimo_sft.train.checkpoint_files import (LATEST, fsync_file, iter_dir, kill_point, publish, read_meta,  # noqa: F401
                                              resolve_checkpoint)
-from mimo_sft.train.checkpoint_optimizer import OPTIMIZER_DIR, has_optimizer, load_optimizer, save_optimizer
-from mimo_sft.train.checkpoint_lora import (check_lora_compatible, has_lora, lora_load_entries, lora_meta,
-                                            trainable_entries)
-
-
-def layout_signature(layout) -> list[dict]:
-    return [{"name": s.name, **s.to_dict()} for s in layout.components]
-
-
-@contextmanager
-def unwrapped(model):
-    """``model`` with its DDP wrappers taken off for the duration (parameters are shared).
-
-    Checkpoint keys then name the model, not the training wrappers ("language_model.decoder...",
-    not "language_model.module.decoder..."), so a checkpoint loads into a model built for export or
-    for another layout.
-    """
-    saved = {}
-    if getattr(model.language_model, "module", None) is not None and hasattr(model.language_model, "no_sync"):
-        saved["language"] = model.language_model
-        model.language_model = model.language_model.module
-    for name in list(model.modality_submodules.keys()):
-        sub = model.modality_submodules[name]
-        if getattr(sub, "module", None) is not None and hasattr(sub, "no_sync"):
-            saved[name] = sub
-            model.modality_submodules[name] = sub.module
-    try:
-        yield model
-    finally:
-        for name, wrapper in saved.items():
-            if name == "language":
-                model.language_model = wrapper
-            else:
-                model.modality_submodules[name] = wrapper
-
-
-def model_sharded_state_dict(model, replicated_encoder_rank: int = 0) -> dict:
-    """The model's sharded state dict with wrapper-free keys.
-
-    ``replicated_encoder_rank``: this rank's tp coordinate in an encoder whose (unsharded) tower is
-    replicated over tp ranks (colocated fan-out). Megatron marks those tensors as replica 0 on every
-    tp rank; all but tp rank 0 are re-marked as replicas so exactly one rank writes each tensor.
-    """
-    with unwrapped(model) as bare:
-        sd = bare.sharded_state_dict()
-        if has_lora(bare):  # a LoRA checkpoint holds what trains; the base weights stay in --hf-model
-            sd = trainable_entries(sd)
-    if replicated_encoder_rank:
-        from megatron.core.dist_checkpointing.mapping import ShardedBase
-
-        def walk(node):
-            if isinstance(node, dict):
-                for v in node.values():
-                    walk(v)
-            elif isinstance(node, (list, tuple)):
-                for v in node:
-                    walk(v)
-            elif isinstance(node, ShardedBase) and node.key.startswith("modality_submodules."):
-                rid = node.replica_id if isinstance(node.replica_id, tuple) else (node.replica_id,)
-                node.replica_id = (replicated_encoder_rank, *rid[1:]) if len(rid) > 1 else (replicated_encoder_rank,)
-
-        walk(sd)
-    return sd
-
-
-def encoder_replica_rank(ctx) -> int:
-    """tp coordinate of this rank in a replicated (tp > 1) encoder, else 0."""
-    for spec in ctx.layout.encoders:
-        c = ctx.layout.coords(ctx.rank).get(spec.name)
-        if c is not None and spec.tp > 1:
-            return c.tp
-    return 0
+from mimo_sft.train.checkpoint_optimizer import (OPTIMIZER_DIR, has_optimizer, load_optimizer, optimizer_save_request,
+                                                 save_format, saved_format)
+from mimo_sft.train.checkpoint_write import PendingSaves, one_request, part_request, run_now
+from mimo_sft.train.checkpoint_lora import check_lora_compatible, has_lora, lora_load_entries, lora_meta
+from mimo_sft.train.checkpoint_model import (encoder_replica_rank, layout_signature, model_sharded_state_dict,  # noqa: F401
+                                             unwrapped)
 
 
 def save_checkpoint(root: str, *, step: int, consumed_samples: int, ctx, extra_meta: dict | None = None,
-                    keep_last: int | None = None) -> str:
-    """Collective: every rank calls it. Returns the published folder (see the module docstring).
+                    keep_last: int | None = None, pending: PendingSaves | None = None, on_published=None) -> str | None:
+    """Collective: every rank calls it. Returns the published folder (see the module docstring), or
+    None when ``pending`` is given: the save then completes in the background and
+    ``on_published(folder)`` runs (every rank) once it is published (:mod:`checkpoint_write`).
 
     ``keep_last`` defaults to the run's ``--keep-last-checkpoints``.
     """
-    from megatron.core import dist_checkpointing
+    from megatron.core import dist_checkpointing  # noqa: F401 - megatron's writer, through checkpoint_write
 
     if keep_last is None:
         keep_last = ctx.cfg.checkpoint.keep_last_checkpoints
+    if pending is not None:
+        pending.wait()  # one save in flight at a time
     rank = dist.get_rank()
     tmp = iter_dir(root, step) + ".tmp"
     if rank == 0:
@@ -137,27 +75,35 @@ def save_checkpoint(root: str, *, step: int, consumed_samples: int, ctx, extra_m
         os.makedirs(os.path.join(tmp, OPTIMIZER_DIR))
     dist.barrier()
     kill_point("start", step)
-    dist_checkpointing.save(model_sharded_state_dict(ctx.model, encoder_replica_rank(ctx)), os.path.join(tmp, "model"))
-    kill_point("after_model", step)
-    save_optimizer(os.path.join(tmp, OPTIMIZER_DIR), ctx)
     rank_file = os.path.join(tmp, f"rank_{rank:05d}.pt")
     torch.save({"rng": runtime.rng_state(), "step": step, "consumed_samples": consumed_samples,
                 "layout": layout_signature(ctx.layout)}, rank_file)
     fsync_file(rank_file)
-    dist.barrier()
-    final = None
-    if rank == 0:
-        kill_point("before_meta", step)
-        meta = {"step": step, "consumed_samples": consumed_samples, "world_size": dist.get_world_size(),
-                "layout": layout_signature(ctx.layout), "hf_model": ctx.cfg.model.hf_model, **_optimizer_kind(ctx),
-                **lora_meta(ctx.cfg.model),
-                **(extra_meta or {})}
-        with open(os.path.join(tmp, "meta.json"), "w") as fh:
-            json.dump(meta, fh, indent=1)
-        final = publish(root, tmp, step, keep_last=keep_last)
-    box = [final]
-    dist.broadcast_object_list(box, src=0, group=ctx.pstate.world_gloo)
-    return box[0]
+    parts = [part_request(model_sharded_state_dict(ctx.model, encoder_replica_rank(ctx)), os.path.join(tmp, "model")),
+             optimizer_save_request(os.path.join(tmp, OPTIMIZER_DIR), ctx)]
+    meta = {"step": step, "consumed_samples": consumed_samples, "world_size": dist.get_world_size(),
+            "layout": layout_signature(ctx.layout), "hf_model": ctx.cfg.model.hf_model, **_optimizer_kind(ctx),
+            **({"distributed_optimizer_format": save_format(ctx.cfg)} if save_format(ctx.cfg) else {}),
+            **lora_meta(ctx.cfg.model), **(extra_meta or {})}
+    box = [None]
+
+    def publish_when_written():  # every rank, once every rank's parts are on disk
+        kill_point("after_model", step)
+        if rank == 0:
+            kill_point("before_meta", step)
+            with open(os.path.join(tmp, "meta.json"), "w") as fh:
+                json.dump(meta, fh, indent=1)
+            box[0] = publish(root, tmp, step, keep_last=keep_last)
+        dist.broadcast_object_list(box, src=0, group=ctx.pstate.world_gloo)
+        if on_published is not None:
+            on_published(box[0])
+
+    request = one_request(parts, publish_when_written, step=step)
+    if pending is None:
+        run_now(request, tmp=tmp, root=root, step=step)
+        return box[0]
+    pending.start(request, tmp=tmp, root=root, step=step)
+    return None
 
 
 def save_gradients(folder: str, ctx) -> None:
@@ -282,12 +228,15 @@ def load_checkpoint(path: str, ctx) -> tuple[int, int]:
             raise UserError(f"--load-checkpoint {ckpt} was saved with {key}={meta[key]} but this run uses {value}; "
                             f"resume with the setting it was saved with ({flag}), or start from its weights with "
                             f"--pretrained-checkpoint")
+    problem = reshard_problem(meta, layout_signature(ctx.layout))
+    if problem:
+        raise UserError(f"--load-checkpoint {ckpt}: {problem}")
     rank_file = os.path.join(ckpt, f"rank_{dist.get_rank():05d}.pt")
     if same_layout and not os.path.isfile(rank_file):
         raise UserError(f"--load-checkpoint {ckpt}: {os.path.basename(rank_file)} is missing; the checkpoint is incomplete")
     load_model_weights(ctx.model, ckpt)
     ctx.optimizer.reload_model_params()
-    load_optimizer(os.path.join(ckpt, OPTIMIZER_DIR), ctx)
+    load_optimizer(os.path.join(ckpt, OPTIMIZER_DIR), ctx, sharding=saved_format(meta))
     if same_layout:
         state = torch.load(rank_file, map_location="cpu", weights_only=False)
         runtime.set_rng_state(state["rng"])

@@ -1,13 +1,17 @@
-"""The optimizer's state as a megatron dist-checkpoint (``iter_N/optimizer/``): layout-free.
+"""The optimizer's state as a megatron dist-checkpoint (``iter_N/optimizer/``).
 
 Every module's optimizer (plain or distributed, fp32 or bf16) describes its state with
-``MimoOptimizer.sharded_state_dict``: Adam moments and fp32 main weights as sharded tensors keyed
-by the model parameter they belong to (the distributed optimizer in megatron's
-``fully_reshardable`` format: its shards gathered over the module's DP group into parameter-shaped
-tensors while saving, sliced again while loading), param groups as one object per module. A run
-with another layout (DP, TP, PP, colocated or not) asks for its own shards of the same keys, so
-the state is resharded on load. (The gather holds a module's whole TP/PP-local optimizer state on
-each of its DP ranks while a distributed-optimizer run saves.)
+``MimoOptimizer.sharded_state_dict``. A plain optimizer's Adam moments are sharded tensors keyed by
+the model parameter they belong to: layout-free. A distributed optimizer's state is written in one
+of megatron's two formats (``meta.json``'s ``distributed_optimizer_format``):
+
+* ``dp_reshardable`` (the default): each rank writes its own shard of the flat buffers (fp32 main
+  weights, Adam moments), as it holds them: no gather, no copy, every rank in parallel; a resume
+  reads only its own shard. Loads on any DP size, colocated or not, but only with each module's TP
+  and PP as saved (the buffers follow the TP/PP-local parameters) -- :func:`check_resumable`.
+* ``fully_reshardable`` (``--save-reshardable``): the shards gathered over the module's DP group into
+  parameter-shaped tensors while saving, sliced again while loading: resumes on any layout, at the
+  cost of holding a module's whole TP/PP-local optimizer state on each of its DP ranks while saving.
 
 What megatron leaves as "common" state (the plain optimizers' shared Adam ``step``) would be
 written by rank 0 only -- in a non-colocated run rank 0 holds no encoder, so the encoder's step
@@ -15,30 +19,46 @@ would be lost. Each module's common part is therefore saved as one more object o
 (``optimizer.mimo.<module>.common``), written by the module's rank (tp 0, pp 0, dp 0).
 
 The model sharded state dict the optimizer's map is built from must hold the very parameter
-objects the optimizer steps: the wrapper-free one of ``checkpoint.model_sharded_state_dict``.
+objects the optimizer steps: the wrapper-free one of ``checkpoint_model.model_sharded_state_dict``.
 """
 
 from __future__ import annotations
 
 import os
 
+from mimo_sft.train.checkpoint_model import encoder_replica_rank, model_sharded_state_dict
+
 OPTIMIZER_DIR = "optimizer"
 _COMMON = "_mimo_sft_common"
-#: the distributed optimizer's format: whole parameter-shaped tensors (gathered over the module's
-#: DP group while saving; each rank slices its range while loading). megatron-core 0.19.2 refuses
-#: the flattened ShardedTensors of its default 'fully_sharded_model_space'.
-_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
+#: the distributed optimizer's formats (see the module docstring); megatron-core 0.19.2 refuses the
+#: flattened ShardedTensors of its default 'fully_sharded_model_space'
+DP_RESHARDABLE, FULLY_RESHARDABLE = "dp_reshardable", "fully_reshardable"
+#: what a checkpoint without ``distributed_optimizer_format`` in its meta.json holds (written before it existed)
+OLDER_FORMAT = FULLY_RESHARDABLE
 
 
-def _optimizer_sharded_state_dict(ctx, *, is_loading: bool) -> dict:
+def save_format(cfg) -> str | None:
+    """The distributed optimizer's format this run saves (None: plain optimizer)."""
+    if not cfg.optimizer.use_distributed_optimizer:
+        return None
+    return FULLY_RESHARDABLE if cfg.checkpoint.save_reshardable else DP_RESHARDABLE
+
+
+def saved_format(meta: dict) -> str | None:
+    if not meta.get("use_distributed_optimizer"):
+        return None
+    return meta.get("distributed_optimizer_format", OLDER_FORMAT)
+
+
+def _optimizer_sharded_state_dict(ctx, *, is_loading: bool, sharding: str | None) -> dict:
     from megatron.core.dist_checkpointing.dict_utils import extract_matching_values
     from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, ShardedBase, ShardedObject
     from megatron.core.models.mimo.optimizer import _get_replica_id
 
-    from mimo_sft.train.checkpoint import encoder_replica_rank, model_sharded_state_dict
 
     model_sd = model_sharded_state_dict(ctx.model, encoder_replica_rank(ctx))
-    sd = ctx.optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=dict(_METADATA))
+    metadata = {"distrib_optim_sharding_type": sharding or FULLY_RESHARDABLE}  # plain optimizers ignore it
+    sd = ctx.optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=metadata)
     for name, module_sd in sd.items():
         if not module_sd:
             continue
@@ -46,25 +66,48 @@ def _optimizer_sharded_state_dict(ctx, *, is_loading: bool) -> dict:
         sharded, common = extract_matching_values(
             module_sd, lambda v: isinstance(v, (ShardedBase, LocalNonpersistentObject)))
         info = ctx.optimizer.module_infos[name]
+        if not is_loading:
+            _zero_padding(sharded)
         sharded[_COMMON] = ShardedObject(f"optimizer.mimo.{name}.common", common, (1,), (0,),
                                          replica_id=_get_replica_id(info.pg_collection))
         sd[name] = sharded
     return sd
 
 
-def save_optimizer(folder: str, ctx) -> None:
-    """Collective: write this rank's shards of every module's optimizer state under ``folder``."""
-    from megatron.core import dist_checkpointing
+def _zero_padding(node) -> None:
+    """Zero the gaps between parameters that megatron's ``dp_reshardable`` map writes from fresh
+    ``torch.empty`` buffers, so a checkpoint's bytes are a function of the state alone."""
+    from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, ShardedTensor
 
-    dist_checkpointing.save(_optimizer_sharded_state_dict(ctx, is_loading=False), folder)
+    if isinstance(node, dict):
+        flag = node.get("padding")
+        if isinstance(flag, LocalNonpersistentObject) and flag.obj is True:
+            for value in node.values():
+                if isinstance(value, ShardedTensor):
+                    value.data.zero_()
+        for value in node.values():
+            _zero_padding(value)
+    elif isinstance(node, (list, tuple)):
+        for value in node:
+            _zero_padding(value)
+
+
+def optimizer_save_request(folder: str, ctx):
+    """Collective: the write of this rank's shards of every module's optimizer state under ``folder``
+    (a megatron ``AsyncRequest``: :mod:`checkpoint_write`)."""
+    from mimo_sft.train.checkpoint_write import part_request
+
+    sd = _optimizer_sharded_state_dict(ctx, is_loading=False, sharding=save_format(ctx.cfg))
+    return part_request(sd, folder)
 
 
 def has_optimizer(ckpt: str) -> bool:
     return os.path.isfile(os.path.join(ckpt, OPTIMIZER_DIR, "metadata.json"))
 
 
-def load_optimizer(folder: str, ctx) -> None:
-    """Collective: load this layout's shards of the optimizer state saved under ``folder`` (any layout)."""
+def load_optimizer(folder: str, ctx, *, sharding: str | None) -> None:
+    """Collective: load this layout's shards of the optimizer state saved under ``folder`` in format
+    ``sharding`` (:func:`saved_format`; any layout for a reshardable one, :func:`check_resumable`)."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.dict_utils import merge
     from megatron.core.models.mimo.optimizer import _iter_optimizer_sub_dicts
@@ -72,7 +115,7 @@ def load_optimizer(folder: str, ctx) -> None:
 
     for opt in distributed_optimizers(ctx.optimizer):
         _allocate_state(opt)
-    state = dist_checkpointing.load(_optimizer_sharded_state_dict(ctx, is_loading=True), folder)
+    state = dist_checkpointing.load(_optimizer_sharded_state_dict(ctx, is_loading=True, sharding=sharding), folder)
     param_states = []
     for name in list(state):
         module_sd = state[name]
@@ -85,11 +128,12 @@ def load_optimizer(folder: str, ctx) -> None:
             _schedule_from_this_run(sub_sd, inner)
             if isinstance(inner, DistributedOptimizer) and "param_state" in sub_sd:
                 kind = [v for k, v in sub_sd.items() if k.startswith("_mimo_param_state_sharding_type")]
-                assert kind == [_METADATA["distrib_optim_sharding_type"]], kind
+                assert kind in ([sharding], []), kind  # dp_reshardable keeps it inside megatron's own object
                 param_states.append((inner, sub_sd.pop("param_state")))
+                sub_sd.pop("param_state_sharding_type", None)
     ctx.optimizer.load_state_dict(state)  # param groups and step; the distributed shards follow
     for opt, param_state in param_states:
-        _load_fully_reshardable(opt, param_state)
+        _load_param_state(opt, param_state, sharding)
 
 
 #: param-group keys megatron pairs saved and current groups by that this run's flags own (--lr,
@@ -112,16 +156,22 @@ def _schedule_from_this_run(sub_sd: dict, inner) -> None:
                 group[key] = now[key]
 
 
-def _load_fully_reshardable(opt, param_state) -> None:
-    """megatron's own slicing of the whole tensors into this rank's shard, with torch Adam's
-    per-parameter ``step`` tensors set aside meanwhile: megatron copies every tensor of a
+def _load_param_state(opt, param_state, sharding: str) -> None:
+    """megatron's own loading of the shards (for ``fully_reshardable``: its slicing of the whole
+    tensors into this rank's shard), with torch Adam's per-parameter ``step`` tensors set aside meanwhile: megatron copies every tensor of a
     parameter's state from the checkpoint, and the step (restored from the param groups) is not
     among them. Each parameter then gets a step tensor of its own: megatron's ``load_state_dict``
     hands torch Adam one tensor for all of them, which each parameter's update would increment
     again. (TE/apex's fused Adam, megatron's usual one on GPUs, keeps no such tensor.)"""
+    import torch
+
     steps = {p: st.pop("step") for p, st in opt.optimizer.state.items() if "step" in st}
     try:
-        opt.load_parameter_state_from_fully_reshardable(param_state)
+        if sharding == DP_RESHARDABLE:
+            with torch.no_grad():  # an fp32 run's main weights are views of the trained parameters
+                opt.load_parameter_state_from_dp_reshardable(param_state)
+        else:
+            opt.load_parameter_state_from_fully_reshardable(param_state)
     finally:
         for p, step in steps.items():
             opt.optimizer.state[p]["step"] = step.detach().clone()

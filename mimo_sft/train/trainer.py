@@ -43,6 +43,7 @@ from mimo_sft.parallel.bootstrap import start_world
 from mimo_sft.parallel.groups import ParallelState
 from mimo_sft.parallel.layout import LANGUAGE, Layout
 from mimo_sft.train.checkpoint import restore, save_checkpoint, save_gradients
+from mimo_sft.train.checkpoint_write import PendingSaves
 from mimo_sft.train.feed import Feed, build_feed
 from mimo_sft.train.flops import peak_tflops_for
 from mimo_sft.train.lr import apply_schedule, lr_at
@@ -146,6 +147,7 @@ class Trainer:
                 fh.write(dump_config(cfg))
         self.pstate = build_state(cfg, layout)
         self.ctx = build_model_and_optimizer(cfg, layout, self.pstate, self.rank)
+        self.pending_saves = PendingSaves() if cfg.checkpoint.async_save else None
         self.resume()
         self.feed = build_feed(cfg, layout, self.pstate, self.ctx.info, consumed_samples=self.consumed)
         self.runner = StepRunner(model=self.ctx.model, modules=self.ctx.modules, pstate=self.pstate, layout=layout,
@@ -203,8 +205,10 @@ class Trainer:
             if self.step < self.cfg.train.train_iters and self.stopping(result.step_time_s):
                 if not saved:
                     self.save()
+                self.finish_saves()
                 self._say_stopped()
                 return
+        self.finish_saves()
 
     def stopping(self, last_step_s: float) -> bool:
         """Whether every rank stops now (``--exit-*`` flags). Collective when any rule is set."""
@@ -290,6 +294,8 @@ class Trainer:
         ck = self.cfg.checkpoint
         if ck.no_save:
             return False
+        if self.pending_saves is not None:
+            self.pending_saves.poll()  # publish a background save whose bytes are all written
         interval = ck.save_interval
         final = self.step == self.cfg.train.train_iters
         if (interval and self.step % interval == 0) or final:
@@ -298,9 +304,20 @@ class Trainer:
         return False
 
     def save(self) -> None:
-        path = save_checkpoint(self.save_dir, step=self.step, consumed_samples=self.consumed, ctx=self.ctx)
+        """Save this step (``--async-save``: in the background, said when published)."""
+        path = save_checkpoint(self.save_dir, step=self.step, consumed_samples=self.consumed, ctx=self.ctx,
+                               pending=self.pending_saves, on_published=self._say_saved)
+        if path is not None:
+            self._say_saved(path)
+
+    def _say_saved(self, path: str) -> None:
         if self.ctx.is_metrics_rank:
             print(f"saved checkpoint {path}", flush=True)
+
+    def finish_saves(self) -> None:
+        """A background save still being written completes (and is published) before the run ends."""
+        if self.pending_saves is not None:
+            self.pending_saves.wait()
 
     # ---- the end ------------------------------------------------------------------------------------
     def close(self) -> None:

@@ -1,0 +1,208 @@
+"""Checkpoint saves at a few hundred million parameters: host memory, save time, and the training
+step while a background save is written.
+
+    .venv/bin/python scripts/bench_checkpoint.py [--text-hidden 1024] [--text-layers 12] [--nproc 2]
+
+Writes a Qwen2.5-VL whose language model is real-width (``make_tiny_qwen_vl.py --text-hidden 1024
+--text-layers 12 --intermediate 4096``: about 0.19B language parameters; the vision tower stays
+tiny) and the synthetic document dataset, then runs ``--nproc`` CPU ranks (colocated, language dp N,
+images dp N, distributed optimizer, fp32) under torchrun. Each rank builds the real trainer, trains
+one step (so Adam state exists), and saves three ways into fresh folders:
+
+* ``fully_reshardable`` (``--save-reshardable``; what every save wrote before): the module's
+  optimizer state gathered on each DP rank while saving;
+* ``dp_reshardable`` (the default): each rank writes its own shards, no gather;
+* ``dp_reshardable, --async-save``: the same, written by a forked process while the rank trains on;
+  the save is published by the first poll after the writer is done.
+
+A sampler thread reads this process's RSS (and the private memory, USS, of any writer process it
+forked for this save) every 20 ms. Per rank it prints the rank's own state (its parameters, gradient buffer and
+optimizer shard, counted from the tensors), the peak extra RSS during the save over the RSS just
+before it, the writer's peak USS, and the time the save blocked training (for the async save: the
+call, then the whole write until publication). On the CPU the device memory is the host memory, so
+"extra device memory" is the same column. Then two training steps without a save and two while the
+async save is in flight: their median times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from mimo_sft.testing.bench_runs import bench_env, run_session  # noqa: E402
+
+
+class PeakMemory:
+    """Peak RSS of this process and peak USS of its children, sampled in a thread."""
+
+    def __init__(self, interval_s: float = 0.02):
+        import psutil
+
+        self.proc, self.interval = psutil.Process(), interval_s
+        self.base = self.proc.memory_info().rss
+        self.before = {c.pid for c in self.proc.children(recursive=True)}  # megatron's results-queue manager
+        self.peak, self.child_peak = self.base, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self):
+        import psutil
+
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self.proc.memory_info().rss)
+            for child in self.proc.children(recursive=True):
+                if child.pid in self.before:
+                    continue
+                try:
+                    self.child_peak = max(self.child_peak, child.memory_full_info().uss)
+                except psutil.Error:
+                    pass
+            time.sleep(self.interval)
+
+    def stop(self) -> tuple[int, int]:
+        self._stop.set()
+        self._thread.join()
+        return self.peak - self.base, self.child_peak
+
+
+def _own_state_bytes(ctx) -> int:
+    """This rank's parameters, gradient buffers and optimizer state tensors (each storage once)."""
+    import torch
+
+    seen, total = set(), 0
+
+    def add(t):
+        nonlocal total
+        if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in seen:
+            seen.add(t.untyped_storage().data_ptr())
+            total += t.untyped_storage().nbytes()
+
+    for p in ctx.model.parameters():
+        add(p)
+        add(getattr(p, "main_grad", None))
+    for info in ctx.optimizer.module_infos.values():
+        opt = info.optimizer if info.is_active else None
+        for inner in getattr(opt, "chained_optimizers", [opt] if opt else []):
+            for group in inner.optimizer.param_groups:
+                for p in group["params"]:
+                    add(p)
+            for state in inner.optimizer.state.values():
+                for v in state.values():
+                    add(v)
+    return total
+
+
+def worker(args: list[str], out_dir: str) -> int:
+    import torch.distributed as dist
+
+    from mimo_sft.config.checks import require_valid
+    from mimo_sft.config.loader import load_config
+    from mimo_sft.quiet import quiet_libraries
+    from mimo_sft.train.checkpoint import save_checkpoint
+    from mimo_sft.train.checkpoint_write import PendingSaves
+    from mimo_sft.train.trainer import Trainer
+
+    quiet_libraries()
+    cfg = load_config(args)
+    trainer = Trainer(cfg, require_valid(cfg, for_run=True).layout)
+    trainer.setup()
+    trainer.train_step()
+    ctx, rank = trainer.ctx, dist.get_rank()
+    rows = []
+    for name, reshardable, background in (("fully_reshardable (before)", True, False),
+                                          ("dp_reshardable", False, False),
+                                          ("dp_reshardable, --async-save", False, True)):
+        cfg.checkpoint.save_reshardable = reshardable
+        dist.barrier()
+        pending = PendingSaves() if background else None
+        published = []
+        mem = PeakMemory()
+        t0 = time.perf_counter()
+        save_checkpoint(os.path.join(out_dir, name.split()[0] + ("_async" if background else "")), step=trainer.step,
+                        consumed_samples=trainer.consumed, ctx=ctx, pending=pending, on_published=published.append)
+        blocked = time.perf_counter() - t0
+        during = []
+        if background:
+            while not published or len(during) < 2:
+                t1 = time.perf_counter()
+                trainer.train_step()
+                during.append(time.perf_counter() - t1)
+                pending.poll()
+            pending.wait()
+        total = time.perf_counter() - t0
+        extra, child = mem.stop()
+        rows.append((name, extra, child, blocked, total, during))
+    normal = []
+    for _ in range(2):
+        t1 = time.perf_counter()
+        trainer.train_step()
+        normal.append(time.perf_counter() - t1)
+    own = _own_state_bytes(ctx)
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (rank, own, rows, normal), group=trainer.pstate.world_gloo)
+    if rank == 0:
+        _print_table(gathered)
+    trainer.close()
+    trainer.shutdown()
+    return 0
+
+
+def _print_table(gathered) -> None:
+    mb = 2 ** 20
+    print("| save | rank | rank's own state MB | peak extra RSS MB | writer peak USS MB | blocked s | until published s |")
+    print("|---|---|---|---|---|---|---|")
+    for rank, own, rows, _normal in sorted(gathered):
+        for name, extra, child, blocked, total, _during in rows:
+            print(f"| {name} | {rank} | {own / mb:.0f} | {extra / mb:.0f} | {child / mb:.0f} | {blocked:.2f} | {total:.2f} |")
+    print()
+    print("| rank | training step s, no save (median) | training step s, async save in flight (median) | ratio |")
+    print("|---|---|---|---|")
+    for rank, _own, rows, normal in sorted(gathered):
+        during = rows[-1][-1]
+        a, b = statistics.median(normal), statistics.median(during) if during else float("nan")
+        print(f"| {rank} | {a:.2f} | {b:.2f} ({len(during)} steps) | {b / a:.2f} |")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--text-hidden", type=int, default=1024)
+    p.add_argument("--text-layers", type=int, default=12)
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--seq-length", type=int, default=128)
+    p.add_argument("--worker", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    a = p.parse_args()
+    if a.worker is not None:
+        out_dir, *args = a.worker
+        return worker(args, out_dir)
+    py, env = sys.executable, bench_env()
+    work = tempfile.mkdtemp(prefix="bench_checkpoint_")
+    model, data = os.path.join(work, "model"), os.path.join(work, "data")
+    subprocess.run([py, "scripts/make_tiny_qwen_vl.py", model, "--text-hidden", str(a.text_hidden), "--heads", "16",
+                    "--kv-heads", "8", "--text-layers", str(a.text_layers), "--intermediate", str(4 * a.text_hidden)],
+                   check=True, cwd=ROOT, env=env, stdout=subprocess.DEVNULL)
+    subprocess.run([py, "scripts/make_demo_data.py", data], check=True, cwd=ROOT, env=env, stdout=subprocess.DEVNULL)
+    n = a.nproc
+    args = ["--hf-model", model, "--dataset-path", data, "--seq-length", str(a.seq_length), "--micro-batch-size", str(n),
+            "--global-batch-size", str(n), "--train-iters", "100", "--use-distributed-optimizer", "--no-tensorboard",
+            "--component", f"language=dp={n}", "--component", f"images=dp={n}", "--output-dir", os.path.join(work, "run")]
+    torchrun = os.path.join(os.path.dirname(py), "torchrun")
+    log = os.path.join(work, "bench.log")
+    run_session([torchrun, "--nproc-per-node", str(n), "scripts/bench_checkpoint.py", "--worker",
+                 os.path.join(work, "saves"), *args], cwd=ROOT, env=env, log=log)
+    text = open(log).read()
+    print(text[text.index("| save |"):] if "| save |" in text else text[-3000:])
+    print(f"(model: {model}; log: {log})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
