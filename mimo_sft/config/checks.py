@@ -73,8 +73,6 @@ def c01_positive_sizes(ctx):
         yield f"--exit-interval={t.exit_interval} must be >= 1"
     if t.exit_duration_in_mins is not None and t.exit_duration_in_mins <= 0:
         yield f"--exit-duration-in-mins={t.exit_duration_in_mins} must be > 0"
-    if d.num_workers < 0:
-        yield f"--num-workers={d.num_workers} must be >= 0"
     si = ctx.cfg.checkpoint.save_interval
     if si is not None and si < 1:
         yield f"--save-interval={si} must be >= 1"
@@ -317,6 +315,9 @@ def c20_lora(ctx):
     yield from lora_problems(ctx.cfg.model, use_distributed_optimizer=ctx.cfg.optimizer.use_distributed_optimizer)
 
 
+from mimo_sft.config.checks_data_scale import c25_data_scale  # noqa: E402 - a sibling module of checks
+
+
 def _looks_local(path: str) -> bool:
     """A path rather than a hub dataset name ("org/name")."""
     return (path.startswith((".", "/", "~")) or path.endswith((".parquet", ".json", ".jsonl", ".arrow"))
@@ -344,6 +345,7 @@ CHECKS: tuple[tuple[int, str, Callable], ...] = (
     (18, "what is left to finetune", c18_contents_note),
     (19, "in-batch packing settings", c19_packing),
     (20, "LoRA settings", c20_lora),
+    (25, "data loading at scale", c25_data_scale),
 )
 
 

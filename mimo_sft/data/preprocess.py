@@ -22,7 +22,7 @@ import torch
 
 from mimo_sft.data.processor import load_processor
 from mimo_sft.data.sources import open_image_header
-from mimo_sft.errors import UserError
+from mimo_sft.errors import BadSampleError, UserError
 
 
 _SWAP_ORIENTATIONS = (5, 6, 7, 8)  # EXIF orientations that rotate by 90 degrees
@@ -173,12 +173,14 @@ class SamplePreprocessor:
             img = open_image_header(spec.ref, idx)
             try:
                 img.load()
-            except OSError as err:
-                where = "(in-dataset bytes)" if isinstance(spec.ref, bytes) else str(spec.ref)
-                raise UserError(f"sample {idx}: cannot decode image {where} ({err}); fix or remove the image") from None
-            if spec.orientation in _TRANSPOSE:
-                img = img.transpose(_TRANSPOSE[spec.orientation])
-            images.append(img.convert("RGB"))
+                if spec.orientation in _TRANSPOSE:
+                    img = img.transpose(_TRANSPOSE[spec.orientation])
+                images.append(img.convert("RGB"))
+            except (OSError, ValueError) as err:  # the header was readable, the pixels are not
+                where = None if isinstance(spec.ref, bytes) else str(spec.ref)
+                bad = BadSampleError(idx, where, f"cannot decode image ({err}); fix or remove the image")
+                bad.stage = "pixels"  # only ranks that decode see it: the loader keeps the text as it is
+                raise bad from None
         # numpy, not torch: concatenation then stays single-threaded (torch's intra-op pool in a
         # busy training process made this path 3x slower in bench_data.py)
         out = self.image_processor(images=images, return_tensors=None)
@@ -270,6 +272,22 @@ class SamplePreprocessor:
         }
         if need_pixels and specs:
             sample["pixel_values"], sample["image_grid_thw"] = self.pixels(specs, idx)
+        return sample
+
+    def blank_pixels(self, grids: list) -> tuple[torch.Tensor, torch.Tensor]:
+        """Zero pixels of the given grids: the stand-in for images whose header was read but whose
+        pixels cannot be decoded, so the encoder still sees as many patches as the text has placeholders."""
+        rows = sum(t * h * w for t, h, w in grids)
+        return torch.zeros((rows, self.pixel_dim), dtype=torch.float32), torch.tensor(grids, dtype=torch.int64)
+
+    def text_only_stand_in(self, messages: list[dict], idx: int) -> dict:
+        """The same row without its images and with nothing supervised: what a sample whose images
+        cannot be read (missing file, unreadable header) becomes on every rank alike (all ranks read
+        headers), so the ranks stay in step and the consumed-sample count is unchanged; it adds no loss."""
+        stripped = [{**m, "content": [p for p in m["content"] if p["type"] != "image"]} for m in messages]
+        sample = self.encode(stripped, [], idx, need_pixels=False)
+        sample["loss_mask"] = torch.zeros_like(sample["loss_mask"])
+        sample["labels"] = torch.full_like(sample["labels"], self.pad_id)
         return sample
 
     def min_tokens_for_one_image(self) -> int:
