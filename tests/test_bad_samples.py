@@ -112,3 +112,23 @@ def test_streamed_check_matches_whole_column_and_caches(tmp_path, monkeypatch):
     assert verdict.startswith("sample 0: image file ") and "and 3 more" in verdict  # 6 missing: p0-p3, p4 twice
     with pytest.raises(UserError, match="sample 0: image file .*p0.png not found"):
         load_sft_dataset(cfg)
+
+
+@pytest.mark.e2e
+@pytest.mark.xdist_group("dist")
+def test_a_corrupt_image_is_skipped_in_a_4_rank_run():
+    """Sample 5's pixels do not decode (only the encoder ranks see it): the run finishes, the step
+    that holds it counts it once, and the log names it; no rank hangs (the same run with
+    ``--max-bad-samples 0`` stops with one line: test_train_e2e's failing-rank test)."""
+    from train_helpers import fixed_size_data, metrics, new_dir, tiny_model, torchrun
+
+    out = new_dir("bad_sample_skipped")
+    proc = torchrun(4, ["--hf-model", tiny_model(), "--dataset-path", fixed_size_data(16, broken_image=5),
+                        "--seq-length", "128", "--micro-batch-size", "4", "--global-batch-size", "4",
+                        "--train-iters", "2", "--component", "language=dp=2", "--component",
+                        "images=dp=2,rank_offset=2", "--scalable-dp", "--intra-microbatch-reorder",
+                        "--num-workers", "0", "--no-tensorboard", "--output-dir", out], timeout=240)
+    m = metrics(out)
+    assert [r["bad_samples_skipped"] for r in m] == [0, 1], m
+    assert [r["images_decoded"] for r in m] == [4, 3]  # the blank stand-in is not a decode
+    assert "skipped bad sample 5" in proc.stderr and "0005.png" in proc.stderr
