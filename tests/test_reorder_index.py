@@ -101,3 +101,30 @@ def test_index_mode_equals_exchange_bit_for_bit():
     assert set(ga) == set(gb) and ga
     for k in ga:
         assert torch.equal(ga[k], gb[k]), k
+
+
+def test_plan_exchange_bytes_are_the_records_training_would_send(demo_data, tiny_ckpt):
+    """``plan``'s exchange byte count = the serialized size of the real records that change rank."""
+    from mimo_sft.data.loader import model_token_info
+    from mimo_sft.data.reorder import make_cost_fn, planning
+    from mimo_sft.data.reorder.serialize import record_meta, record_nbytes, split_samples
+    from mimo_sft.plan.simulate import MicroBatchLoad, exchange_bytes
+
+    info = model_token_info(tiny_ckpt)
+    cost_fn = make_cost_fn(encoder_cost_weight=1.0, image_token_id=info["image_token_id"],
+                           merge_size=info["spatial_merge_size"])
+    vision = next(_iter(demo_data, tiny_ckpt, dp_size=1, dp_rank=0, need_pixels=True))
+    text = next(_iter(demo_data, tiny_ckpt, dp_size=1, dp_rank=0, need_pixels=False))
+    order = planning.window_orders([cost_fn(vision)], 4)[0]
+    recs = {"images": split_samples(vision), "language": split_samples(text)}
+    dp_sizes = {"images": 2, "language": 4}
+    want = 0
+    for name, dp in dp_sizes.items():
+        per = len(order) // dp
+        want += sum(record_nbytes(record_meta(recs[name][i])) for k, i in enumerate(order) if k // per != i // per)
+    merge2 = info["spatial_merge_size"] ** 2
+    mb = MicroBatchLoad(vision["sample_ids"].tolist(),
+                        [float(merge2 * (r["input_ids"] == info["image_token_id"]).sum()) for r in recs["images"]],
+                        [0.0] * len(order), vision["image_counts"].tolist())
+    got = exchange_bytes([mb], [order], dp_sizes=dp_sizes, seq_length=256, patch_bytes=vision["pixel_values"].shape[1])
+    assert want > 0 and got == [float(want)]

@@ -128,7 +128,8 @@ class SamplePreprocessor:
         self.image_processor = Qwen2VLImageProcessorPil(**kw)
         self.min_pixels, self.max_pixels = kw["min_pixels"], kw["max_pixels"]
         self.patch_size, self.merge_size = int(ip.patch_size), int(ip.merge_size)
-        self.pixel_dim = 3 * int(ip.temporal_patch_size) * self.patch_size ** 2  # C*T*P*P
+        #: uint8 values per patch the data path carries (C*P*P; the encoder tiles T on the device)
+        self.pixel_dim = 3 * self.patch_size ** 2
         self.config = AutoConfig.from_pretrained(str(model_dir))
         self.image_token_id = int(self.config.image_token_id)
         self.image_token = self.tokenizer.convert_ids_to_tokens(self.image_token_id)
@@ -183,11 +184,25 @@ class SamplePreprocessor:
                 raise bad from None
         # numpy, not torch: concatenation then stays single-threaded (torch's intra-op pool in a
         # busy training process made this path 3x slower in bench_data.py)
-        out = self.image_processor(images=images, return_tensors=None)
-        grid = torch.as_tensor(np.asarray(out["image_grid_thw"], dtype=np.int64))
+        patches, grids = zip(*(self._uint8_patches(img) for img in images))
+        grid = torch.tensor(grids, dtype=torch.int64)
         expected = torch.tensor([s.grid for s in specs], dtype=torch.int64)
         assert torch.equal(grid, expected), f"sample {idx}: pixel grid {grid.tolist()} != header grid {expected.tolist()}"
-        return torch.from_numpy(np.ascontiguousarray(out["pixel_values"], dtype=np.float32)), grid
+        return torch.from_numpy(np.concatenate(patches, 0)), grid
+
+    def _uint8_patches(self, img) -> tuple[np.ndarray, tuple[int, int, int]]:
+        """One RGB image through the processor's own conversion and resize, cut into patches in the
+        processor's order but kept as uint8 and without the temporal tile: ``[h*w, C*P*P]``, 3 bytes
+        per pixel. ``model.pixels.float_patches`` (on the device) does the rescale, normalisation
+        and tile the processor would do next."""
+        ip, p, m = self.image_processor, self.patch_size, self.merge_size
+        chw = ip.process_image(img, do_convert_rgb=True)
+        chw = ip.resize(chw, size=ip.size, resample=ip.resample, factor=p * m)
+        assert chw.dtype == np.uint8, chw.dtype
+        c, height, width = chw.shape
+        gh, gw = height // p, width // p
+        x = chw.reshape(c, gh // m, m, p, gw // m, m, p).transpose(1, 4, 2, 5, 0, 3, 6)  # (gh, gw, mh, mw, C, ph, pw)
+        return np.ascontiguousarray(x).reshape(gh * gw, c * p * p), (1, gh, gw)
 
     # ------------------------------------------------------------------ text
 
@@ -278,7 +293,7 @@ class SamplePreprocessor:
         """Zero pixels of the given grids: the stand-in for images whose header was read but whose
         pixels cannot be decoded, so the encoder still sees as many patches as the text has placeholders."""
         rows = sum(t * h * w for t, h, w in grids)
-        return torch.zeros((rows, self.pixel_dim), dtype=torch.float32), torch.tensor(grids, dtype=torch.int64)
+        return torch.zeros((rows, self.pixel_dim), dtype=torch.uint8), torch.tensor(grids, dtype=torch.int64)
 
     def text_only_stand_in(self, messages: list[dict], idx: int) -> dict:
         """The same row without its images and with nothing supervised: what a sample whose images
@@ -341,6 +356,6 @@ def collate(samples: list[dict], *, pad_id: int, seq_length: int | None, need_pi
             batch["image_grid_thw"] = torch.cat(grids, 0)
         else:
             # a text-only micro-batch on an encoder rank: empty tensors of the right width
-            batch["pixel_values"] = torch.zeros((0, pixel_dim), dtype=torch.float32)
+            batch["pixel_values"] = torch.zeros((0, pixel_dim), dtype=torch.uint8)
             batch["image_grid_thw"] = torch.zeros((0, 3), dtype=torch.int64)
     return batch

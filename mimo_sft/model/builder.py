@@ -132,8 +132,11 @@ def build_mimo_model(hf_dir: str, *, layout, parallel_state, model_cfg=None, ran
                                             pre_process=pre, post_process=post, padded_vocab=info.padded_vocab_size)
             copy_into(model.language_model, tensors, where=f"{hf_dir} language")
     if IMAGES in model.modality_submodules:
+        from mimo_sft.model.pixels import pixel_norm_from
+
         for enc in model.modality_submodules[IMAGES].encoders.values():
             _cast_keeping_fp32_buffers(enc, dtype)
+            enc.pixel_norm = pixel_norm_from(hf_dir)  # uint8 patches are normalised on the device
             if ckpt is not None:
                 copy_into(enc, adapter.load_encoder(ckpt, hf_cfg), where=f"{hf_dir} vision")
     _freeze(model, adapter, model_cfg)

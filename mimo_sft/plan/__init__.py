@@ -153,6 +153,8 @@ def build_plan(cfg, opts: PlanOptions) -> dict:
     positions = language_positions([mb.tokens for mb in mbs_list], orders, layout.language.dp,
                                    seq_length=cfg.data.seq_length, pad_to_seq_length=cfg.data.pad_to_seq_length)
     positions["in_batch_packing"] = cfg.data.in_batch_packing
+    moved = simulate.exchange_bytes(mbs_list, main[LANGUAGE].orders, dp_sizes=dp_sizes, seq_length=cfg.data.seq_length,
+                                    patch_bytes=facts.pop("patch_bytes"))
     return {
         "steps": opts.steps,
         "micro_batch_size": cfg.train.micro_batch_size,
@@ -161,7 +163,8 @@ def build_plan(cfg, opts: PlanOptions) -> dict:
         "layout": {s.name: {"dp": s.dp, "tp": s.tp, "pp": s.pp, "ranks": f"{s.rank_offset}-{s.rank_offset + s.size - 1}"}
                    for s in layout.components},
         "reorder": {"enabled_in_config": enabled, "encoder_cost_weight": r.encoder_cost_weight,
-                    "language_cost_weight": r.language_cost_weight, "window_size": r.window_size},
+                    "language_cost_weight": r.language_cost_weight, "window_size": r.window_size,
+                    "mode": r.mode, "bytes_per_micro_batch": {"index": 0.0, "exchange": _mean(moved)}},
         "note": None if enabled else ("reordering is OFF in this config; 'after' shows what "
                                       "--intra-microbatch-reorder would do"),
         "data": {"dataset_path": cfg.data.dataset_path, "dataloader_type": cfg.data.dataloader_type,
@@ -175,6 +178,10 @@ def build_plan(cfg, opts: PlanOptions) -> dict:
         },
         "compare": compare,
     }
+
+
+def _mean(values) -> float:
+    return float(sum(values) / len(values)) if values else 0.0
 
 
 def _compare_row(varied: str, window: int, lang_w: float, tr: dict) -> dict:
