@@ -132,3 +132,16 @@ def test_a_corrupt_image_is_skipped_in_a_4_rank_run():
     assert [r["bad_samples_skipped"] for r in m] == [0, 1], m
     assert [r["images_decoded"] for r in m] == [4, 3]  # the blank stand-in is not a decode
     assert "skipped bad sample 5" in proc.stderr and "0005.png" in proc.stderr
+
+
+def test_worker_defaults_and_the_shm_warning():
+    from mimo_sft.data.loader import resolve_num_workers, shm_warning
+
+    assert resolve_num_workers(3) == 3  # asked for: kept
+    assert resolve_num_workers(-1, cpus=16, local_ranks=8) == 1  # 2 cores per rank, one for training
+    assert resolve_num_workers(-1, cpus=96, local_ranks=8) == 4 and resolve_num_workers(-1, cpus=2, local_ranks=4) == 0
+    mb = 6 * 2**20  # e.g. 2 pages of 1 Mpx as uint8
+    assert shm_warning(4, micro_batch_bytes=mb, local_ranks=8, free_bytes=2**30) is None  # 384 MiB fit in 1 GiB
+    line = shm_warning(4, micro_batch_bytes=mb, local_ranks=8, free_bytes=64 * 2**20)  # a container's default
+    assert line.startswith("/dev/shm has 64 MiB free") and "384 MiB" in line and "--shm-size=1g" in line
+    assert "\n" not in line and shm_warning(0, micro_batch_bytes=mb, free_bytes=0) is None

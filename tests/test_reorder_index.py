@@ -113,18 +113,24 @@ def test_plan_exchange_bytes_are_the_records_training_would_send(demo_data, tiny
     info = model_token_info(tiny_ckpt)
     cost_fn = make_cost_fn(encoder_cost_weight=1.0, image_token_id=info["image_token_id"],
                            merge_size=info["spatial_merge_size"])
-    vision = next(_iter(demo_data, tiny_ckpt, dp_size=1, dp_rank=0, need_pixels=True))
-    text = next(_iter(demo_data, tiny_ckpt, dp_size=1, dp_rank=0, need_pixels=False))
-    order = planning.window_orders([cost_fn(vision)], 4)[0]
-    recs = {"images": split_samples(vision), "language": split_samples(text)}
+    vis_it = _iter(demo_data, tiny_ckpt, dp_size=1, dp_rank=0, need_pixels=True)
+    text_it = _iter(demo_data, tiny_ckpt, dp_size=1, dp_rank=0, need_pixels=False)
     dp_sizes = {"images": 2, "language": 4}
-    want = 0
-    for name, dp in dp_sizes.items():
-        per = len(order) // dp
-        want += sum(record_nbytes(record_meta(recs[name][i])) for k, i in enumerate(order) if k // per != i // per)
     merge2 = info["spatial_merge_size"] ** 2
-    mb = MicroBatchLoad(vision["sample_ids"].tolist(),
-                        [float(merge2 * (r["input_ids"] == info["image_token_id"]).sum()) for r in recs["images"]],
-                        [0.0] * len(order), vision["image_counts"].tolist())
-    got = exchange_bytes([mb], [order], dp_sizes=dp_sizes, seq_length=256, patch_bytes=vision["pixel_values"].shape[1])
-    assert want > 0 and got == [float(want)]
+    total = 0
+    for _k in range(4):
+        vision, text = next(vis_it), next(text_it)
+        order = planning.window_orders([cost_fn(vision)], 4)[0]
+        recs = {"images": split_samples(vision), "language": split_samples(text)}
+        want = 0
+        for name, dp in dp_sizes.items():
+            per = len(order) // dp
+            want += sum(record_nbytes(record_meta(recs[name][i])) for k, i in enumerate(order) if k // per != i // per)
+        mb = MicroBatchLoad(vision["sample_ids"].tolist(),
+                            [float(merge2 * (r["input_ids"] == info["image_token_id"]).sum()) for r in recs["images"]],
+                            [0.0] * len(order), vision["image_counts"].tolist())
+        got = exchange_bytes([mb], [order], dp_sizes=dp_sizes, seq_length=256,
+                             patch_bytes=vision["pixel_values"].shape[1])
+        assert got == [float(want)]
+        total += want
+    assert total > 0, "some sample should move in 4 micro-batches (else this test proves nothing)"

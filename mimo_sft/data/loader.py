@@ -244,6 +244,10 @@ def build_microbatch_iterator(data_cfg, *, model_dir, micro_batch_size: int, can
     else:
         dataset = MicroBatchDataset(source, pre, keep_slice=None if scalable_dp else sampler.slice, **common)
     workers = resolve_num_workers(data_cfg.num_workers if num_workers is None else num_workers)
+    local = micro_batch_size // dp_size if scalable_dp or index_reorder is not None else micro_batch_size
+    warning = shm_warning(workers, micro_batch_bytes=micro_batch_bytes(pre, local, need_pixels=need_pixels))
+    if warning:
+        log.warning(warning)
     loader = torch.utils.data.DataLoader(
         dataset, sampler=sampler, batch_size=None, collate_fn=_identity, num_workers=workers,
         persistent_workers=workers > 0, prefetch_factor=2 if workers > 0 else None,
@@ -253,6 +257,37 @@ def build_microbatch_iterator(data_cfg, *, model_dir, micro_batch_size: int, can
         generator=torch.Generator().manual_seed(seed),
     )
     return MicroBatchIterator(loader, sampler, dataset)
+
+
+def shm_warning(workers: int, *, micro_batch_bytes: int, local_ranks: int | None = None,
+                free_bytes: int | None = None) -> str | None:
+    """The one-line warning (or None) when /dev/shm cannot hold what the node's DataLoader workers
+    keep in flight: every worker of every rank on the node hands over 2 prefetched micro-batches
+    through shared memory; a container's default 64 MB ends in a bus error, not a message."""
+    import shutil
+
+    if workers <= 0:
+        return None
+    local_ranks = local_ranks if local_ranks is not None else int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if free_bytes is None:
+        try:
+            free_bytes = shutil.disk_usage("/dev/shm").free
+        except OSError:
+            return None
+    need = workers * 2 * local_ranks * micro_batch_bytes
+    if need <= free_bytes:
+        return None
+    return (f"/dev/shm has {free_bytes / 2**20:.0f} MiB free, but {local_ranks} rank(s) x {workers} DataLoader "
+            f"worker(s) x 2 prefetched micro-batches need up to {need / 2**20:.0f} MiB; give the container more "
+            f"(docker run --shm-size={max(1, -(-2 * need // 2**30))}g) or lower --num-workers")
+
+
+def micro_batch_bytes(pre: SamplePreprocessor, samples: int, *, need_pixels: bool) -> int:
+    """Largest host bytes of one rank-local micro-batch: the text fields (design.md, padded to
+    seq_length, about 53 bytes per position) and, on encoder ranks, one image at ``max_pixels`` per
+    sample as uint8 patches (3 bytes per pixel)."""
+    per = pre.seq_length * (8 * 3 + 4 + 1 + 8 + 8 * 3) + (3 * pre.max_pixels if need_pixels else 0)
+    return samples * per
 
 
 def resolve_num_workers(requested: int, *, cpus: int | None = None, local_ranks: int | None = None) -> int:
