@@ -12,6 +12,7 @@ import torch
 from PIL import Image
 
 from data_fixtures import demo_data, tiny_ckpt  # noqa: F401  (session fixtures)
+from mimo_sft.model.pixels import float_patches, pixel_norm_from
 from mimo_sft.config.schema import DataConfig
 from mimo_sft.errors import UserError
 
@@ -65,7 +66,9 @@ def test_matches_transformers_processor(parts, tiny_ckpt):
         assert torch.equal(ours["labels"][:-1][sup[:-1]], ids[1:][sup[:-1]])
         assert (ours["labels"][~sup] == pre.pad_id).all()
         if refs:
-            assert torch.equal(ours["pixel_values"], hf["pixel_values"])
+            assert ours["pixel_values"].dtype == torch.uint8  # normalised on the device (model.pixels)
+            assert torch.allclose(float_patches(ours["pixel_values"], pixel_norm_from(tiny_ckpt)), hf["pixel_values"],
+                                  rtol=0, atol=1e-6)
             assert torch.equal(ours["image_grid_thw"], hf["image_grid_thw"])
         else:
             assert "pixel_values" not in ours
@@ -89,7 +92,8 @@ def test_position_ids_equal_transformers_get_rope_index(parts, tiny_ckpt):
     # and the reference forward consumes the batch as-is
     with torch.no_grad():
         out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"].long(),
-                    pixel_values=batch["pixel_values"], image_grid_thw=batch["image_grid_thw"],
+                    pixel_values=float_patches(batch["pixel_values"], pixel_norm_from(tiny_ckpt)),
+                    image_grid_thw=batch["image_grid_thw"],
                     mm_token_type_ids=batch["mm_token_type_ids"])
     assert torch.isfinite(out.logits).all()
 
@@ -157,7 +161,8 @@ def _write_long_prompt_dataset(path, n=6):
 def test_truncation_drop_error_and_text_cut(tmp_path, tiny_ckpt, caplog):
     path = _write_long_prompt_dataset(tmp_path / "long.parquet")
     cfg = DataConfig(dataset_path=str(path), seq_length=128, on_truncation="drop")
-    it = _iterator(cfg, tiny_ckpt, micro_batch_size=2, canonical_grid=1, dp_size=1, dp_rank=0, need_pixels=False)
+    it = _iterator(cfg, tiny_ckpt, micro_batch_size=2, canonical_grid=1, dp_size=1, dp_rank=0, need_pixels=False,
+                   num_workers=0)  # the warning is logged where the sample is encoded: in this process
     with caplog.at_level(logging.WARNING, logger="mimo_sft.data"):
         b = next(it)
     # sample 0 is dropped and replaced by sample 1 (the next that fits); sample 1 itself follows
@@ -213,7 +218,8 @@ def test_exif_rotation_agrees_on_both_paths(tmp_path, tiny_ckpt, parts):
     assert w > h  # rotated: wider than tall
     upright = ImageOps.exif_transpose(Image.open(io.BytesIO(buf.getvalue())))
     ref = load_processor(tiny_ckpt).image_processor(images=[upright], return_tensors="pt")
-    assert torch.equal(pix["pixel_values"], ref["pixel_values"])
+    assert torch.allclose(float_patches(pix["pixel_values"], pixel_norm_from(tiny_ckpt)), ref["pixel_values"],
+                          rtol=0, atol=1e-6)
     for k in ("input_ids", "labels", "position_ids"):
         assert torch.equal(meta[k], pix[k])
 

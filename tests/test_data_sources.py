@@ -107,8 +107,9 @@ def test_missing_and_unreadable_image(tmp_path, image_folder, tiny_ckpt):
                     r"sample 1: image file .*zzz.png not found.*--image-root")
     (image_folder / "bad.png").write_bytes(b"not an image at all")
     p.write_text("\n".join(json.dumps(r) for r in _messages_rows(["a", "bad"])))
-    it = _iter(DataConfig(dataset_path=str(p), seq_length=128), tiny_ckpt, num_workers=1)  # error crosses a worker
-    _one_line_error(lambda: next(it), r"sample 1: cannot read image file .*bad.png")
+    it = _iter(DataConfig(dataset_path=str(p), seq_length=128, max_bad_samples=0), tiny_ckpt,
+               num_workers=1)  # error crosses a worker
+    _one_line_error(lambda: next(it), r"sample 1 \(.*bad.png\): cannot read image file")
 
 
 def test_empty_small_and_short_seq(tmp_path, image_folder, tiny_ckpt):

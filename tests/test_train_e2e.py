@@ -162,7 +162,8 @@ def test_failing_rank_ends_job_with_clear_error():
     proc = torchrun(4, ["--hf-model", tiny_model(), "--dataset-path", data, "--seq-length", "128",
                         "--micro-batch-size", "4", "--global-batch-size", "4", "--train-iters", "4",
                         "--component", "language=dp=2", "--component", "images=dp=2,rank_offset=2",
-                        "--scalable-dp", "--no-tensorboard", "--output-dir", new_dir("broken")],
+                        "--scalable-dp", "--no-tensorboard", "--output-dir", new_dir("broken"),
+                        "--max-bad-samples", "0"],  # refuse, as before --max-bad-samples (tests/test_bad_samples.py)
                     check=False, timeout=240)
     assert proc.returncode != 0
     lines = [l for l in proc.stderr.splitlines() if l.startswith("error:")]

@@ -22,6 +22,7 @@ from typing import Callable
 
 from mimo_sft.config import checks_memory, families
 from mimo_sft.config.checks_checkpoint import c24_checkpoint_writing
+from mimo_sft.config.checks_data_scale import c25_data_scale
 from mimo_sft.config.checks_paths import c26_run_folders, c27_extra_folders
 from mimo_sft.config.families import FamilySpec
 from mimo_sft.config.checks_forecast import c23_memory
@@ -79,8 +80,6 @@ def c01_positive_sizes(ctx):
         yield f"--exit-interval={t.exit_interval} must be >= 1"
     if t.exit_duration_in_mins is not None and t.exit_duration_in_mins <= 0:
         yield f"--exit-duration-in-mins={t.exit_duration_in_mins} must be > 0"
-    if d.num_workers < 0:
-        yield f"--num-workers={d.num_workers} must be >= 0"
     si = ctx.cfg.checkpoint.save_interval
     if si is not None and si < 1:
         yield f"--save-interval={si} must be >= 1"
@@ -396,6 +395,7 @@ CHECKS: tuple[tuple[int, str, Callable], ...] = (
     (22, "sequence parallelism settings", checks_memory.c22_sequence_parallel),
     (23, "memory forecast fits the GPU", c23_memory),
     (24, "checkpoint writing and resharding", c24_checkpoint_writing),
+    (25, "data loading at scale", c25_data_scale),
     (26, "run output folders are usable", c26_run_folders),
     (27, "export and debugging folders are usable", c27_extra_folders),
     (29, "learning rates and experiment trackers", c29_learning_rates_and_trackers),

@@ -24,11 +24,14 @@ import torch
 from mimo_sft.data.preprocess import SamplePreprocessor, TruncatedImageError, collate
 from mimo_sft.data.sampler import CanonicalSampler
 from mimo_sft.data.sources import SFTSource, load_sft_dataset
-from mimo_sft.errors import UserError
+from mimo_sft.errors import BadSampleError, UserError
 
 log = logging.getLogger("mimo_sft.data")
 
 _ERROR_KEY = "__user_error__"
+#: what a worker reports beside a micro-batch (bad samples, images decoded); the iterator pops it
+_SIDE_KEY = "__data_report__"
+_STATS_KEY = "__reorder_stats__"
 
 
 def model_token_info(model_dir: str | os.PathLike) -> dict:
@@ -54,27 +57,36 @@ def model_token_info(model_dir: str | os.PathLike) -> dict:
 
 
 class MicroBatchDataset(torch.utils.data.Dataset):
-    """Item = one rank-local micro-batch: ``ds[list_of_indices]`` -> design.md dict."""
+    """Item = one rank-local micro-batch: ``ds[list_of_indices]`` -> design.md dict.
+
+    ``max_bad_samples > 0``: a sample whose image cannot be read becomes a stand-in of the same row
+    (:meth:`encode`) and is reported beside the batch (``__bad_samples__``), for the iterator to
+    count, name and limit; 0 refuses it (one line), as before.
+    """
 
     def __init__(self, source: SFTSource, pre: SamplePreprocessor, *, need_pixels: bool, on_truncation: str = "drop",
-                 pad_to_seq_length: bool = True, keep_slice: tuple[int, int] | None = None):
+                 pad_to_seq_length: bool = True, keep_slice: tuple[int, int] | None = None, max_bad_samples: int = 0):
         self.source, self.pre = source, pre
         self.need_pixels = need_pixels
         self.on_truncation = on_truncation
         self.pad_to_seq_length = pad_to_seq_length
         self.keep_slice = keep_slice
+        self.max_bad_samples = max_bad_samples
         self.dropped = 0
+        self._bad: list[tuple[int, str | None, str, str]] = []  # (index, path, reason, stage)  # of the item being built
 
     def __len__(self) -> int:
         return len(self.source)
 
-    def encode(self, idx: int) -> dict:
+    def encode(self, idx: int, *, need_pixels: bool | None = None) -> dict:
         """Encode sample idx, replacing it by the next sample that fits if its images would be cut."""
+        need = self.need_pixels if need_pixels is None else need_pixels
         n = len(self.source)
         j = int(idx)
         for _ in range(n):
+            messages, refs = self.source[j]
             try:
-                return self.pre.encode(*self.source[j], j, need_pixels=self.need_pixels)
+                return self._encode_or_stand_in(messages, refs, j, need)
             except TruncatedImageError as err:
                 if self.on_truncation == "error":
                     raise UserError(f"{err}; raise --seq-length, lower --max-pixels, or use --on-truncation drop") from None
@@ -84,15 +96,41 @@ class MicroBatchDataset(torch.utils.data.Dataset):
                 j = (j + 1) % n
         raise UserError(f"no sample of the dataset fits in --seq-length {self.pre.seq_length}; raise it or lower --max-pixels")
 
+    def _encode_or_stand_in(self, messages, refs, j: int, need: bool) -> dict:
+        """The sample, or (bad image, ``--max-bad-samples`` > 0) its stand-in: a missing or unreadable
+        file (seen by every rank, headers are read everywhere) gives the text-only, zero-loss row; a
+        header that reads but pixels that do not decode (seen only where pixels are decoded) keep
+        the text and get zero pixels of the same grid, so every rank agrees on the sample's tokens."""
+        try:
+            return self.pre.encode(messages, refs, j, need_pixels=need)
+        except BadSampleError as err:
+            if self.max_bad_samples <= 0:
+                raise
+            self._bad.append((j, err.path, err.reason, getattr(err, "stage", "header")))
+            if getattr(err, "stage", None) != "pixels":
+                return self.pre.text_only_stand_in(messages, j)
+            sample = self.pre.encode(messages, refs, j, need_pixels=False)
+            sample["pixel_values"], sample["image_grid_thw"] = self.pre.blank_pixels(sample["grids"])
+            sample["blank_images"] = len(sample["grids"])
+            return sample
+
+    def collate(self, samples: list[dict], need_pixels: bool) -> dict:
+        batch = collate(samples, pad_id=self.pre.pad_id, need_pixels=need_pixels, pixel_dim=self.pre.pixel_dim,
+                        seq_length=self.pre.seq_length if self.pad_to_seq_length else None)
+        decoded = sum(len(s["grids"]) - s.get("blank_images", 0) for s in samples if "pixel_values" in s)
+        batch[_SIDE_KEY] = {"bad_samples": self._bad, "images_decoded": decoded if need_pixels else 0}
+        self._bad = []
+        return batch
+
     def __getitem__(self, indices) -> dict:
+        self._bad = []
         try:
             samples = [self.encode(i) for i in indices]
         except UserError as err:  # crosses worker processes as data, re-raised as one line
             return {_ERROR_KEY: str(err)}
         if self.keep_slice is not None:
             samples = samples[self.keep_slice[0]: self.keep_slice[1]]
-        return collate(samples, pad_id=self.pre.pad_id, need_pixels=self.need_pixels, pixel_dim=self.pre.pixel_dim,
-                       seq_length=self.pre.seq_length if self.pad_to_seq_length else None)
+        return self.collate(samples, self.need_pixels)
 
 
 def _identity(x):
@@ -106,11 +144,22 @@ def _worker_init(_worker_id: int) -> None:
 
 
 class MicroBatchIterator:
-    """Endless iterator of micro-batch dicts; ``UserError`` from any worker is raised here as one line."""
+    """Endless iterator of micro-batch dicts; ``UserError`` from any worker is raised here as one line.
+
+    It also keeps the data report of what it served: images decoded, and the bad samples skipped
+    (each named once in the log; more distinct ones than ``max_bad_samples`` stop the run with one
+    line naming them). ``last_report`` is the last micro-batch's, ``images_decoded`` /
+    ``bad_samples`` the running totals of this process.
+    """
 
     def __init__(self, loader, sampler: CanonicalSampler, dataset: MicroBatchDataset):
         self.loader, self.sampler, self.dataset = loader, sampler, dataset
         self._it = iter(loader)
+        self.images_decoded = 0
+        self.bad_samples: dict[int, tuple[str | None, str]] = {}
+        self.bad_by_stage = {"header": 0, "pixels": 0}  # header: every rank sees it; pixels: decoding ranks only
+        self.last_report: dict = {"bad_samples": [], "images_decoded": 0}
+        self.last_stats: dict = {}  # index-mode reordering: the plan figures of the last micro-batch
 
     def __iter__(self):
         return self
@@ -119,7 +168,26 @@ class MicroBatchIterator:
         batch = next(self._it)
         if _ERROR_KEY in batch:
             raise UserError(batch[_ERROR_KEY])
+        report = batch.pop(_SIDE_KEY, None) or {"bad_samples": [], "images_decoded": 0}
+        self.last_stats = batch.pop(_STATS_KEY, {})
+        self.last_report = report
+        self.images_decoded += report["images_decoded"]
+        for index, path, reason, stage in report["bad_samples"]:
+            if index in self.bad_samples:
+                continue
+            self.bad_samples[index] = (path, reason)
+            self.bad_by_stage[stage] += 1
+            log.warning("skipped bad sample %d (%s): %s; %d skipped so far (--max-bad-samples %d)", index, path or
+                        "in-dataset bytes", reason, len(self.bad_samples), self.dataset.max_bad_samples)
+        if len(self.bad_samples) > self.dataset.max_bad_samples:
+            named = "; ".join(f"{i} ({p or 'in-dataset bytes'})" for i, (p, _r) in sorted(self.bad_samples.items()))
+            raise UserError(f"{len(self.bad_samples)} samples have unreadable images, more than --max-bad-samples "
+                            f"{self.dataset.max_bad_samples}: samples {named}; fix or remove those images, or raise "
+                            "--max-bad-samples")
         return batch
+
+    def shutdown(self) -> None:
+        """Nothing to stop (the DataLoader's workers end with it); the feed calls this on any source."""
 
 
 def build_preprocessor(data_cfg, model_dir) -> SamplePreprocessor:
@@ -145,34 +213,93 @@ def build_microbatch_iterator(data_cfg, *, model_dir, micro_batch_size: int, can
                               dp_rank: int, need_pixels: bool, seed: int, consumed_samples: int = 0,
                               scalable_dp: bool = True, global_batch_size: int | None = None,
                               num_workers: int | None = None, source: SFTSource | None = None,
-                              preprocessor: SamplePreprocessor | None = None) -> MicroBatchIterator:
+                              preprocessor: SamplePreprocessor | None = None, index_reorder: dict | None = None,
+                              pin_memory: bool = False) -> MicroBatchIterator:
     """This rank's endless stream of micro-batch dicts (design.md), starting after ``consumed_samples``.
 
     ``need_pixels=False`` (language-only ranks) never decodes pixels. Without ``scalable_dp`` every
     rank encodes the whole micro-batch and keeps its slice (same result, more I/O).
+    ``index_reorder``: reorder by index (``data.indexed``): the arguments of
+    :class:`~mimo_sft.data.indexed.IndexReorderedDataset` beyond the data ones (cost and load
+    functions, canonical grid, stats DP sizes); this rank then reads the whole micro-batch's text
+    path and decodes only the samples the balanced plan gives it. ``pin_memory``: the DataLoader
+    pins each micro-batch in its own thread (CUDA runs), not the training thread.
     """
     source = source if source is not None else load_sft_dataset(data_cfg)
     pre = preprocessor if preprocessor is not None else build_preprocessor(data_cfg, model_dir)
     # micro_batch_size % canonical_grid and canonical_grid % dp_size: check_config refuses the first
     # (check 8), the grid is the LCM of the DP sizes; the sampler asserts both
     check_fits(source, pre, micro_batch_size=micro_batch_size, global_batch_size=global_batch_size)
+    whole = index_reorder is not None or not scalable_dp
     sampler = CanonicalSampler(len(source), micro_batch_size=micro_batch_size, canonical_grid=canonical_grid,
                                dp_size=dp_size, dp_rank=dp_rank, dataloader_type=data_cfg.dataloader_type,
                                drop_last=data_cfg.drop_last, consumed_samples=consumed_samples, seed=seed,
-                               whole_micro_batch=not scalable_dp)
-    dataset = MicroBatchDataset(source, pre, need_pixels=need_pixels, on_truncation=data_cfg.on_truncation,
-                                pad_to_seq_length=data_cfg.pad_to_seq_length,
-                                keep_slice=None if scalable_dp else sampler.slice)
-    workers = data_cfg.num_workers if num_workers is None else num_workers
+                               whole_micro_batch=whole)
+    common = dict(need_pixels=need_pixels, on_truncation=data_cfg.on_truncation,
+                  pad_to_seq_length=data_cfg.pad_to_seq_length, max_bad_samples=data_cfg.max_bad_samples)
+    if index_reorder is not None:
+        from mimo_sft.data.indexed import IndexReorderedDataset
+
+        dataset = IndexReorderedDataset(source, pre, dp_rank=dp_rank, dp_size=dp_size, **index_reorder, **common)
+    else:
+        dataset = MicroBatchDataset(source, pre, keep_slice=None if scalable_dp else sampler.slice, **common)
+    workers = resolve_num_workers(data_cfg.num_workers if num_workers is None else num_workers)
+    local = micro_batch_size // dp_size if scalable_dp or index_reorder is not None else micro_batch_size
+    warning = shm_warning(workers, micro_batch_bytes=micro_batch_bytes(pre, local, need_pixels=need_pixels))
+    if warning:
+        log.warning(warning)
     loader = torch.utils.data.DataLoader(
         dataset, sampler=sampler, batch_size=None, collate_fn=_identity, num_workers=workers,
         persistent_workers=workers > 0, prefetch_factor=2 if workers > 0 else None,
-        worker_init_fn=_worker_init if workers > 0 else None,
+        worker_init_fn=_worker_init if workers > 0 else None, pin_memory=pin_memory,
         # its own generator: starting an iterator draws a base seed, which must not move the global
         # torch RNG (a resumed run starts its iterator at another step than the continuous run)
         generator=torch.Generator().manual_seed(seed),
     )
     return MicroBatchIterator(loader, sampler, dataset)
+
+
+def shm_warning(workers: int, *, micro_batch_bytes: int, local_ranks: int | None = None,
+                free_bytes: int | None = None) -> str | None:
+    """The one-line warning (or None) when /dev/shm cannot hold what the node's DataLoader workers
+    keep in flight: every worker of every rank on the node hands over 2 prefetched micro-batches
+    through shared memory; a container's default 64 MB ends in a bus error, not a message."""
+    import shutil
+
+    if workers <= 0:
+        return None
+    local_ranks = local_ranks if local_ranks is not None else int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if free_bytes is None:
+        try:
+            free_bytes = shutil.disk_usage("/dev/shm").free
+        except OSError:
+            return None
+    need = workers * 2 * local_ranks * micro_batch_bytes
+    if need <= free_bytes:
+        return None
+    return (f"/dev/shm has {free_bytes / 2**20:.0f} MiB free, but {local_ranks} rank(s) x {workers} DataLoader "
+            f"worker(s) x 2 prefetched micro-batches need up to {need / 2**20:.0f} MiB; give the container more "
+            f"(docker run --shm-size={max(1, -(-2 * need // 2**30))}g) or lower --num-workers")
+
+
+def micro_batch_bytes(pre: SamplePreprocessor, samples: int, *, need_pixels: bool) -> int:
+    """Largest host bytes of one rank-local micro-batch: the text fields (design.md, padded to
+    seq_length, about 53 bytes per position) and, on encoder ranks, one image at ``max_pixels`` per
+    sample as uint8 patches (3 bytes per pixel)."""
+    per = pre.seq_length * (8 * 3 + 4 + 1 + 8 + 8 * 3) + (3 * pre.max_pixels if need_pixels else 0)
+    return samples * per
+
+
+def resolve_num_workers(requested: int, *, cpus: int | None = None, local_ranks: int | None = None) -> int:
+    """``--num-workers``; -1 (the default) picks from the CPUs this rank may use: those of the
+    process (its affinity mask) shared by the ranks of this node (``LOCAL_WORLD_SIZE``), minus one
+    for the training thread, at most 4 (two prefetched micro-batches each keep a GPU fed in
+    ``scripts/bench_data.py``'s figures), 0 when no core is left over."""
+    if requested >= 0:
+        return requested
+    cpus = cpus if cpus is not None else len(os.sched_getaffinity(0))
+    local_ranks = local_ranks if local_ranks is not None else int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return max(0, min(4, cpus // max(1, local_ranks) - 1))
 
 
 # --------------------------------------------------------------------------- metadata (planner)

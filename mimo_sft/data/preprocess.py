@@ -128,7 +128,8 @@ class SamplePreprocessor:
         self.image_processor = Qwen2VLImageProcessorPil(**kw)
         self.min_pixels, self.max_pixels = kw["min_pixels"], kw["max_pixels"]
         self.patch_size, self.merge_size = int(ip.patch_size), int(ip.merge_size)
-        self.pixel_dim = 3 * int(ip.temporal_patch_size) * self.patch_size ** 2  # C*T*P*P
+        #: uint8 values per patch the data path carries (C*P*P; the encoder tiles T on the device)
+        self.pixel_dim = 3 * self.patch_size ** 2
         self.config = AutoConfig.from_pretrained(str(model_dir))
         self.image_token_id = int(self.config.image_token_id)
         self.image_token = self.tokenizer.convert_ids_to_tokens(self.image_token_id)
@@ -178,18 +179,34 @@ class SamplePreprocessor:
             img = open_sample_image(spec.ref, idx, max_image_pixels=self.max_image_pixels)
             try:
                 img.load()
-            except OSError as err:
-                raise BadSampleError(idx, image_where(spec.ref), f"cannot decode image ({err}); fix or remove the image") from None
-            if spec.orientation in _TRANSPOSE:
-                img = img.transpose(_TRANSPOSE[spec.orientation])
-            images.append(to_rgb(img))  # transparency composited onto white, as transformers does
+                if spec.orientation in _TRANSPOSE:
+                    img = img.transpose(_TRANSPOSE[spec.orientation])
+                images.append(to_rgb(img))  # transparency composited onto white, as transformers does
+            except (OSError, ValueError) as err:  # the header was readable, the pixels are not
+                bad = BadSampleError(idx, image_where(spec.ref), f"cannot decode image ({err}); fix or remove the image")
+                bad.stage = "pixels"  # only ranks that decode see it: the loader keeps the text as it is
+                raise bad from None
         # numpy, not torch: concatenation then stays single-threaded (torch's intra-op pool in a
         # busy training process made this path 3x slower in bench_data.py)
-        out = self.image_processor(images=images, return_tensors=None)
-        grid = torch.as_tensor(np.asarray(out["image_grid_thw"], dtype=np.int64))
+        patches, grids = zip(*(self._uint8_patches(img) for img in images))
+        grid = torch.tensor(grids, dtype=torch.int64)
         expected = torch.tensor([s.grid for s in specs], dtype=torch.int64)
         assert torch.equal(grid, expected), f"sample {idx}: pixel grid {grid.tolist()} != header grid {expected.tolist()}"
-        return torch.from_numpy(np.ascontiguousarray(out["pixel_values"], dtype=np.float32)), grid
+        return torch.from_numpy(np.concatenate(patches, 0)), grid
+
+    def _uint8_patches(self, img) -> tuple[np.ndarray, tuple[int, int, int]]:
+        """One RGB image through the processor's own conversion and resize, cut into patches in the
+        processor's order but kept as uint8 and without the temporal tile: ``[h*w, C*P*P]``, 3 bytes
+        per pixel. ``model.pixels.float_patches`` (on the device) does the rescale, normalisation
+        and tile the processor would do next."""
+        ip, p, m = self.image_processor, self.patch_size, self.merge_size
+        chw = ip.process_image(img, do_convert_rgb=True)
+        chw = ip.resize(chw, size=ip.size, resample=ip.resample, factor=p * m)
+        assert chw.dtype == np.uint8, chw.dtype
+        c, height, width = chw.shape
+        gh, gw = height // p, width // p
+        x = chw.reshape(c, gh // m, m, p, gw // m, m, p).transpose(1, 4, 2, 5, 0, 3, 6)  # (gh, gw, mh, mw, C, ph, pw)
+        return np.ascontiguousarray(x).reshape(gh * gw, c * p * p), (1, gh, gw)
 
     # ------------------------------------------------------------------ text
 
@@ -280,6 +297,22 @@ class SamplePreprocessor:
             sample["pixel_values"], sample["image_grid_thw"] = self.pixels(specs, idx)
         return sample
 
+    def blank_pixels(self, grids: list) -> tuple[torch.Tensor, torch.Tensor]:
+        """Zero pixels of the given grids: the stand-in for images whose header was read but whose
+        pixels cannot be decoded, so the encoder still sees as many patches as the text has placeholders."""
+        rows = sum(t * h * w for t, h, w in grids)
+        return torch.zeros((rows, self.pixel_dim), dtype=torch.uint8), torch.tensor(grids, dtype=torch.int64)
+
+    def text_only_stand_in(self, messages: list[dict], idx: int) -> dict:
+        """The same row without its images and with nothing supervised: what a sample whose images
+        cannot be read (missing file, unreadable header) becomes on every rank alike (all ranks read
+        headers), so the ranks stay in step and the consumed-sample count is unchanged; it adds no loss."""
+        stripped = [{**m, "content": [p for p in m["content"] if p["type"] != "image"]} for m in messages]
+        sample = self.encode(stripped, [], idx, need_pixels=False)
+        sample["loss_mask"] = torch.zeros_like(sample["loss_mask"])
+        sample["labels"] = torch.full_like(sample["labels"], self.pad_id)
+        return sample
+
     def min_tokens_for_one_image(self) -> int:
         """Tokens of the smallest conversation holding one image at ``max_pixels`` (seq_length check).
 
@@ -339,6 +372,6 @@ def collate(samples: list[dict], *, pad_id: int, seq_length: int | None, need_pi
             batch["image_grid_thw"] = torch.cat(grids, 0)
         else:
             # a text-only micro-batch on an encoder rank: empty tensors of the right width
-            batch["pixel_values"] = torch.zeros((0, pixel_dim), dtype=torch.float32)
+            batch["pixel_values"] = torch.zeros((0, pixel_dim), dtype=torch.uint8)
             batch["image_grid_thw"] = torch.zeros((0, 3), dtype=torch.int64)
     return batch

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from mimo_sft.data.load_errors import load_failure, object_top_level
-from mimo_sft.errors import UserError
+from mimo_sft.errors import BadSampleError, UserError
 
 _ROLE_MAP = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "model": "assistant",
              "bot": "assistant", "system": "system"}
@@ -263,70 +263,18 @@ class SFTSource:
                          f"and the dataset also has an images column '{self.images_column}'; keep only one of the "
                          "two (remove the column or the in-content image references)")
 
-    def _content_refs(self) -> list[tuple[int, Any]]:
-        """(row, reference) of every image named inside message content, in row order."""
-        import pyarrow as pa
-
-        if self.schema != "messages":
-            return []
-        column = self.ds.data.table.column(self.text_column).combine_chunks()
-        out: list = []
-        _walk_arrow(column, pa.array(range(len(column)), pa.int64()), out)
-        return sorted(out, key=lambda x: x[0])
-
-    def _column_paths(self) -> list[tuple[int, str]]:
-        """(row, path) of the images column's file paths, read from Arrow without decoding."""
-        import pyarrow as pa
-        import pyarrow.compute as pc
-
-        column = _storage(self.ds.data.table.column(self.images_column).combine_chunks())
-        rows = pa.array(range(len(column)), pa.int64())
-        if pa.types.is_list(column.type) or pa.types.is_large_list(column.type):
-            rows = pc.list_parent_indices(column)
-            column = _storage(pc.list_flatten(column))
-        if pa.types.is_struct(column.type):
-            names = [column.type.field(i).name for i in range(column.type.num_fields)]
-            if "path" not in names:
-                return []
-            paths = pc.struct_field(column, "path")
-            keep = pc.is_valid(paths)
-            if "bytes" in names:
-                keep = pc.and_(keep, pc.is_null(pc.struct_field(column, "bytes")))
-            return list(zip(pc.filter(rows, keep).to_pylist(), pc.filter(paths, keep).to_pylist()))
-        if not (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)):
-            return []
-        # plain paths, or JSON text (a Json feature) holding a path, a list of paths or a dict
-        valid = pc.is_valid(column)
-        return [(row, p) for row, value in zip(pc.filter(rows, valid).to_pylist(), pc.filter(column, valid).to_pylist())
-                for p in map(_path_of, _image_list(value)) if p is not None]
-
     def image_paths(self) -> list[tuple[int, str]]:
-        """(row, path) of every image stored as a file path, without decoding any image.
+        """(row, path) of every image stored as a file path, without decoding any image (streamed
+        slice by slice: :func:`mimo_sft.data.file_check.image_paths`)."""
+        from mimo_sft.data.file_check import image_paths
 
-        Only path references are listed (in-dataset bytes need no file); used to find missing
-        files before step 0 instead of hours into a run. Paths come from the images column, or for
-        a dataset without one from the message content.
-        """
-        if self.images_column is not None:
-            return self._column_paths()
-        return [(row, p) for row, ref in self._content_refs() if (p := _path_of(ref)) is not None]
+        return list(image_paths(self))
 
     def check_image_files(self) -> None:
-        """Refuse mixed image sources and missing files when the dataset opens, naming the first."""
-        if self.images_column is not None:
-            inline = self._content_refs()
-            if inline:
-                raise self._both_error(inline[0][0])
-        missing = []
-        for row, ref in self.image_paths():
-            path = self._resolve(ref, row)
-            if isinstance(path, Path) and not path.is_file():
-                missing.append((row, path))
-        if missing:
-            row, path = missing[0]
-            more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
-            what = "is a folder, not an image file" if path.is_dir() else "not found"
-            raise UserError(f"sample {row}: image file {path} {what}{more}; check the paths or set --image-root")
+        """Refuse mixed image sources and missing files (:func:`mimo_sft.data.file_check.check_image_files`)."""
+        from mimo_sft.data.file_check import check_image_files
+
+        check_image_files(self)
 
     def _resolve(self, ref, idx):
         """bytes -> ``bytes``; path or URI -> absolute ``Path`` / ``bytes``; PIL image -> itself."""
@@ -432,8 +380,11 @@ def _sharegpt_messages(turns, idx, col) -> list[dict]:
 
 
 def load_sft_dataset(data_cfg, *, check_files: bool = True) -> SFTSource:
-    """Load ``data_cfg.dataset_path`` and pick the schema, columns and image folder it needs
-    (``check_files=False``: skip the image-file check; ``check-data`` lists every missing file itself)."""
+    """Load ``data_cfg.dataset_path`` and pick the schema, columns and image folder it needs.
+
+    ``check_files=False``: skip the image-file check (training runs it once on one rank and hands
+    the verdict to the others, ``train.feed``; see ``data.file_check``; ``check-data`` lists every
+    missing file itself)."""
     ds = load_raw_dataset(data_cfg.dataset_path, data_cfg.split)
     cols = list(ds.column_names)
     schema = data_cfg.schema
@@ -470,14 +421,13 @@ def load_sft_dataset(data_cfg, *, check_files: bool = True) -> SFTSource:
         raise UserError(f"--image-root {data_cfg.image_root} is not a folder; point it at the folder the image paths are relative to")
     source = SFTSource(ds, schema=schema, text_column=text_column, images_column=images_column,
                        base_dir=base_dir, image_root=image_root, dataset_path=str(data_cfg.dataset_path))
-    try:
-        if check_files:
-            source.check_image_files()
-    except UserError:
-        raise
-    except Exception:  # noqa: BLE001 - an Arrow layout we do not know: images are still checked when read
-        pass
-    if images_column is None and check_files:
+    if check_files:
+        from mimo_sft.data.file_check import cached_check
+
+        verdict = cached_check(source, None)
+        if verdict is not None:
+            raise UserError(verdict)
+    if images_column is None:
         # Fail now, not mid-training, if the text asks for images the dataset does not have.
         for i in range(min(len(source), 64)):
             source[i]
@@ -495,8 +445,9 @@ def open_image_header(ref, idx: int):
             return Image.open(io.BytesIO(ref))
         return Image.open(ref)
     except FileNotFoundError:
-        raise UserError(f"sample {idx}: image file {ref} not found; check the path or set --image-root") from None
+        raise BadSampleError(idx, str(ref), "image file not found; check the path or set --image-root") from None
     except (UnidentifiedImageError, OSError) as err:
-        where = "in-dataset image bytes" if isinstance(ref, bytes) else f"image file {ref}"
+        where = None if isinstance(ref, bytes) else str(ref)
+        what = "in-dataset image bytes" if isinstance(ref, bytes) else "image file"
         reason = "not a recognised image format" if isinstance(err, UnidentifiedImageError) else _first_line(err)
-        raise UserError(f"sample {idx}: cannot read {where} ({reason}); fix or remove the image") from None
+        raise BadSampleError(idx, where, f"cannot read {what} ({reason}); fix or remove the image") from None

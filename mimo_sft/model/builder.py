@@ -181,8 +181,11 @@ def _load_weights(model, b: _BuildInputs, info, parallel_state, hf_dir: str) -> 
                 num_local_layers=len(model.language_model.decoder.layers), pre_process=pre, post_process=post,
                 padded_vocab=info.padded_vocab_size)
             copy_into(model.language_model, tensors, where=f"{hf_dir} language")
+    from mimo_sft.model.pixels import pixel_norm_from
+
     for enc in _encoders(model):
         _cast_keeping_fp32_buffers(enc, b.dtype)
+        enc.pixel_norm = pixel_norm_from(hf_dir)  # uint8 patches are normalised on the device
         if b.ckpt is not None:
             copy_into(enc, b.adapter.load_encoder(b.ckpt, b.hf_cfg), where=f"{hf_dir} vision")
 

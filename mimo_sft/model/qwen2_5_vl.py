@@ -17,6 +17,7 @@ from mimo_sft.errors import UserError
 from mimo_sft.model.decoder_weights import (DecoderNames, DecoderShape, expected_hf_shapes, export_decoder,
                                             load_decoder_shard, pad_vocab)
 from mimo_sft.model.family import FamilyAdapter, ModelInfo
+from mimo_sft.model.pixels import PixelNorm, float_patches
 from mimo_sft.parallel.layout import IMAGES
 
 try:  # transformers is a hard dependency; the import is here so the error names the family
@@ -28,7 +29,8 @@ except ImportError as _err:  # pragma: no cover
 class Qwen25VisionEncoder(Qwen2_5_VisionTransformerPretrainedModel):
     """HF's Qwen2.5-VL vision tower + patch merger as a MIMO encoder.
 
-    ``forward(pixel_values, image_grid_thw)`` returns the merged tokens ``[sum_i t*h*w/merge**2,
+    ``pixel_values`` are uint8 patches from the data path (normalised here, on the device:
+    ``model.pixels``) or transformers' float patches. ``forward(pixel_values, image_grid_thw)`` returns the merged tokens ``[sum_i t*h*w/merge**2,
     out_hidden]`` (images in batch order), which MimoModel scatters onto the image placeholders.
     Parameter names are exactly HF's (``patch_embed.*``, ``blocks.N.*``, ``merger.*``).
 
@@ -37,9 +39,15 @@ class Qwen25VisionEncoder(Qwen2_5_VisionTransformerPretrainedModel):
     grad exactly when an output with images would, and its (zero) gradient reaches them.
     """
 
+    #: set by ``model.builder`` from the checkpoint (``model.pixels``): how uint8 patches become floats
+    pixel_norm: PixelNorm | None = None
+
     def forward(self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor) -> torch.Tensor:  # noqa: D401
         if image_grid_thw.shape[0] == 0:
             return self._no_images()
+        if pixel_values.dtype == torch.uint8:  # training's data path; float patches (HF's) pass as they are
+            assert self.pixel_norm is not None, "uint8 pixels need the checkpoint's pixel_norm (model.builder sets it)"
+            pixel_values = float_patches(pixel_values, self.pixel_norm)
         out = super().forward(hidden_states=pixel_values.to(self.patch_embed.proj.weight.dtype), grid_thw=image_grid_thw)
         return out.pooler_output
 

@@ -16,7 +16,10 @@ each creates, in this order:
    from a second thread while the training thread runs DDP reductions and bridge sends is a known
    deadlock pattern.
 
-Then one world-wide gloo group for control messages. The world (default) group itself is created
+Then one world-wide gloo group for control messages, and one more for the start-up verdicts that
+one rank computes while the others wait (the image-file check): that group's timeout is
+:data:`STARTUP_WAIT`, not ``--dist-timeout``, so a check longer than the collective timeout (millions
+of files on a shared filesystem) does not kill the waiting ranks. The world (default) group itself is created
 here too (``start_world_group``), when ``parallel.bootstrap`` starts the process. Nothing else in
 mimo-sft calls ``init_process_group`` or ``new_group``; megatron's own bridge communicators create
 their groups inside megatron. Every group gets the run's ``--dist-timeout`` (megatron's through
@@ -57,12 +60,19 @@ class ModuleGroups:
     member: bool
 
 
+#: how long ranks wait for a verdict one rank computes at start-up (the image-file check: 5M paths
+#: took 8-80 min on Lustre/NFS in the issue's figures), independent of ``--dist-timeout``
+STARTUP_WAIT = datetime.timedelta(hours=6)
+
+
 @dataclass
 class ParallelState:
     layout: Layout
     rank: int
     modules: dict[str, ModuleGroups] = field(default_factory=dict)
     world_gloo: Optional[dist.ProcessGroup] = None
+    #: world gloo group with the long :data:`STARTUP_WAIT` timeout (start-up verdicts only)
+    startup_gloo: Optional[dist.ProcessGroup] = None
 
     @property
     def grids(self) -> dict[str, HyperCommGrid]:
@@ -177,6 +187,7 @@ def build_parallel_state(layout: Layout, *, reorder_side_group: bool = False) ->
         state.modules[spec.name] = ModuleGroups(spec.name, grid, pgc, dp_gloo if member else None,
                                                 side_gloo if member else None, member)
     state.world_gloo = dist.new_group(backend="gloo", timeout=_timeout())
+    state.startup_gloo = dist.new_group(backend="gloo", timeout=max(STARTUP_WAIT, _timeout()))
     _register_language_dp_rank(layout, rank)
     return state
 

@@ -160,6 +160,8 @@ def build_plan(cfg, opts: PlanOptions) -> dict:
     from mimo_sft.plan.memory import plan_memory
 
     memory = plan_memory(cfg, layout, mbs_list, main)
+    moved = simulate.exchange_bytes(mbs_list, main[LANGUAGE].orders, dp_sizes=dp_sizes, seq_length=cfg.data.seq_length,
+                                    patch_bytes=facts.pop("patch_bytes"))
     return {
         "memory": memory["modules"] if memory else None,
         "memory_report": memory,
@@ -170,7 +172,8 @@ def build_plan(cfg, opts: PlanOptions) -> dict:
         "layout": {s.name: {"dp": s.dp, "tp": s.tp, "pp": s.pp, "ranks": f"{s.rank_offset}-{s.rank_offset + s.size - 1}"}
                    for s in layout.components},
         "reorder": {"enabled_in_config": enabled, "encoder_cost_weight": r.encoder_cost_weight,
-                    "language_cost_weight": r.language_cost_weight, "window_size": r.window_size},
+                    "language_cost_weight": r.language_cost_weight, "window_size": r.window_size,
+                    "mode": r.mode, "bytes_per_micro_batch": {"index": 0.0, "exchange": _mean(moved)}},
         "note": None if enabled else ("reordering is OFF in this config; 'after' shows what "
                                       "--intra-microbatch-reorder would do"),
         "data": {"dataset_path": cfg.data.dataset_path, "dataloader_type": cfg.data.dataloader_type,
@@ -187,6 +190,10 @@ def build_plan(cfg, opts: PlanOptions) -> dict:
         },
         "compare": compare,
     }
+
+
+def _mean(values) -> float:
+    return float(sum(values) / len(values)) if values else 0.0
 
 
 def _compare_row(varied: str, window: int, lang_w: float, tr: dict) -> dict:

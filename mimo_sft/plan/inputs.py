@@ -75,18 +75,19 @@ def load_micro_batches(cfg, layout, n_micro_batches: int) -> tuple[list[MicroBat
     seq = pre.seq_length
     out, replaced, images = [], 0, 0
     for lst in index_lists:
-        ids, patches, tokens = [], [], []
+        ids, patches, tokens, counts = [], [], [], []
         for i in lst:
             m, moved = _effective(cache, i, n, cfg.data.on_truncation, seq)
             replaced += moved
             images += len(m.image_patches)
             ids.append(m.index)
             patches.append(float(sum(m.image_patches)))
+            counts.append(len(m.image_patches))
             tokens.append(float(min(m.n_tokens, seq)))  # attention_mask.sum() after truncation
-        out.append(MicroBatchLoad(ids, patches, tokens))
+        out.append(MicroBatchLoad(ids, patches, tokens, counts))
     if images == 0:
         raise UserError(f"the {n_micro_batches} planned micro-batches of {cfg.data.dataset_path} hold no images: "
                         "the vision encoder has no load to balance (reordering helps image data only)")
     facts = {"dataset_samples": n, "samples_read": len(cache.metas), "replaced_too_long": replaced,
-             "images": images, "epoch_micro_batches": sampler.micro_batches_per_epoch}
+             "images": images, "epoch_micro_batches": sampler.micro_batches_per_epoch, "patch_bytes": pre.pixel_dim}
     return out, facts

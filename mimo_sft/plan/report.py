@@ -37,6 +37,9 @@ def print_plan(plan: dict, console: Console | None = None) -> None:
     console.print(f"layout  {lay} · grid {plan['canonical_grid']}")
     weights = (f"encoder weight {r['encoder_cost_weight']:g} · language weight {r['language_cost_weight']:g} · "
                f"window {r['window_size']}")
+    moved = r["bytes_per_micro_batch"]
+    console.print(f"mode    --reorder-mode {r['mode']} · bytes between ranks per micro-batch: index 0, exchange "
+                  f"{moved['exchange'] / 1e6:.2f} MB")
     if r["enabled_in_config"]:
         console.print(f"reorder [green]ON[/green] in config · {weights}")
     else:

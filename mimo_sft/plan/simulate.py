@@ -34,6 +34,7 @@ class MicroBatchLoad:
     sample_ids: list[int]
     patches: list[float]
     tokens: list[float]
+    images: list[int] = field(default_factory=list)  # images per sample (for the exchange's byte count)
 
 
 @dataclass
@@ -164,3 +165,33 @@ def training_steps(tr: ModuleTrace, micro_batches_per_step: int) -> list[dict[st
                       "max_over_mean_before": _mean(series["max_over_mean_before"][sl]),
                       "max_over_mean_after": _mean(series["max_over_mean_after"][sl])})
     return steps
+
+
+def exchange_bytes(micro_batches: Sequence[MicroBatchLoad], orders: Sequence[Sequence[int]], *,
+                   dp_sizes: dict[str, int], seq_length: int, patch_bytes: int) -> list[float]:
+    """Bytes ``--reorder-mode exchange`` sends between ranks per micro-batch (all modules; 0 by
+    index). A sample moves when the balanced order puts it on another DP rank than the one that read
+    it; its size is ``serialize.record_nbytes`` of the record training builds (the design.md fields,
+    padded to ``seq_length``; on encoder ranks also its uint8 patches and grid rows)."""
+    from mimo_sft.data.reorder.serialize import record_nbytes
+
+    def nbytes(patches: float, images: int, pixels: bool) -> int:
+        s = seq_length
+        meta = [("attention_mask", "bool", (1, s)), ("image_counts", "i64", (1,)), ("input_ids", "i64", (1, s)),
+                ("labels", "i64", (1, s)), ("loss_mask", "f32", (1, s)), ("mm_token_type_ids", "i64", (1, s)),
+                ("position_ids", "i64", (3, 1, s)), ("sample_ids", "i64", (1,))]
+        if pixels:
+            meta += [("image_grid_thw", "i64", (images, 3)), ("pixel_values", "u8", (int(patches), patch_bytes))]
+        return record_nbytes(tuple(sorted(meta)))
+
+    out = []
+    for mb, order in zip(micro_batches, orders):
+        n, total = len(order), 0
+        images = mb.images or [0] * n
+        for name, dp in dp_sizes.items():
+            per = n // dp
+            for k, i in enumerate(order):
+                if k // per != i // per:  # read by rank i // per, owned by rank k // per
+                    total += nbytes(mb.patches[i], images[i], name != "language")
+        out.append(float(total))
+    return out

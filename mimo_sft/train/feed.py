@@ -39,16 +39,27 @@ class StepCounters:
     empty_answers: int = 0      # samples with an assistant turn that has no text
     first_truncated: int = -1   # smallest dataset index of each kind seen this step (-1: none)
     first_empty: int = -1
+    reorder_bytes: float = 0.0  # sample bytes this rank's reorder exchange sent to other ranks (0 by index)
+    images_decoded: int = 0    # images this rank decoded (its DataLoader workers) for this step's micro-batches
+    bad_samples_skipped: int = 0  # bad samples this rank counts (see Feed: each sample is counted on one rank)
 
 
 class Feed:
     """Iterator handed to megatron's schedule; see the module docstring."""
 
-    def __init__(self, source: Iterator[dict], *, reorder: Optional[ReorderingBuffer] = None,
+    def __init__(self, source: Iterator[dict], *, reorder=None,
                  split: Optional[Callable[[dict], dict]] = None, load_stats: Optional[VisionLoadStats] = None,
-                 flops: Optional[ModelFlopsCounter] = None, packed: bool = False):
+                 flops: Optional[ModelFlopsCounter] = None, packed: bool = False,
+                 count_bad: tuple[str, ...] = ()):
+        # reorder: the ReorderingBuffer (exchange mode), or the source itself (index mode: the
+        # DataLoader's items carry the plan's figures in ``last_stats``)
         self._src = reorder if reorder is not None else iter(source)
+        self.source = source
         self.reorder = reorder
+        #: which bad samples this rank counts ("header": seen by every rank reading the sample, so
+        #: one rank per sample counts them; "pixels": seen only by the rank that decodes it)
+        self.count_bad = count_bad
+        self._totals = self._data_totals()
         self.split = split
         self.load_stats = load_stats
         self.flops = flops
@@ -67,6 +78,7 @@ class Feed:
             stats = self.reorder.last_stats
             self.counters.exchange_s += float(stats.get("reorder_exchange_s", 0.0))
             self.counters.reorder_wait_s += float(stats.get("reorder_wait_s", 0.0))
+            self.counters.reorder_bytes += float(stats.get("reorder_bytes", 0.0))
             if self.load_stats is not None:
                 self.load_stats.record_reordered(stats)
         elif self.load_stats is not None:
@@ -95,6 +107,22 @@ class Feed:
             setattr(c, first, lowest if getattr(c, first) < 0 else min(getattr(c, first), lowest))
 
     # ---- loop side ------------------------------------------------------------------------------
+    def _data_totals(self) -> tuple[int, int]:
+        """(images decoded, bad samples counted here) so far, from the data iterator's running totals."""
+        it = self.source
+        if not hasattr(it, "bad_by_stage"):
+            return 0, 0
+        return it.images_decoded, sum(it.bad_by_stage[k] for k in self.count_bad)
+
+    def end_step(self) -> StepCounters:
+        """The step's counters, with what the data iterator decoded and skipped since the last step.
+        Running totals (not per micro-batch): with the overlapped exchange the iterator runs ahead."""
+        images, bad = self._data_totals()
+        self.counters.images_decoded = images - self._totals[0]
+        self.counters.bad_samples_skipped = bad - self._totals[1]
+        self._totals = (images, bad)
+        return self.counters
+
     def start_step(self) -> None:
         self.counters = StepCounters()
         if self.load_stats is not None:
@@ -111,40 +139,83 @@ class Feed:
 
 
 def build_feed(cfg, layout, pstate, info, *, consumed_samples: int) -> Feed:
-    """This rank's feed: which shard it reads (module, DP coordinates, pixels or not), reordering,
-    the colocated split, and the step observers (vision load where it is logged, model FLOPs)."""
+    """This rank's feed: which shard it reads (module, DP coordinates, pixels or not), reordering
+    (by index or by exchange), the colocated split, and the step observers (vision load where it is
+    logged, model FLOPs). The dataset is opened and its files checked once (:func:`checked_source`)."""
     from mimo_sft.data.loader import build_microbatch_iterator
+    from mimo_sft.parallel import runtime
 
     rank = pstate.rank
     mbs = cfg.train.micro_batch_size
+    source = checked_source(cfg, pstate)
     common = dict(model_dir=cfg.model.hf_model, micro_batch_size=mbs, canonical_grid=layout.canonical_grid,
                   seed=cfg.train.seed, consumed_samples=consumed_samples, scalable_dp=cfg.parallel.scalable_dp,
-                  global_batch_size=cfg.train.global_batch_size)
+                  global_batch_size=cfg.train.global_batch_size, source=source, pin_memory=runtime.on_gpu())
     load_stats = _vision_load_stats(layout, pstate, info)
     packed = cfg.data.in_batch_packing
     flops = ModelFlopsCounter.for_rank(layout, rank, info, packed=packed)
+    coords = layout.coords(rank)
     if layout.colocated:
         plan = colocated_read_plan(layout, rank, mbs)
-        source = build_microbatch_iterator(cfg.data, dp_size=plan.dp_size, dp_rank=plan.dp_rank, need_pixels=True,
-                                           **common)
+        it = build_microbatch_iterator(cfg.data, dp_size=plan.dp_size, dp_rank=plan.dp_rank, need_pixels=True,
+                                       **common)
         split = ColocatedSplit.for_plan(plan, layout, image_token_id=info.image_token_id)
-        return Feed(source, split=split, load_stats=load_stats, flops=flops, packed=packed)
+        # ranks that read the same shard all see its bad samples: the first language slice of the
+        # shard on language tp 0 counts them
+        counts = plan.language.start == 0 and coords[LANGUAGE].tp == 0
+        return Feed(it, split=split, load_stats=load_stats, flops=flops, packed=packed,
+                    count_bad=("header", "pixels") if counts else ())
     (module,) = pstate.mine()
-    coord = layout.coords(rank)[module]
-    source = build_microbatch_iterator(cfg.data, dp_size=layout.spec(module).dp, dp_rank=coord.dp,
-                                       need_pixels=module != LANGUAGE, **common)
-    reorder = None
+    coord = coords[module]
+    spec = layout.spec(module)
+    lead = coord.tp == 0 and coord.cp == 0 and coord.pp == 0  # one rank per DP shard counts its bad samples
+    count_bad = (("header",) if module == LANGUAGE else ("pixels",)) if lead else ()
     r = cfg.reorder
+    cost_fn = load_fn = None
     if r.enabled:
-        groups = pstate.modules[module]
         cost_fn = make_cost_fn(encoder_cost_weight=r.encoder_cost_weight, language_cost_weight=r.language_cost_weight,
                                image_token_id=info.image_token_id, merge_size=info.spatial_merge_size)
+        load_fn = _patch_fn(info)
+    stats_dp = {"vision": layout.encoders[0].dp if layout.encoders else 1}
+    index = None
+    if r.enabled and r.mode == "index":
+        index = dict(n_groups=layout.canonical_grid, cost_fn=cost_fn, load_fn=load_fn, stats_dp_sizes=stats_dp)
+    it = build_microbatch_iterator(cfg.data, dp_size=spec.dp, dp_rank=coord.dp, need_pixels=module != LANGUAGE,
+                                   index_reorder=index, **common)
+    if index is not None:
+        return Feed(it, reorder=it, load_stats=load_stats, flops=flops, packed=packed, count_bad=count_bad)
+    reorder = None
+    if r.enabled:
+        groups = pstate.modules[module]
         reorder = ReorderingBuffer(
-            iter(source), dp_rank=coord.dp, dp_size=layout.spec(module).dp, n_groups=layout.canonical_grid,
+            iter(it), dp_rank=coord.dp, dp_size=spec.dp, n_groups=layout.canonical_grid,
             cost_fn=cost_fn, group=groups.dp_gloo, side_group=groups.reorder_side_gloo, overlap=r.overlap,
-            window_size=r.window_size, load_fn=_patch_fn(info),
-            stats_dp_sizes={"vision": layout.encoders[0].dp if layout.encoders else 1})
-    return Feed(source, reorder=reorder, load_stats=load_stats, flops=flops, packed=packed)
+            window_size=r.window_size, load_fn=load_fn, stats_dp_sizes=stats_dp)
+    return Feed(it, reorder=reorder, load_stats=load_stats, flops=flops, packed=packed, count_bad=count_bad)
+
+
+def checked_source(cfg, pstate):
+    """The dataset, opened on every rank, its image files checked on rank 0 only.
+
+    Rank 0 streams the path column (``data.file_check``; the verdict is cached in the run's output
+    folder, so a resumed run skips it) while the others wait on the start-up group, whose timeout
+    is ``parallel.groups.STARTUP_WAIT``, not ``--dist-timeout``. Every rank then raises the same
+    one-line error, or none. One process (no world group): checked here directly.
+    """
+    import torch.distributed as dist
+
+    from mimo_sft.data.file_check import cached_check
+    from mimo_sft.data.sources import load_sft_dataset
+    from mimo_sft.errors import UserError
+
+    source = load_sft_dataset(cfg.data, check_files=False)
+    group = getattr(pstate, "startup_gloo", None)
+    verdict = [cached_check(source, cfg.logging.output_dir) if pstate.rank == 0 else None]
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.broadcast_object_list(verdict, src=0, group=group)
+    if verdict[0] is not None:
+        raise UserError(verdict[0])
+    return source
 
 
 def _patch_fn(info):

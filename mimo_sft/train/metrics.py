@@ -44,6 +44,12 @@ class StepMetrics:
     #: how long the training loop was blocked waiting for reordered micro-batches (on the critical path)
     reorder_wait_s: float
     data_wait_s: float
+    #: sample bytes the reorder exchange sent between ranks this step, all ranks (0 with --reorder-mode index)
+    reorder_bytes: float
+    #: images decoded this step, summed over every rank (a colocated layout may decode one image on several)
+    images_decoded: int
+    #: samples with unreadable images replaced by a stand-in this step (--max-bad-samples), each counted once
+    bad_samples_skipped: int
     #: largest over all ranks (GPU: device memory since the step began; CPU: peak resident set size)
     peak_memory_bytes: int
     #: largest over each module's ranks; written as ``peak_memory_bytes_<module>``
@@ -128,14 +134,15 @@ class ModelFlopsCounter:
         self.step_flops += f.total
 
 
-def step_model_flops(local_flops: float, pstate) -> float:
-    """The step's model FLOPs: the sum of every rank's counted share (collective, every rank)."""
+def step_model_flops(local_flops: float, pstate, extra: tuple[float, ...] = ()) -> float | tuple[float, ...]:
+    """The step's model FLOPs: the sum of every rank's counted share (collective, every rank).
+    ``extra``: more per-rank figures summed in the same all-reduce; then returns all the sums."""
     import torch
     import torch.distributed as dist
 
-    t = torch.tensor([local_flops], dtype=torch.float64)
+    t = torch.tensor([local_flops, *extra], dtype=torch.float64)
     dist.all_reduce(t, group=pstate.world_gloo)
-    return float(t.item())
+    return tuple(t.tolist()) if extra else float(t[0])
 
 
 def throughput(step_flops: float, step_time_s: float, world_size: int,

@@ -254,12 +254,14 @@ class Trainer:
         language rank: loss and token counts over its DP group; a non-finite loss stops the run.
         """
         peaks = peak_memory_by_module(self.pstate)
-        model_flops = step_model_flops(self.feed.flops.step_flops, self.pstate)
+        c = self.feed.end_step()
+        model_flops, reorder_bytes, images, bad = step_model_flops(
+            self.feed.flops.step_flops, self.pstate, (c.reorder_bytes, c.images_decoded, c.bad_samples_skipped))
         load = self.feed.load_stats
         before, after = load.step_figures() if load is not None else (None, None)
         if not self.is_last_language_stage:
             return
-        c, out = self.feed.counters, result.output
+        out = result.output
         t = torch.tensor([out.loss_sum, out.num_tokens, c.real_tokens, float(c.samples), c.computed_positions,
                           c.truncated_samples, c.empty_answers], dtype=torch.float64)
         no_index = float(2 ** 62)  # "none seen" for the MIN reduction of the first flagged sample
@@ -283,6 +285,7 @@ class Trainer:
             vision_load_max_over_mean_before=before, vision_load_max_over_mean_after=after,
             padding_fraction=1.0 - float(t[2]) / max(float(t[4]), 1.0),
             reorder_exchange_s=c.exchange_s, reorder_wait_s=c.reorder_wait_s, data_wait_s=c.data_wait_s,
+            reorder_bytes=reorder_bytes, images_decoded=int(images), bad_samples_skipped=int(bad),
             peak_memory_bytes=max(peaks.values()), peak_memory_bytes_by_module=peaks,
             model_flops=model_flops, model_tflops_per_gpu=tflops, mfu=mfu,
             update_ok=result.update_ok, consumed_samples=self.consumed,

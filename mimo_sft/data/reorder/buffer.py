@@ -72,6 +72,7 @@ class _Producer:
             stats["window_exchange_s"] = info["exchange_s"]
             # each micro-batch carries its share, so summing a step's micro-batches gives the total
             stats["reorder_exchange_s"] = info["exchange_s"] / w
+            stats["reorder_bytes"] = info["window_bytes_sent"] / w
             stats["window_slot"] = k
             stats["window_len"] = w
             stats["order"] = info["order"]

@@ -235,6 +235,7 @@ def exchange_window(
     t0 = time.perf_counter()
     if not batches:
         raise ValueError("exchange_window needs at least one micro-batch")
+    sent = 0
     if dp_size == 1:
         out, infos = reorder_local(
             batches, n_groups=n_groups, cost_fn=cost_fn, load_fn=load_fn, stats_dp_sizes=stats_dp_sizes
@@ -249,7 +250,9 @@ def exchange_window(
         send_buf, recv_buf = _pack(plan, win, ScratchBuffers() if scratch is None else scratch)
         _all_to_all(plan, send_buf, recv_buf, group)
         out, infos = _unpack(plan, win, gathered, recv_buf), plan.infos
+        sent = int(send_buf.numel()) if plan.crosses else 0
     dt = time.perf_counter() - t0
     for info in infos:
         info["exchange_s"] = dt
+        info["window_bytes_sent"] = sent  # what this rank sent to other ranks for the whole window
     return out, infos
