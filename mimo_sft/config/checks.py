@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from mimo_sft.config import families
+from mimo_sft.config.checks_eval import c28_validation
 from mimo_sft.config.families import FamilySpec
 from mimo_sft.config.schema import ExperimentConfig
 from mimo_sft.errors import UserError
@@ -344,6 +345,7 @@ CHECKS: tuple[tuple[int, str, Callable], ...] = (
     (18, "what is left to finetune", c18_contents_note),
     (19, "in-batch packing settings", c19_packing),
     (20, "LoRA settings", c20_lora),
+    (28, "validation settings", c28_validation),
 )
 
 

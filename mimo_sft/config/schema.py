@@ -65,6 +65,9 @@ class DataConfig:
     drop_last: bool = opt(True, "--drop-last", "drop the incomplete last global batch of an epoch", negatable=True)
     num_workers: int = opt(0, "--num-workers", "DataLoader worker processes per rank")
     on_truncation: str = opt("drop", "--on-truncation", "what to do with a sample whose image tokens do not fit in --seq-length", choices=("drop", "error"))
+    valid_dataset_path: Optional[str] = opt(None, "--valid-dataset-path", "validation set: a dataset in the training set's format and schema (same columns and image settings); evaluated in dataset order, never trained on")
+    valid_dataset_split: str = opt("train", "--valid-dataset-split", "split of --valid-dataset-path to read (a single file is split 'train')")
+    valid_split: Optional[str] = opt(None, "--valid-split", "hold out N samples (an integer) or a FRACTION in (0, 1) of the training set as the validation set: a fixed seeded choice, never trained on")
 
 
 @dataclass
@@ -111,6 +114,9 @@ class TrainConfig:
     exit_signal_handler: bool = opt(False, "--exit-signal-handler", "on SIGTERM or SIGUSR1 (any rank), finish the step, save a checkpoint and exit 0")
     exit_interval: Optional[int] = opt(None, "--exit-interval", "save and exit 0 after the first step divisible by N")
     exit_duration_in_mins: Optional[float] = opt(None, "--exit-duration-in-mins", "save and exit 0 before M minutes of wall time have passed")
+    eval_interval: Optional[int] = opt(None, "--eval-interval", "evaluate on the validation set every N steps (a validation set is always evaluated after the last step)")
+    eval_iters: int = opt(0, "--eval-iters", "validation batches of --global-batch-size samples per evaluation, from the start of the validation set (0: the whole validation set)")
+    eval_at_start: bool = opt(False, "--eval-at-start", "also evaluate before the first step (logged as step 0)")
 
 
 @dataclass
@@ -134,6 +140,7 @@ class CheckpointConfig:
     load_checkpoint: Optional[str] = opt(None, "--load-checkpoint", "resume model, optimizer, scheduler, RNG and data position from this folder")
     export_hf: Optional[str] = opt(None, "--export-hf", "write the final weights as a Hugging Face folder here")
     keep_last_checkpoints: Optional[int] = opt(None, "--keep-last-checkpoints", "after each save, remove all but the newest N checkpoints (default: keep all)")
+    save_best: bool = opt(False, "--save-best", "save a checkpoint whenever valid_loss reaches a new low and name it in CHECKPOINTS/best (never removed by --keep-last-checkpoints)")
 
 
 @dataclass

@@ -93,9 +93,10 @@ class Feed:
             self.reorder.shutdown()
 
 
-def build_feed(cfg, layout, pstate, info, *, consumed_samples: int) -> Feed:
+def build_feed(cfg, layout, pstate, info, *, consumed_samples: int, train_source=None) -> Feed:
     """This rank's feed: which shard it reads (module, DP coordinates, pixels or not), reordering,
-    the colocated split, and the step observers (vision load where it is logged, model FLOPs)."""
+    the colocated split, and the step observers (vision load where it is logged, model FLOPs).
+    ``train_source``: the training rows when a validation split was held out of them."""
     from mimo_sft.data.loader import build_microbatch_iterator
 
     rank = pstate.rank
@@ -106,16 +107,12 @@ def build_feed(cfg, layout, pstate, info, *, consumed_samples: int) -> Feed:
     load_stats = _vision_load_stats(layout, pstate, info)
     packed = cfg.data.in_batch_packing
     flops = ModelFlopsCounter.for_rank(layout, rank, info, packed=packed)
+    shard = read_shard(layout, pstate, info, mbs)
+    source = build_microbatch_iterator(cfg.data, dp_size=shard.dp_size, dp_rank=shard.dp_rank,
+                                       need_pixels=shard.need_pixels, source=train_source, **common)
     if layout.colocated:
-        plan = colocated_read_plan(layout, rank, mbs)
-        source = build_microbatch_iterator(cfg.data, dp_size=plan.dp_size, dp_rank=plan.dp_rank, need_pixels=True,
-                                           **common)
-        split = ColocatedSplit.for_plan(plan, layout, image_token_id=info.image_token_id)
-        return Feed(source, split=split, load_stats=load_stats, flops=flops, packed=packed)
-    (module,) = pstate.mine()
-    coord = layout.coords(rank)[module]
-    source = build_microbatch_iterator(cfg.data, dp_size=layout.spec(module).dp, dp_rank=coord.dp,
-                                       need_pixels=module != LANGUAGE, **common)
+        return Feed(source, split=shard.split, load_stats=load_stats, flops=flops, packed=packed)
+    module, coord = shard.module, layout.coords(rank)[shard.module]
     reorder = None
     r = cfg.reorder
     if r.enabled:
@@ -128,6 +125,29 @@ def build_feed(cfg, layout, pstate, info, *, consumed_samples: int) -> Feed:
             window_size=r.window_size, load_fn=_patch_fn(info),
             stats_dp_sizes={"vision": layout.encoders[0].dp if layout.encoders else 1})
     return Feed(source, reorder=reorder, load_stats=load_stats, flops=flops, packed=packed)
+
+
+@dataclass(frozen=True)
+class ReadShard:
+    """Which canonical-grid shard of each micro-batch this rank reads (training and validation alike)."""
+
+    dp_size: int
+    dp_rank: int
+    need_pixels: bool
+    module: Optional[str]  # non-colocated: the one module of this rank
+    split: Optional[ColocatedSplit]  # colocated: the language slice plus the encoder slice's pixels
+
+
+def read_shard(layout, pstate, info, micro_batch_size: int) -> ReadShard:
+    """Colocated ranks read the shard of the module with the smaller DP size and split it
+    (``data.colocated``); a non-colocated rank reads its module's shard, pixels on encoder ranks."""
+    if layout.colocated:
+        plan = colocated_read_plan(layout, pstate.rank, micro_batch_size)
+        split = ColocatedSplit.for_plan(plan, layout, image_token_id=info.image_token_id)
+        return ReadShard(plan.dp_size, plan.dp_rank, True, None, split)
+    (module,) = pstate.mine()
+    coord = layout.coords(pstate.rank)[module]
+    return ReadShard(layout.spec(module).dp, coord.dp, module != LANGUAGE, module, None)
 
 
 def _patch_fn(info):

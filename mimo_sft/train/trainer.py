@@ -18,6 +18,7 @@ attribute       what                                                          bu
 ``feed``        this rank's micro-batches, with the step's observers          ``train.feed.build_feed``
 ``runner``      megatron's schedule for this layout                           ``train.step.StepRunner``
 ``logger``      metrics.jsonl, TensorBoard and the progress line              ``train.metrics``
+``evaluator``   validation loss (None without a validation set)               ``train.evaluate``
 ==============  ============================================================  ===========================
 
 Every rank runs every method; what only some ranks do (logging, the loss reduction, export) is
@@ -42,7 +43,10 @@ from mimo_sft.parallel import runtime
 from mimo_sft.parallel.bootstrap import start_world
 from mimo_sft.parallel.groups import ParallelState
 from mimo_sft.parallel.layout import LANGUAGE, Layout
+from mimo_sft.data.validation import split_sources, valid_flag
 from mimo_sft.train.checkpoint import restore, save_checkpoint, save_gradients
+from mimo_sft.train.checkpoint_files import BEST, latest_name, mark_best, read_meta
+from mimo_sft.train.evaluate import EvalResult, Evaluator
 from mimo_sft.train.feed import Feed, build_feed
 from mimo_sft.train.flops import peak_tflops_for
 from mimo_sft.train.lr import lr_at, set_lr
@@ -78,6 +82,8 @@ class Trainer:
     feed: Feed
     runner: StepRunner
     logger: MetricsLogger
+    evaluator: Optional[Evaluator]
+    best_loss: Optional[float]  # --save-best: the lowest valid_loss of a saved checkpoint so far
     peak_tflops: Optional[float]
     stop: StopPolicy
 
@@ -131,13 +137,19 @@ class Trainer:
         self.pstate = build_state(cfg, layout)
         self.ctx = build_model_and_optimizer(cfg, layout, self.pstate, self.rank)
         self.resume()
-        self.feed = build_feed(cfg, layout, self.pstate, self.ctx.info, consumed_samples=self.consumed)
+        train_source, valid_source = split_sources(cfg.data, seed=t.seed, global_batch_size=t.global_batch_size)
+        self.feed = build_feed(cfg, layout, self.pstate, self.ctx.info, consumed_samples=self.consumed,
+                               train_source=train_source)
         self.runner = StepRunner(model=self.ctx.model, modules=self.ctx.modules, pstate=self.pstate, layout=layout,
                                  feed=self.feed, modality_inputs_fn=self.ctx.info.modality_inputs,
                                  seq_length=cfg.data.seq_length, local_mbs=cfg.train.micro_batch_size // layout.language.dp,
                                  packing=cfg.data.in_batch_packing)
         self.logger = MetricsLogger(self.output_dir, enabled=self.ctx.is_metrics_rank, total_steps=cfg.train.train_iters,
                                     log_interval=cfg.logging.log_interval, tensorboard=cfg.logging.tensorboard)
+        self.evaluator = (None if valid_source is None else  # checks the set before step 0
+                          Evaluator(cfg, layout, self.pstate, self.ctx, self.runner, valid_source, flag=valid_flag(cfg.data)))
+        best = latest_name(self.save_dir, BEST) if cfg.checkpoint.save_best else None
+        self.best_loss = read_meta(os.path.join(self.save_dir, best)).get("valid_loss") if best else None
         self.peak_tflops = cfg.logging.peak_tflops or (peak_tflops_for(runtime.device_name()) if runtime.on_gpu() else None)
         self._announce()
 
@@ -165,10 +177,12 @@ class Trainer:
 
     # ---- one step -------------------------------------------------------------------------------------
     def train(self) -> None:
+        if self.evaluator is not None and self.cfg.train.eval_at_start:
+            self.logger.log_validation(self.evaluator.evaluate(self.step))
         while self.step < self.cfg.train.train_iters:
             result = self.train_step()
             self.log_step(result)
-            saved = self.maybe_save()
+            saved = self.maybe_save(self.maybe_evaluate())
             if self.step < self.cfg.train.train_iters and self.stopping(result.step_time_s):
                 if not saved:
                     self.save()
@@ -245,21 +259,42 @@ class Trainer:
             model_flops=model_flops, model_tflops_per_gpu=tflops, mfu=mfu,
             update_ok=result.update_ok, consumed_samples=self.consumed))
 
-    def maybe_save(self) -> bool:
-        """Save every ``--save-interval`` steps, and at the last step when anything needs the
-        checkpoint (an interval, ``--save`` or ``--export-hf``). Collective; True when it saved."""
+    def maybe_evaluate(self) -> Optional[EvalResult]:
+        """Evaluate every ``--eval-interval`` steps and after the last step (collective)."""
+        if self.evaluator is None:
+            return None
+        interval = self.cfg.train.eval_interval
+        if (interval and self.step % interval == 0) or self.step == self.cfg.train.train_iters:
+            evaluation = self.evaluator.evaluate(self.step)
+            self.logger.log_validation(evaluation)
+            return evaluation
+        return None
+
+    def maybe_save(self, evaluation: Optional[EvalResult] = None) -> bool:
+        """Save every ``--save-interval`` steps, at the last step when anything needs the checkpoint
+        (an interval, ``--save`` or ``--export-hf``), and with ``--save-best`` when ``evaluation``
+        is a new lowest validation loss. Collective; True when it saved."""
         ck = self.cfg.checkpoint
         interval = ck.save_interval
         final = self.step == self.cfg.train.train_iters and (interval or ck.save or ck.export_hf)
-        if (interval and self.step % interval == 0) or final:
-            self.save()
+        best = (ck.save_best and evaluation is not None
+                and (self.best_loss is None or evaluation.valid_loss < self.best_loss))
+        if (interval and self.step % interval == 0) or final or best:
+            self.save(evaluation, best=best)
             return True
         return False
 
-    def save(self) -> None:
-        path = save_checkpoint(self.save_dir, step=self.step, consumed_samples=self.consumed, ctx=self.ctx)
+    def save(self, evaluation: Optional[EvalResult] = None, *, best: bool = False) -> None:
+        extra = {"valid_loss": evaluation.valid_loss} if evaluation is not None else None
+        path = save_checkpoint(self.save_dir, step=self.step, consumed_samples=self.consumed, ctx=self.ctx,
+                               extra_meta=extra)
+        if best:  # every rank knows the same valid_loss; rank 0 published the folder
+            self.best_loss = evaluation.valid_loss
+            if self.rank == 0:
+                mark_best(self.save_dir, path, keep_last=self.cfg.checkpoint.keep_last_checkpoints)
         if self.ctx.is_metrics_rank:
-            print(f"saved checkpoint {path}", flush=True)
+            print(f"saved checkpoint {path}" + (f" (best: valid loss {evaluation.valid_loss:.4f})" if best else ""),
+                  flush=True)
 
     # ---- the end ------------------------------------------------------------------------------------
     def close(self) -> None:
@@ -268,6 +303,8 @@ class Trainer:
             self.feed.close()
         if getattr(self, "logger", None) is not None:
             self.logger.close()
+        if getattr(self, "evaluator", None) is not None:
+            self.evaluator.close()
 
     def shutdown(self) -> None:
         """Wait for every rank, then end the process group (the run's last collective)."""
