@@ -152,9 +152,9 @@ def _evaluate(cfg, layout, as_json: bool) -> int:
         what = {"checkpoint": ckpt, "hf_model": cfg.model.hf_model,
                 "dataset": cfg.data.valid_dataset_path or cfg.data.dataset_path}
         if as_json:
-            row = result.to_json()
-            row.pop("step")
-            print(json.dumps({**what, **row}), flush=True)
+            print(json.dumps({**what, "loss": result.valid_loss, "perplexity": result.valid_ppl,
+                              "tokens": result.valid_tokens, "samples": result.valid_samples,
+                              "time_s": result.valid_time_s}), flush=True)
         else:
             print(f"mimo-sft evaluate: {ckpt or cfg.model.hf_model} on {what['dataset']}: loss {result.valid_loss:.6f} | "
                   f"perplexity {result.valid_ppl:.4f} | {result.valid_tokens:.0f} tokens in {result.valid_samples} "
