@@ -68,6 +68,29 @@ def test_held_out_split_is_seeded_disjoint_and_never_in_the_training_source():
             assert source[i] == full[row]
 
 
+def test_the_training_stream_reads_only_the_training_rows():
+    """With --valid-split the trainer's iterator gets the training part: its samples are those rows."""
+    from mimo_sft.data.loader import build_microbatch_iterator, build_preprocessor
+    from mimo_sft.data.sources import load_sft_dataset
+    from mimo_sft.data.validation import evaluated_samples, holdout_rows, split_sources
+
+    cfg = _data_cfg(valid_split="12")
+    train, _valid = split_sources(cfg, seed=3, global_batch_size=8)
+    train_rows, _ = holdout_rows(48, 12, seed=3, min_train=8)
+    full, pre = load_sft_dataset(_data_cfg()), build_preprocessor(cfg, tiny_checkpoint_dir())
+    it = build_microbatch_iterator(cfg, model_dir=tiny_checkpoint_dir(), micro_batch_size=4, canonical_grid=1,
+                                   dp_size=1, dp_rank=0, need_pixels=False, seed=3, consumed_samples=4,
+                                   global_batch_size=8, num_workers=0, source=train)
+    batch = next(it)  # positions 4..7 of the training part (a resumed run at consumed_samples 4)
+    for b, pos in enumerate(batch["sample_ids"].tolist()):
+        assert pos == 4 + b
+        want = pre.encode(*full[train_rows[pos]], train_rows[pos], need_pixels=False)["input_ids"]
+        assert torch.equal(batch["input_ids"][b, : len(want)], want)
+    assert evaluated_samples(12, eval_iters=0, global_batch_size=8) == 12
+    assert evaluated_samples(12, eval_iters=1, global_batch_size=8) == 8
+    assert evaluated_samples(12, eval_iters=2, global_batch_size=8) == 12
+
+
 def _reader(n, *, dp_size, dp_rank, scalable, mbs=4):
     from mimo_sft.data.loader import build_preprocessor
     from mimo_sft.data.sources import load_sft_dataset
