@@ -129,17 +129,20 @@ def _evaluate(cfg, layout, as_json: bool) -> int:
     from mimo_sft.data.validation import split_sources, valid_flag
     from mimo_sft.data.sources import load_sft_dataset
     from mimo_sft.parallel.bootstrap import start_world
-    from mimo_sft.train.checkpoint import restore
+    from mimo_sft.train.checkpoint import load_model_weights
+    from mimo_sft.train.checkpoint_files import read_meta, resolve_checkpoint
+    from mimo_sft.train.checkpoint_lora import check_lora_compatible
     from mimo_sft.train.setup import build_model_and_optimizer, build_state
     from mimo_sft.train.step import StepRunner
 
-    ckpt = cfg.checkpoint.load_checkpoint
-    if ckpt:  # weights only: the checkpoint's step, data position and optimizer do not matter here
-        cfg.model.pretrained_checkpoint, cfg.checkpoint.load_checkpoint = ckpt, None
+    ckpt = cfg.checkpoint.load_checkpoint or cfg.model.pretrained_checkpoint
     rank, _ = start_world(timeout_s=cfg.train.dist_timeout_s)
     pstate = build_state(cfg, layout)
-    ctx = build_model_and_optimizer(cfg, layout, pstate, rank)
-    restore(cfg, ctx)
+    ctx = build_model_and_optimizer(cfg, layout, pstate, rank, with_optimizer=False)
+    if ckpt:  # the weights only (as --pretrained-checkpoint loads them); no optimizer is built
+        folder = resolve_checkpoint(ckpt)
+        check_lora_compatible(read_meta(folder), cfg.model, flag="--checkpoint", path=folder, resume=False)
+        load_model_weights(ctx.model, folder, pretrained=True)
     _train, source = split_sources(cfg.data, seed=cfg.train.seed, global_batch_size=cfg.train.global_batch_size)
     flag = valid_flag(cfg.data) if source is not None else "--dataset-path"
     if source is None:
