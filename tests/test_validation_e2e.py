@@ -1,8 +1,8 @@
 """Validation loss end to end under torchrun (gloo, CPU).
 
 Reference: transformers' own Qwen2.5-VL model on the same validation samples at the same weights
-(the tiny HF checkpoint: the step-0 value of ``--eval-at-start``), its loss over the assistant
-tokens, computed in the test process. Every layout gives that value (relative 1e-5): one process,
+(the tiny HF checkpoint: the step-0 value of ``--eval-at-start``; the exported best checkpoint:
+a trained value), its loss over the assistant tokens, computed in the test process. Every layout gives that value (relative 1e-5): one process,
 non-colocated with reordering and packing (DP 2), colocated language TP 2 with vision DP 2 (fan-in),
 language PP 2; the training run's later values equal ``mimo-sft evaluate`` on its checkpoints; and
 a run that evaluates trains bit-identically to one that does not.
@@ -119,7 +119,8 @@ def test_step_zero_value_equals_transformers_and_is_logged(evaluated_run, valid_
     assert [e.step for e in events.Scalars("valid/loss")] == [0, 1, 2]
 
 
-def test_save_best_names_the_lowest_valid_loss_checkpoint(evaluated_run):
+def test_save_best_names_the_lowest_valid_loss_checkpoint(evaluated_run, valid_data):
+    """``best`` names the lowest value's checkpoint; exported, transformers computes that value."""
     run, _ = evaluated_run
     rows = valid_rows(run)
     ckpts = os.path.join(run, "checkpoints")
@@ -129,6 +130,12 @@ def test_save_best_names_the_lowest_valid_loss_checkpoint(evaluated_run):
     meta = json.load(open(os.path.join(ckpts, best, "meta.json")))
     assert meta["valid_loss"] == rows[best_step]["valid_loss"]
     assert os.path.isdir(os.path.join(ckpts, "iter_0000002"))  # latest, kept by --keep-last-checkpoints 1
+    hf_dir = new_dir("valid_best_hf")
+    subprocess.run([sys.executable, "-m", "mimo_sft", "export", "--checkpoint", os.path.join(ckpts, best),
+                    "--out", hf_dir], check=True, capture_output=True, cwd=str(ROOT), timeout=300,
+                   env=dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore"))
+    ref, _tokens = hf_valid_loss(valid_data, model_dir=hf_dir)
+    assert close(rows[best_step]["valid_loss"], ref), (rows[best_step]["valid_loss"], ref)
 
 
 def test_evaluation_leaves_training_bit_identical(evaluated_run):
