@@ -61,12 +61,9 @@ def holdout_rows(total: int, valid_split: float | int, *, seed: int, min_train: 
 def subset_source(source: SFTSource, rows: list[int]) -> SFTSource:
     """The same source restricted to ``rows`` (in that order): row ``i`` of the result is ``rows[i]``
     of ``source``. ``datasets`` selects through an index mapping, nothing is copied."""
-    sub = SFTSource.__new__(SFTSource)
-    sub.__dict__.update(source.__dict__)
-    sub.ds = source.ds.select(rows)
-    sub._text = source._text.select(rows)
-    sub._images = source._images.select(rows) if source._images is not None else None
-    return sub
+    return SFTSource(source.ds.select(rows), schema=source.schema, text_column=source.text_column,
+                     images_column=source.images_column, base_dir=source.base_dir, image_root=source.image_root,
+                     dataset_path=source.dataset_path)
 
 
 def split_sources(data_cfg, *, seed: int, global_batch_size: int) -> tuple[Optional[SFTSource], Optional[SFTSource]]:
@@ -75,7 +72,10 @@ def split_sources(data_cfg, *, seed: int, global_batch_size: int) -> tuple[Optio
     if data_cfg.valid_dataset_path:
         valid_cfg = dataclasses.replace(data_cfg, dataset_path=data_cfg.valid_dataset_path,
                                         split=data_cfg.valid_dataset_split)
-        return None, load_sft_dataset(valid_cfg)
+        try:
+            return None, load_sft_dataset(valid_cfg)
+        except UserError as e:  # the loader names the training flags; say which set it was
+            raise UserError(f"validation set (--valid-dataset-path, --valid-dataset-split): {e}") from None
     split = parse_valid_split(data_cfg.valid_split)
     if split is None:
         return None, None
