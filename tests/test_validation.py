@@ -91,6 +91,17 @@ def test_the_training_stream_reads_only_the_training_rows():
     assert evaluated_samples(12, eval_iters=2, global_batch_size=8) == 12
 
 
+def test_a_resume_must_hold_out_what_the_saved_run_held_out():
+    from mimo_sft.data.validation import check_resumed_split
+
+    check_resumed_split("0.10", _data_cfg(valid_split="0.1"), checkpoint="ck")  # the same split, spelled otherwise
+    check_resumed_split(None, _data_cfg(), checkpoint="ck")
+    with pytest.raises(UserError, match=r"--load-checkpoint ck was trained with --valid-split 8; resume with the same"):
+        check_resumed_split("8", _data_cfg(), checkpoint="ck")
+    with pytest.raises(UserError, match="was trained with no --valid-split"):
+        check_resumed_split(None, _data_cfg(valid_split="8"), checkpoint="ck")
+
+
 def _reader(n, *, dp_size, dp_rank, scalable, mbs=4):
     from mimo_sft.data.loader import build_preprocessor
     from mimo_sft.data.sources import load_sft_dataset

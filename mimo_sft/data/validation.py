@@ -84,6 +84,15 @@ def split_sources(data_cfg, *, seed: int, global_batch_size: int) -> tuple[Optio
     return subset_source(full, train_rows), subset_source(full, valid_rows)
 
 
+def check_resumed_split(saved_split, data_cfg, *, checkpoint: str) -> None:
+    """A resumed run must hold out what the saved run held out: ``consumed_samples`` counts
+    positions of the training part, so another split would continue a different stream."""
+    if parse_valid_split(saved_split) != parse_valid_split(data_cfg.valid_split):
+        saved = f"--valid-split {saved_split}" if saved_split is not None else "no --valid-split"
+        raise UserError(f"--load-checkpoint {checkpoint} was trained with {saved}; resume with the same "
+                        f"(its data position counts samples of that training set)")
+
+
 def valid_flag(data_cfg) -> str:
     """The flag that named the validation set (for messages)."""
     return "--valid-dataset-path" if data_cfg.valid_dataset_path else "--valid-split"

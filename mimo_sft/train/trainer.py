@@ -43,9 +43,9 @@ from mimo_sft.parallel import runtime
 from mimo_sft.parallel.bootstrap import start_world
 from mimo_sft.parallel.groups import ParallelState
 from mimo_sft.parallel.layout import LANGUAGE, Layout
-from mimo_sft.data.validation import split_sources, valid_flag
+from mimo_sft.data.validation import check_resumed_split, split_sources, valid_flag
 from mimo_sft.train.checkpoint import restore, save_checkpoint, save_gradients
-from mimo_sft.train.checkpoint_files import BEST, latest_name, mark_best, read_meta
+from mimo_sft.train.checkpoint_files import BEST, latest_name, mark_best, read_meta, resolve_checkpoint
 from mimo_sft.train.evaluate import EvalResult, Evaluator
 from mimo_sft.train.feed import Feed, build_feed
 from mimo_sft.train.flops import peak_tflops_for
@@ -157,6 +157,9 @@ class Trainer:
         """Load what the run starts from (``--load-checkpoint``: everything; ``--pretrained-checkpoint``:
         weights) and take its step and data position; refuse a run with no step left to train."""
         self.step, self.consumed = restore(self.cfg, self.ctx)
+        if self.cfg.checkpoint.load_checkpoint:
+            ckpt = resolve_checkpoint(self.cfg.checkpoint.load_checkpoint)
+            check_resumed_split(read_meta(ckpt).get("valid_split"), self.cfg.data, checkpoint=ckpt)
         if self.step >= self.cfg.train.train_iters:
             raise UserError(f"nothing to do: the checkpoint is at step {self.step} and --train-iters is "
                             f"{self.cfg.train.train_iters}; raise --train-iters to train further")
@@ -285,7 +288,8 @@ class Trainer:
         return False
 
     def save(self, evaluation: Optional[EvalResult] = None, *, best: bool = False) -> None:
-        extra = {"valid_loss": evaluation.valid_loss} if evaluation is not None else None
+        extra = {"valid_split": self.cfg.data.valid_split,
+                 **({"valid_loss": evaluation.valid_loss} if evaluation is not None else {})}
         path = save_checkpoint(self.save_dir, step=self.step, consumed_samples=self.consumed, ctx=self.ctx,
                                extra_meta=extra)
         if best:  # every rank knows the same valid_loss; rank 0 published the folder
