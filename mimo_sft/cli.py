@@ -120,7 +120,7 @@ def _run_flag_command(name: str, ctx: typer.Context, fn, extra_help: dict[str, s
 @app.command(context_settings=FLAG_COMMAND)
 def evaluate(ctx: typer.Context) -> None:
     """Validation loss of a checkpoint (or --hf-model alone) on a dataset, on any layout:
-    torchrun --nproc-per-node N -m mimo_sft evaluate [--checkpoint DIR] [flags] [--json]."""
+    torchrun --nproc-per-node N -m mimo_sft evaluate [CHECKPOINT] [flags] [--json]."""
     from mimo_sft.train.evaluate import EVALUATE_FLAGS, evaluate_command
 
     _run_flag_command("evaluate", ctx, evaluate_command, EVALUATE_FLAGS)

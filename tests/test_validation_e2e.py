@@ -84,7 +84,7 @@ def finetune(name, nproc, args):
 
 
 def evaluate(nproc, args) -> dict:
-    proc = torchrun(nproc, ["--hf-model", tiny_model(), *BASE, *args, "--json"], command="evaluate")
+    proc = torchrun(nproc, [*args, *BASE, "--json"], command="evaluate")
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     assert len(lines) == 1, proc.stdout  # printed once, by the metrics rank
     return json.loads(lines[0])
@@ -168,11 +168,12 @@ def test_non_colocated_reordered_packed_run_gives_the_same_values(evaluated_run,
 
 
 def test_evaluate_command_on_a_checkpoint_with_language_pipeline_parallel(evaluated_run, valid_data):
-    """``mimo-sft evaluate`` on the run's last checkpoint, language PP 2 (3 ranks): the run's own
-    value after step 2."""
+    """``mimo-sft evaluate CHECKPOINT`` on the run's last checkpoint, language PP 2 (3 ranks): the
+    run's own value after step 2."""
     run, _ = evaluated_run
-    got = evaluate(3, ["--checkpoint", run + "/checkpoints", "--dataset-path", valid_data,
+    got = evaluate(3, [run + "/checkpoints", "--dataset-path", valid_data,  # base model: from its meta.json
                        "--component", "language=pp=2,dp=1", "--component", "images=dp=1,rank_offset=2"])
+    assert got["hf_model"] == tiny_model()
     ref = valid_rows(run)[2]
     assert close(got["loss"], ref["valid_loss"]), (got, ref)
     assert got["tokens"] == ref["valid_tokens"] and got["samples"] == 10
@@ -184,7 +185,7 @@ def test_evaluate_command_hf_model_on_a_held_out_split_colocated_tensor_parallel
     vision DP 2 (fan-in): transformers' loss on exactly the held-out rows."""
     from mimo_sft.data.validation import holdout_rows
 
-    got = evaluate(2, ["--dataset-path", demo_data(), "--valid-split", "8", "--component", "language=tp=2,dp=1",
+    got = evaluate(2, ["--hf-model", tiny_model(), "--dataset-path", demo_data(), "--valid-split", "8", "--component", "language=tp=2,dp=1",
                        "--component", "images=dp=2", "--scalable-dp"])
     _train, rows = holdout_rows(96, 8, seed=7, min_train=8)
     ref, tokens = hf_valid_loss(demo_data(), rows)

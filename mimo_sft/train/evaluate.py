@@ -110,18 +110,28 @@ def _ppl(loss: float) -> float:
 # ---- mimo-sft evaluate ---------------------------------------------------------------------------
 
 #: flags of ``mimo-sft evaluate`` beyond the config flag table
-EVALUATE_FLAGS = {"--checkpoint": "a mimo-sft checkpoint folder (or its parent with 'latest'); same as --load-checkpoint",
+EVALUATE_FLAGS = {"CHECKPOINT": "(first argument, optional) a mimo-sft checkpoint folder, or its parent with "
+                                "'latest'; without one, --hf-model's weights are evaluated",
+                  "--checkpoint": "the same as the first argument (or --load-checkpoint)",
                   "--json": "print the result as one JSON object"}
 
 
 def evaluate_command(args: list[str]) -> int:
     """``mimo-sft evaluate``: every rank loads the config, runs the checks, builds the layout, loads
-    the weights and joins one evaluation; the metrics rank prints the result."""
+    the weights and joins one evaluation; the metrics rank prints the result. A checkpoint's base
+    model (``hf_model`` in its meta.json) is the default ``--hf-model``."""
+    from mimo_sft.train.checkpoint_files import read_meta, resolve_checkpoint
     from mimo_sft.train.run import launch_checked
 
     as_json = "--json" in args
     args = [a for a in args if a != "--json"]
+    if args and not args[0].startswith("-"):
+        args = ["--load-checkpoint", *args]
     args = ["--load-checkpoint" if a == "--checkpoint" else a for a in args]
+    if "--load-checkpoint" in args and "--hf-model" not in args and "--config" not in args:
+        i = args.index("--load-checkpoint") + 1
+        base = read_meta(resolve_checkpoint(args[i])).get("hf_model") if i < len(args) else None
+        args += ["--hf-model", base] if base else []
     return launch_checked(args, lambda cfg, layout: _evaluate(cfg, layout, as_json))
 
 
