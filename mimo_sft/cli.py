@@ -1,6 +1,6 @@
 """The ``mimo-sft`` command line: thin parsing, a call into the package, an exit code.
 
-``finetune``, ``validate`` and ``plan`` share one flag table generated from the config schema
+``finetune``, ``validate``, ``evaluate`` and ``plan`` share one flag table generated from the config schema
 (``config.loader.flag_table``), so a flag means the same thing everywhere. User mistakes arrive as
 ``UserError`` and are printed as one line with exit status 2; anything else is a bug and keeps its
 traceback.
@@ -123,6 +123,15 @@ def _run_flag_command(name: str, ctx: typer.Context, fn, extra_help: dict[str, s
     except UserError as e:
         _fail(e)
     raise typer.Exit(code or 0)
+
+
+@app.command(context_settings=FLAG_COMMAND)
+def evaluate(ctx: typer.Context) -> None:
+    """Validation loss of a checkpoint (or --hf-model alone) on a dataset, on any layout:
+    torchrun --nproc-per-node N -m mimo_sft evaluate [CHECKPOINT] [flags] [--json]."""
+    from mimo_sft.train.evaluate import EVALUATE_FLAGS, evaluate_command
+
+    _run_flag_command("evaluate", ctx, evaluate_command, EVALUATE_FLAGS)
 
 
 @app.command("check-model")

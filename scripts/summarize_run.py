@@ -18,8 +18,10 @@ def main() -> int:
         print(f"error: {path} not found: the fine-tune did not log any step", file=sys.stderr)
         return 1
     rows = [json.loads(line) for line in open(path)]
+    evaluations = [r for r in rows if "valid_loss" in r]
+    rows = [r for r in rows if "loss" in r]  # training steps (evaluations have their own rows)
     if not rows:
-        print(f"error: {path} is empty", file=sys.stderr)
+        print(f"error: {path} has no training step", file=sys.stderr)
         return 1
     k = max(1, len(rows) // 5)
     first = sum(r["loss"] for r in rows[:k]) / k
@@ -49,6 +51,10 @@ def main() -> int:
     if peaks:
         print("peak memory per module (largest rank, GiB): "
               + ", ".join(f"{name} {value / 2**30:.2f}" for name, value in peaks.items()))
+    if evaluations:
+        print(f"valid loss: {evaluations[0]['valid_loss']:.3f} after step {evaluations[0]['step']} -> "
+              f"{evaluations[-1]['valid_loss']:.3f} after step {evaluations[-1]['step']} "
+              f"({len(evaluations)} evaluations)")
     print(f"metrics: {path}; checkpoints: {os.path.join(run, 'checkpoints')}")
     return 0
 

@@ -113,9 +113,9 @@ def bridge_corner_data() -> str:
 
 
 def torchrun(nproc: int, args: list[str], *, timeout: float = 300, check: bool = True,
-             extra_env: dict | None = None) -> subprocess.CompletedProcess:
+             extra_env: dict | None = None, command: str = "finetune") -> subprocess.CompletedProcess:
     for _attempt in range(3):
-        proc = _torchrun_once(nproc, args, timeout=timeout, extra_env=extra_env)
+        proc = _torchrun_once(nproc, args, timeout=timeout, extra_env=extra_env, command=command)
         # the agent's store could not bind its port (another process took it after free_port looked):
         # nothing ran yet, so a new port is a clean retry
         if not (proc.returncode != 0 and "EADDRINUSE" in proc.stderr and "failed to listen" in proc.stderr):
@@ -125,11 +125,12 @@ def torchrun(nproc: int, args: list[str], *, timeout: float = 300, check: bool =
     return proc
 
 
-def _torchrun_once(nproc: int, args: list[str], *, timeout: float, extra_env: dict | None) -> subprocess.CompletedProcess:
+def _torchrun_once(nproc: int, args: list[str], *, timeout: float, extra_env: dict | None,
+                   command: str = "finetune") -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
                HF_DATASETS_OFFLINE="1", PYTHONWARNINGS="ignore", **(extra_env or {}))
     cmd = [TORCHRUN, "--nproc-per-node", str(nproc), "--master-port", str(free_port()), "-m", "mimo_sft",
-           "finetune", *args]
+           command, *args]
     # Own session, output to files: a rank killed with SIGKILL (the checkpoint tests do that) leaves
     # megatron's checkpoint-writer processes behind; they would hold a pipe open until the timeout.
     # The whole session is killed once torchrun returns, as a cluster scheduler would.

@@ -67,6 +67,9 @@ class DataConfig:
     num_workers: int = opt(-1, "--num-workers", "DataLoader worker processes per rank (-1: from the CPUs each rank of the node may use, at most 4)")
     max_bad_samples: int = opt(10, "--max-bad-samples", "samples with unreadable images (corrupt, or a file gone mid-run) that are skipped, counted and named in the log before the run stops (0: stop at the first)")
     on_truncation: str = opt("drop", "--on-truncation", "what to do with a sample whose image tokens do not fit in --seq-length", choices=("drop", "error"))
+    valid_dataset_path: Optional[str] = opt(None, "--valid-dataset-path", "validation set: a dataset in the training set's format and schema (same columns and image settings); evaluated in dataset order, never trained on")
+    valid_dataset_split: str = opt("train", "--valid-dataset-split", "split of --valid-dataset-path to read (a single file is split 'train')")
+    valid_split: Optional[str] = opt(None, "--valid-split", "hold out N samples (an integer) or a FRACTION in (0, 1) of the training set as the validation set: a fixed seeded choice, never trained on")
 
 
 @dataclass
@@ -115,6 +118,9 @@ class TrainConfig:
     exit_interval: Optional[int] = opt(None, "--exit-interval", "save and exit 0 after the first step divisible by N")
     exit_duration_in_mins: Optional[float] = opt(None, "--exit-duration-in-mins", "save and exit 0 before M minutes of wall time have passed")
     gpu_memory_gb: Optional[float] = opt(None, "--gpu-memory-gb", "memory of one GPU in GiB that the memory forecast must fit (check 23; an '80 GB' H100 is 80; default: this machine's GPU, else 80)")
+    eval_interval: Optional[int] = opt(None, "--eval-interval", "evaluate on the validation set every N steps (a validation set is always evaluated after the last step)")
+    eval_iters: int = opt(0, "--eval-iters", "validation batches of --global-batch-size samples per evaluation, from the start of the validation set (0: the whole validation set)")
+    eval_at_start: bool = opt(False, "--eval-at-start", "also evaluate before the first step (logged as step 0)")
 
 
 @dataclass
@@ -143,6 +149,7 @@ class CheckpointConfig:
     keep_last_checkpoints: Optional[int] = opt(None, "--keep-last-checkpoints", "after each save, remove all but the newest N checkpoints (default: keep all)")
     async_save: bool = opt(False, "--async-save", "write periodic checkpoints in the background while training goes on (published once every rank's bytes are on disk; a run waits for its last one)")
     save_reshardable: bool = opt(False, "--save-reshardable", "distributed optimizer: save its state in the form that resumes on any TP/PP (gathers each module's state over its DP group while saving); the default form resumes on any DP size with TP and PP as saved")
+    save_best: bool = opt(False, "--save-best", "save a checkpoint whenever valid_loss reaches a new low and name it in CHECKPOINTS/best (never removed by --keep-last-checkpoints)")
 
 
 @dataclass

@@ -13,7 +13,9 @@ exist yet), whatever point a process is killed at.
   would leave ``latest`` naming a missing folder until the rename. The older copy is removed once
   ``latest`` names the new one.
 * ``keep_last``: after a save is published, complete checkpoints beyond the newest ``keep_last``
-  steps are removed (never the one ``latest`` names).
+  steps are removed (never the one ``latest`` names, nor the one ``best`` names).
+* ``best`` (``--save-best``): the name of the checkpoint with the lowest validation loss, replaced
+  atomically like ``latest`` by :func:`mark_best` once that checkpoint is published.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import signal
 from mimo_sft.errors import UserError
 
 LATEST = "latest"
+BEST = "best"
 META = "meta.json"
 _NAME = re.compile(r"^iter_(\d{7})(?:\.v(\d+))?$")
 #: test hook: ``POINT:STEP`` names a point of a save (``start``, ``after_model``, ``before_meta``,
@@ -92,8 +95,9 @@ def complete_checkpoints(root: str) -> list[tuple[int, int, str]]:
     return sorted(found)
 
 
-def latest_name(root: str) -> str | None:
-    path = os.path.join(root, LATEST)
+def latest_name(root: str, pointer: str = LATEST) -> str | None:
+    """The folder name ``latest`` (or another pointer file, e.g. ``best``) names, or None."""
+    path = os.path.join(root, pointer)
     if not os.path.isfile(path):
         return None
     with open(path) as fh:
@@ -124,8 +128,9 @@ def publish(root: str, tmp: str, step: int, *, keep_last: int | None = None) -> 
     kill_point("after_rename", step)
     write_atomic(os.path.join(root, LATEST), os.path.basename(final) + "\n")
     kill_point("after_latest", step)
+    best = latest_name(root, BEST)
     for other_step, _version, name in complete_checkpoints(root):
-        if other_step == step and name != os.path.basename(final):
+        if other_step == step and name not in (os.path.basename(final), best):
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)  # superseded copy of this step
     if keep_last:
         prune(root, keep_last)
@@ -133,17 +138,27 @@ def publish(root: str, tmp: str, step: int, *, keep_last: int | None = None) -> 
 
 
 def prune(root: str, keep_last: int) -> list[str]:
-    """Remove complete checkpoints beyond the newest ``keep_last`` steps; never the one ``latest`` names."""
+    """Remove complete checkpoints beyond the newest ``keep_last`` steps; never the one ``latest``
+    or ``best`` names."""
     assert keep_last >= 1
-    current = latest_name(root)
+    protected = {latest_name(root), latest_name(root, BEST)}
     steps = sorted({step for step, _v, _n in complete_checkpoints(root)})
     keep = set(steps[-keep_last:])
     removed = []
     for step, _version, name in complete_checkpoints(root):
-        if step not in keep and name != current:
+        if step not in keep and name not in protected:
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)
             removed.append(name)
     return removed
+
+
+def mark_best(root: str, folder: str, *, keep_last: int | None = None) -> None:
+    """Name the published checkpoint ``folder`` as ``best`` (atomically), then prune what the old
+    ``best`` kept alive. Called on one rank."""
+    assert os.path.isfile(os.path.join(folder, META)), f"{folder} is not a published checkpoint"
+    write_atomic(os.path.join(root, BEST), os.path.basename(folder) + "\n")
+    if keep_last:
+        prune(root, keep_last)
 
 
 def resolve_checkpoint(path: str) -> str:

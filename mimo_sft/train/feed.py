@@ -138,16 +138,17 @@ class Feed:
             self.reorder.shutdown()
 
 
-def build_feed(cfg, layout, pstate, info, *, consumed_samples: int) -> Feed:
+def build_feed(cfg, layout, pstate, info, *, consumed_samples: int, train_source=None) -> Feed:
     """This rank's feed: which shard it reads (module, DP coordinates, pixels or not), reordering
     (by index or by exchange), the colocated split, and the step observers (vision load where it is
-    logged, model FLOPs). The dataset is opened and its files checked once (:func:`checked_source`)."""
+    logged, model FLOPs). The dataset is opened and its files checked once (:func:`checked_source`);
+    ``train_source``: the (checked) training rows when a validation split was held out of them."""
     from mimo_sft.data.loader import build_microbatch_iterator
     from mimo_sft.parallel import runtime
 
     rank = pstate.rank
     mbs = cfg.train.micro_batch_size
-    source = checked_source(cfg, pstate)
+    source = train_source if train_source is not None else checked_source(cfg, pstate)
     common = dict(model_dir=cfg.model.hf_model, micro_batch_size=mbs, canonical_grid=layout.canonical_grid,
                   seed=cfg.train.seed, consumed_samples=consumed_samples, scalable_dp=cfg.parallel.scalable_dp,
                   global_batch_size=cfg.train.global_batch_size, source=source, pin_memory=runtime.on_gpu())
@@ -216,6 +217,29 @@ def checked_source(cfg, pstate):
     if verdict[0] is not None:
         raise UserError(verdict[0])
     return source
+
+
+@dataclass(frozen=True)
+class ReadShard:
+    """Which canonical-grid shard of each micro-batch this rank reads (training and validation alike)."""
+
+    dp_size: int
+    dp_rank: int
+    need_pixels: bool
+    module: Optional[str]  # non-colocated: the one module of this rank
+    split: Optional[ColocatedSplit]  # colocated: the language slice plus the encoder slice's pixels
+
+
+def read_shard(layout, pstate, info, micro_batch_size: int) -> ReadShard:
+    """Colocated ranks read the shard of the module with the smaller DP size and split it
+    (``data.colocated``); a non-colocated rank reads its module's shard, pixels on encoder ranks."""
+    if layout.colocated:
+        plan = colocated_read_plan(layout, pstate.rank, micro_batch_size)
+        split = ColocatedSplit.for_plan(plan, layout, image_token_id=info.image_token_id)
+        return ReadShard(plan.dp_size, plan.dp_rank, True, None, split)
+    (module,) = pstate.mine()
+    coord = layout.coords(pstate.rank)[module]
+    return ReadShard(layout.spec(module).dp, coord.dp, module != LANGUAGE, module, None)
 
 
 def _patch_fn(info):

@@ -3,7 +3,8 @@
 * ``StepMetrics``: the one record of a step; its fields are the ``metrics.jsonl`` keys (the
   per-module peak memory is one field written as ``peak_memory_bytes_<module>`` keys);
 * people: a rich progress line per ``log_interval`` steps (step, loss, lr, step time, ETA);
-* machines: ``metrics.jsonl`` (one JSON object per step) and TensorBoard event files;
+* machines: ``metrics.jsonl`` (one JSON object per step, and one per evaluation with ``valid_loss``)
+  and TensorBoard event files;
 * the step's collectives every rank joins (peak memory per module, model FLOPs) and the model-FLOPs
   counter that gives each rank its share.
 
@@ -259,6 +260,22 @@ class MetricsLogger:
                     self._tb.add_scalar(f"{tb_section}/{key}", value, step)
         for tracker in self.trackers:
             tracker.log_metrics(row, step)
+    def log_validation(self, result) -> None:
+        """One ``metrics.jsonl`` row for an evaluation (``train.evaluate.EvalResult``: ``step`` is the
+        step it follows, 0 before the first), ``valid/*`` TensorBoard scalars and a progress line."""
+        if not self.enabled:
+            return
+        row = result.to_json()
+        self._fh.write(json.dumps(row) + "\n")
+        if self._tb is not None:
+            for key in ("valid_loss", "valid_ppl"):
+                self._tb.add_scalar(f"valid/{key[len('valid_'):]}", row[key], result.step)
+        for tracker in self.trackers:  # the trackers get the same row (valid_loss, valid_ppl, ...)
+            tracker.log_metrics(row, result.step)
+        self.console.print(
+            f"validation after step {result.step:>5} | valid loss {result.valid_loss:.4f} | "
+            f"valid ppl {result.valid_ppl:.3f} | {result.valid_tokens:.0f} tokens in {result.valid_samples} samples | "
+            f"{result.valid_time_s:.2f} s")
 
     def close(self) -> None:
         for tracker in self.trackers:

@@ -20,6 +20,12 @@ from mimo_sft.parallel.bootstrap import launch_rank_world, launched_by_torchrun,
 
 
 def finetune(args: list[str]) -> int:
+    return launch_checked(args, _train, refuse_reused_output_dir=True)
+
+
+def launch_checked(args: list[str], body, *, refuse_reused_output_dir: bool = False) -> int:
+    """Load and check the config on every rank, then ``body(cfg, layout)``; errors as described above
+    (shared by ``finetune`` and ``evaluate``)."""
     rank, world = launch_rank_world()
     torchrun = launched_by_torchrun()
     try:
@@ -29,14 +35,18 @@ def finetune(args: list[str]) -> int:
                             f"drop --world-size or start {cfg.parallel.world_size} processes")
         result = require_valid(cfg, world_size=world if torchrun else None, for_run=True)
         require_launcher(result.layout.world_size)
-        _refuse_reused_output_dir(cfg, cfg.logging.output_dir)
+        if refuse_reused_output_dir:
+            _refuse_reused_output_dir(cfg, cfg.logging.output_dir)
     except UserError as e:
         if rank == 0:
             for p in e.problems:
                 print(f"error: {p}", file=sys.stderr)
         return 2
     try:
-        return _train(cfg, result.layout)
+        from mimo_sft.quiet import quiet_libraries
+
+        quiet_libraries()
+        return body(cfg, result.layout)
     except UserError as e:
         _abort(f"error: [rank {rank}] {e}", 2)
     except KeyboardInterrupt:
@@ -63,9 +73,6 @@ def _abort(message: str, code: int):
 
 
 def _train(cfg, layout) -> int:
-    from mimo_sft.quiet import quiet_libraries
-
-    quiet_libraries()
     from mimo_sft.train.trainer import Trainer
 
     return Trainer(cfg, layout).run()

@@ -59,7 +59,9 @@ def megatron_ranks(pstate: ParallelState) -> dict[str, int]:
     return {"tp_rank": pgc.tp.rank(), "ep_rank": pgc.ep.rank(), "etp_rank": pgc.expt_tp.rank()}
 
 
-def build_model_and_optimizer(cfg: ExperimentConfig, layout: Layout, pstate: ParallelState, rank: int) -> TrainContext:
+def build_model_and_optimizer(cfg: ExperimentConfig, layout: Layout, pstate: ParallelState, rank: int, *,
+                              with_optimizer: bool = True) -> TrainContext:
+    """``with_optimizer=False`` (``mimo-sft evaluate``): the DDP-wrapped model only, no optimizer state."""
     from mimo_sft.model import build_mimo_model
 
     runtime.init_megatron(cfg.train.seed, **megatron_ranks(pstate))
@@ -97,6 +99,8 @@ def build_model_and_optimizer(cfg: ExperimentConfig, layout: Layout, pstate: Par
                                           pg_collection=pstate.modules[name].pg_collection)
         model.modality_submodules[name] = wrapped
         modules[name] = wrapped
+    if not with_optimizer:
+        return TrainContext(cfg, layout, pstate, model, info, modules, None, rank)
     o = cfg.optimizer
     opt_cfg = OptimizerConfig(
         optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay, adam_beta1=o.adam_beta1,

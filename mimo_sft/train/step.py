@@ -171,9 +171,20 @@ class StepRunner:
         self.feed.start_step()
         for module in self.modules.values():
             module.zero_grad_buffer()
-        common = dict(forward_step_func=self._forward_step, data_iterator=self.feed, model=[self.model],
+        loss_sum, tokens = self._schedule(self.feed, num_microbatches, forward_only=False)
+        return StepOutput(loss_sum, tokens, self.global_tokens())
+
+    def forward_only(self, feed, num_microbatches: int) -> tuple[float, float]:
+        """Forward passes of ``num_microbatches`` micro-batches of ``feed`` through the same schedule
+        and layout (no backward, no gradient buffers touched, no autograd graph): this rank's
+        ``(sum of token losses, supervised tokens)``, non-zero on the last language stage only."""
+        with torch.no_grad():
+            return self._schedule(feed, num_microbatches, forward_only=True)
+
+    def _schedule(self, feed, num_microbatches: int, *, forward_only: bool) -> tuple[float, float]:
+        common = dict(forward_step_func=self._forward_step, data_iterator=feed, model=[self.model],
                       num_microbatches=num_microbatches, seq_length=self.seq_length,
-                      micro_batch_size=self.local_mbs, forward_only=False)
+                      micro_batch_size=self.local_mbs, forward_only=forward_only)
         if self.colocated:
             store = schedules.forward_backward_no_pipelining(pg_collection=self.pg_collection, **common)
         else:
@@ -184,4 +195,4 @@ class StepRunner:
             if isinstance(item, dict) and "loss_sum_and_tokens" in item:
                 loss_sum += float(item["loss_sum_and_tokens"][0])
                 tokens += float(item["loss_sum_and_tokens"][1])
-        return StepOutput(loss_sum, tokens, self.global_tokens())
+        return loss_sum, tokens

@@ -18,6 +18,7 @@ attribute       what                                                          bu
 ``feed``        this rank's micro-batches, with the step's observers          ``train.feed.build_feed``
 ``runner``      megatron's schedule for this layout                           ``train.step.StepRunner``
 ``logger``      metrics.jsonl, TensorBoard and the progress line              ``train.metrics``
+``evaluator``   validation loss (None without a validation set)               ``train.evaluate``
 ==============  ============================================================  ===========================
 
 Every rank runs every method; what only some ranks do (logging, the loss reduction, export) is
@@ -37,14 +38,17 @@ import torch.distributed as dist
 
 from mimo_sft.config.loader import config_to_dict, dump_config
 from mimo_sft.config.schema import ExperimentConfig
+from mimo_sft.data.validation import check_resumed_split, split_sources, valid_flag
 from mimo_sft.errors import UserError
 from mimo_sft.parallel import runtime
 from mimo_sft.parallel.bootstrap import start_world
 from mimo_sft.parallel.groups import ParallelState
 from mimo_sft.parallel.layout import LANGUAGE, Layout
 from mimo_sft.train.checkpoint import restore, save_checkpoint, save_gradients
+from mimo_sft.train.checkpoint_files import BEST, latest_name, mark_best, read_meta, resolve_checkpoint
 from mimo_sft.train.checkpoint_write import PendingSaves
-from mimo_sft.train.feed import Feed, build_feed
+from mimo_sft.train.evaluate import EvalResult, Evaluator
+from mimo_sft.train.feed import Feed, build_feed, checked_source
 from mimo_sft.train.flops import peak_tflops_for
 from mimo_sft.train.lr import apply_schedule, lr_at
 from mimo_sft.train.metrics import AnswerTally, MetricsLogger, StepMetrics, peak_memory_by_module, step_model_flops, throughput
@@ -81,6 +85,8 @@ class Trainer:
     runner: StepRunner
     logger: MetricsLogger
     answers: AnswerTally
+    evaluator: Optional[Evaluator]
+    best_loss: Optional[float]  # --save-best: the lowest valid_loss of a saved checkpoint so far
     peak_tflops: Optional[float]
     stop: StopPolicy
 
@@ -149,7 +155,10 @@ class Trainer:
         self.ctx = build_model_and_optimizer(cfg, layout, self.pstate, self.rank)
         self.pending_saves = PendingSaves() if cfg.checkpoint.async_save else None
         self.resume()
-        self.feed = build_feed(cfg, layout, self.pstate, self.ctx.info, consumed_samples=self.consumed)
+        train_source, valid_source = split_sources(cfg.data, seed=t.seed, global_batch_size=t.global_batch_size,
+                                                   load_full=lambda: checked_source(cfg, self.pstate))
+        self.feed = build_feed(cfg, layout, self.pstate, self.ctx.info, consumed_samples=self.consumed,
+                               train_source=train_source)
         self.runner = StepRunner(model=self.ctx.model, modules=self.ctx.modules, pstate=self.pstate, layout=layout,
                                  feed=self.feed, modality_inputs_fn=self.ctx.info.modality_inputs,
                                  seq_length=cfg.data.seq_length, local_mbs=cfg.train.micro_batch_size // layout.language.dp,
@@ -158,6 +167,10 @@ class Trainer:
                                     log_interval=cfg.logging.log_interval, tensorboard=cfg.logging.tensorboard,
                                     trackers=open_trackers(cfg.logging, config_to_dict(cfg)) if self.ctx.is_metrics_rank else [])
         self.answers = AnswerTally(cfg.data.seq_length, enabled=self.ctx.is_metrics_rank)
+        self.evaluator = (None if valid_source is None else  # checks the set before step 0
+                          Evaluator(cfg, layout, self.pstate, self.ctx, self.runner, valid_source, flag=valid_flag(cfg.data)))
+        best = latest_name(self.save_dir, BEST) if cfg.checkpoint.save_best else None
+        self.best_loss = read_meta(os.path.join(self.save_dir, best)).get("valid_loss") if best else None
         self.peak_tflops = cfg.logging.peak_tflops or (peak_tflops_for(runtime.device_name()) if runtime.on_gpu() else None)
         self._announce()
 
@@ -165,6 +178,9 @@ class Trainer:
         """Load what the run starts from (``--load-checkpoint``: everything; ``--pretrained-checkpoint``:
         weights) and take its step and data position; refuse a run with no step left to train."""
         self.step, self.consumed = restore(self.cfg, self.ctx)
+        if self.cfg.checkpoint.load_checkpoint:
+            ckpt = resolve_checkpoint(self.cfg.checkpoint.load_checkpoint)
+            check_resumed_split(read_meta(ckpt).get("valid_split"), self.cfg.data, checkpoint=ckpt)
         if self.step >= self.cfg.train.train_iters:
             raise UserError(f"nothing to do: the checkpoint is at step {self.step} and --train-iters is "
                             f"{self.cfg.train.train_iters}; raise --train-iters to train further")
@@ -198,10 +214,12 @@ class Trainer:
 
     # ---- one step -------------------------------------------------------------------------------------
     def train(self) -> None:
+        if self.evaluator is not None and self.cfg.train.eval_at_start:
+            self.logger.log_validation(self.evaluator.evaluate(self.step))
         while self.step < self.cfg.train.train_iters:
             result = self.train_step()
             self.log_step(result)
-            saved = self.maybe_save()
+            saved = self.maybe_save(self.maybe_evaluate())
             if self.step < self.cfg.train.train_iters and self.stopping(result.step_time_s):
                 if not saved:
                     self.save()
@@ -291,9 +309,21 @@ class Trainer:
             update_ok=result.update_ok, consumed_samples=self.consumed,
             truncated_samples=int(t[5]), empty_answers=int(t[6])))
 
-    def maybe_save(self) -> bool:
-        """Save every ``--save-interval`` steps, and always at the last step: a finished run keeps its
-        weights unless ``--no-save`` said not to. Collective; True when it saved."""
+    def maybe_evaluate(self) -> Optional[EvalResult]:
+        """Evaluate every ``--eval-interval`` steps and after the last step (collective)."""
+        if self.evaluator is None:
+            return None
+        interval = self.cfg.train.eval_interval
+        if (interval and self.step % interval == 0) or self.step == self.cfg.train.train_iters:
+            evaluation = self.evaluator.evaluate(self.step)
+            self.logger.log_validation(evaluation)
+            return evaluation
+        return None
+
+    def maybe_save(self, evaluation: Optional[EvalResult] = None) -> bool:
+        """Save every ``--save-interval`` steps, always at the last step (a finished run keeps its
+        weights unless ``--no-save`` said not to), and with ``--save-best`` when ``evaluation`` is a
+        new lowest validation loss. Collective; True when it saved."""
         ck = self.cfg.checkpoint
         if ck.no_save:
             return False
@@ -301,21 +331,36 @@ class Trainer:
             self.pending_saves.poll()  # publish a background save whose bytes are all written
         interval = ck.save_interval
         final = self.step == self.cfg.train.train_iters
-        if (interval and self.step % interval == 0) or final:
-            self.save()
+        best = (ck.save_best and evaluation is not None
+                and (self.best_loss is None or evaluation.valid_loss < self.best_loss))
+        if (interval and self.step % interval == 0) or final or best:
+            self.save(evaluation, best=best)
             return True
         return False
 
-    def save(self) -> None:
-        """Save this step (``--async-save``: in the background, said when published)."""
+    def save(self, evaluation: Optional[EvalResult] = None, *, best: bool = False) -> None:
+        """Save this step (``--async-save``: in the background, said when published). A new best is
+        written before training goes on, so that ``checkpoints/best`` can name it at once."""
+        extra = {"valid_split": self.cfg.data.valid_split,
+                 **({"valid_loss": evaluation.valid_loss} if evaluation is not None else {})}
+        pending = self.pending_saves
+        if best and pending is not None:
+            pending.wait()
+            pending = None
         path = save_checkpoint(self.save_dir, step=self.step, consumed_samples=self.consumed, ctx=self.ctx,
-                               pending=self.pending_saves, on_published=self._say_saved)
-        if path is not None:
-            self._say_saved(path)
+                               extra_meta=extra, pending=pending, on_published=self._say_saved)
+        if path is None:  # in the background: said when published
+            return
+        if best:  # every rank knows the same valid_loss; rank 0 published the folder
+            self.best_loss = evaluation.valid_loss
+            if self.rank == 0:
+                mark_best(self.save_dir, path, keep_last=self.cfg.checkpoint.keep_last_checkpoints)
+        self._say_saved(path, best_loss=evaluation.valid_loss if best else None)
 
-    def _say_saved(self, path: str) -> None:
+    def _say_saved(self, path: str, best_loss: Optional[float] = None) -> None:
         if self.ctx.is_metrics_rank:
-            print(f"saved checkpoint {path}", flush=True)
+            print(f"saved checkpoint {path}" + (f" (best: valid loss {best_loss:.4f})" if best_loss is not None else ""),
+                  flush=True)
 
     def finish_saves(self) -> None:
         """A background save still being written completes (and is published) before the run ends."""
@@ -332,6 +377,8 @@ class Trainer:
         summary = self.answers.summary() if getattr(self, "answers", None) is not None else None
         if summary and self.answers.enabled:
             print(summary, flush=True)
+        if getattr(self, "evaluator", None) is not None:
+            self.evaluator.close()
 
     def shutdown(self) -> None:
         """Wait for every rank, then end the process group (the run's last collective)."""

@@ -1,0 +1,64 @@
+"""Check 28: validation settings (``--valid-dataset-path``, ``--valid-split``, ``--eval-*``, ``--save-best``).
+
+Pure, like ``config.checks`` (which registers :func:`c28_validation` in its ``CHECKS`` tuple).
+:func:`parse_valid_split` is the one reading of ``--valid-split``: the data layer uses it too.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional, Union
+
+
+def parse_valid_split(text) -> Optional[Union[int, float]]:
+    """``"16"`` -> 16 samples, ``"0.1"`` -> a fraction, None when unset; ValueError with the reason
+    for anything else."""
+    if text is None:
+        return None
+    s = str(text).strip()
+    try:
+        count = int(s)
+    except ValueError:
+        try:
+            fraction = float(s)
+        except ValueError:
+            raise ValueError(f"--valid-split {text!r}: give a sample count (e.g. 64) or a fraction in (0, 1) "
+                             f"(e.g. 0.05)") from None
+        if not 0.0 < fraction < 1.0:
+            raise ValueError(f"--valid-split {text}: a fraction must lie strictly between 0 and 1 "
+                             f"(or give a sample count, e.g. 64)")
+        return fraction
+    if count < 1:
+        raise ValueError(f"--valid-split {text}: hold out at least 1 sample (or give a fraction in (0, 1))")
+    return count
+
+
+def c28_validation(ctx):
+    d, t, ck = ctx.cfg.data, ctx.cfg.train, ctx.cfg.checkpoint
+    if d.valid_dataset_path and d.valid_split is not None:
+        yield ("--valid-dataset-path and --valid-split are exclusive: evaluate on a separate set, or hold "
+               "samples out of the training set, not both")
+    try:
+        parse_valid_split(d.valid_split)
+    except ValueError as e:
+        yield str(e)
+    if d.valid_dataset_path and not os.path.exists(d.valid_dataset_path) and _looks_local(d.valid_dataset_path):
+        yield (f"--valid-dataset-path {d.valid_dataset_path}: not found; give a parquet/json/jsonl file or folder, "
+               f"or a save_to_disk folder")
+    if t.eval_interval is not None and t.eval_interval < 1:
+        yield f"--eval-interval={t.eval_interval} must be >= 1"
+    if t.eval_iters < 0:
+        yield f"--eval-iters={t.eval_iters} must be >= 0 (0: the whole validation set)"
+    has_source = bool(d.valid_dataset_path) or d.valid_split is not None
+    if not has_source:
+        given = [flag for flag, on in (("--eval-interval", t.eval_interval is not None),
+                                       ("--eval-at-start", t.eval_at_start), ("--save-best", ck.save_best)) if on]
+        if given:
+            yield (f"{', '.join(given)} without a validation set: add --valid-dataset-path PATH or "
+                   f"--valid-split N|FRACTION")
+
+
+def _looks_local(path: str) -> bool:
+    from mimo_sft.config.checks import _looks_local as looks_local
+
+    return looks_local(path)

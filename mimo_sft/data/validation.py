@@ -1,0 +1,214 @@
+"""The validation set: where it comes from, which rows it holds, and each rank's share of it.
+
+Why here: the validation set is data like the training set (same loader, schemas, preprocessing,
+canonical-grid shards), but read differently: a fixed prefix of the set in dataset order, every
+evaluation the same samples, each evaluated once. The last micro-batch is filled up to
+``micro_batch_size`` with copies of the first samples whose ``loss_mask`` is zeroed, so every rank
+sees whole micro-batches and the loss counts each sample exactly once.
+
+Sources (:func:`split_sources`): ``--valid-dataset-path`` (loaded exactly as the training set,
+with ``--valid-dataset-split``), or ``--valid-split N|FRACTION`` held out of the training set: a
+seeded choice of rows (``--seed``), the validation rows in dataset order, and the training source
+then holds only the other rows, so the training sampler never sees them and ``consumed_samples``
+counts positions of that smaller set (a resume with the same flags reads the same stream).
+
+Before step 0, :func:`check_validation_set` tokenises the evaluated samples (image headers only):
+a sample whose image tokens do not fit ``--seq-length`` is refused rather than replaced (the value
+must be the loss of the samples the user named), and so is a set without supervised tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Iterator, Optional
+
+import torch
+
+from mimo_sft.config.checks_eval import parse_valid_split as config_valid_split
+from mimo_sft.data.loader import MicroBatchDataset, MicroBatchIterator, _identity, _worker_init
+from mimo_sft.data.preprocess import SamplePreprocessor
+from mimo_sft.data.sources import SFTSource, load_sft_dataset
+from mimo_sft.errors import UserError
+
+
+def parse_valid_split(text: Optional[str]) -> Optional[float | int]:
+    """``"16"`` -> 16 samples, ``"0.1"`` -> a fraction, None when unset (the rule of check 28)."""
+    try:
+        return config_valid_split(text)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+
+
+def holdout_rows(total: int, valid_split: float | int, *, seed: int, min_train: int) -> tuple[list[int], list[int]]:
+    """``(training rows, validation rows)`` of a dataset of ``total`` rows, both ascending.
+
+    The validation rows are a seeded random choice (``seed``), so a dataset sorted by topic still
+    gives a representative set; the same flags always give the same rows. ``min_train``: the
+    training rows must still fill one global batch.
+    """
+    n_valid = valid_split if isinstance(valid_split, int) else int(round(valid_split * total))
+    n_valid = max(1, n_valid)
+    if total - n_valid < min_train:
+        raise UserError(f"--valid-split {valid_split}: holding out {n_valid} of the {total} samples leaves "
+                        f"{total - n_valid}, fewer than one global batch ({min_train}); hold out fewer samples")
+    g = torch.Generator()
+    g.manual_seed(int(seed))
+    chosen = set(torch.randperm(total, generator=g)[:n_valid].tolist())
+    train = [i for i in range(total) if i not in chosen]
+    return train, sorted(chosen)
+
+
+def subset_source(source: SFTSource, rows: list[int]) -> SFTSource:
+    """The same source restricted to ``rows`` (in that order): row ``i`` of the result is ``rows[i]``
+    of ``source``. ``datasets`` selects through an index mapping, nothing is copied."""
+    return SFTSource(source.ds.select(rows), schema=source.schema, text_column=source.text_column,
+                     images_column=source.images_column, base_dir=source.base_dir, image_root=source.image_root,
+                     dataset_path=source.dataset_path)
+
+
+def split_sources(data_cfg, *, seed: int, global_batch_size: int,
+                  load_full: Optional[Callable[[], SFTSource]] = None) -> tuple[Optional[SFTSource], Optional[SFTSource]]:
+    """``(training source, validation source)``; the training source is None where the trainer loads
+    it as before (no ``--valid-split``), the validation source None without a validation set.
+    ``load_full``: how the whole training set is opened for ``--valid-split`` (training: with its
+    image files checked on one rank, ``train.feed.checked_source``); default ``load_sft_dataset``."""
+    if data_cfg.valid_dataset_path:
+        valid_cfg = dataclasses.replace(data_cfg, dataset_path=data_cfg.valid_dataset_path,
+                                        split=data_cfg.valid_dataset_split)
+        try:
+            return None, load_sft_dataset(valid_cfg)
+        except UserError as e:  # the loader names the training flags; say which set it was
+            raise UserError(f"validation set (--valid-dataset-path, --valid-dataset-split): {e}") from None
+    split = parse_valid_split(data_cfg.valid_split)
+    if split is None:
+        return None, None
+    full = load_full() if load_full is not None else load_sft_dataset(data_cfg)
+    train_rows, valid_rows = holdout_rows(len(full), split, seed=seed, min_train=global_batch_size)
+    return subset_source(full, train_rows), subset_source(full, valid_rows)
+
+
+def check_resumed_split(saved_split, data_cfg, *, checkpoint: str) -> None:
+    """A resumed run must hold out what the saved run held out: ``consumed_samples`` counts
+    positions of the training part, so another split would continue a different stream."""
+    if parse_valid_split(saved_split) != parse_valid_split(data_cfg.valid_split):
+        saved = f"--valid-split {saved_split}" if saved_split is not None else "no --valid-split"
+        raise UserError(f"--load-checkpoint {checkpoint} was trained with {saved}; resume with the same "
+                        f"(its data position counts samples of that training set)")
+
+
+def valid_flag(data_cfg) -> str:
+    """The flag that named the validation set (for messages)."""
+    return "--valid-dataset-path" if data_cfg.valid_dataset_path else "--valid-split"
+
+
+def evaluated_samples(n_valid: int, *, eval_iters: int, global_batch_size: int) -> int:
+    """Samples one evaluation reads: the first ``eval_iters`` global batches, or all (``eval_iters`` 0)."""
+    return n_valid if eval_iters <= 0 else min(n_valid, eval_iters * global_batch_size)
+
+
+def check_validation_set(source: SFTSource, pre: SamplePreprocessor, n_samples: int, *, flag: str) -> int:
+    """Supervised tokens of the first ``n_samples`` validation samples (after the chat template and
+    truncation, as training counts them); refuses a set that has none or a sample that cannot fit."""
+    tokens = 0
+    for i in range(n_samples):
+        messages, refs = source[i]
+        grids = [s.grid for s in pre.image_specs(refs, i)]
+        ids, amask = pre.tokens(messages, grids, i)
+        is_img = (ids == pre.image_token_id).nonzero()
+        if len(is_img) and int(is_img[-1]) + 1 > pre.seq_length:
+            raise UserError(f"{flag}: validation sample {i} needs {int(is_img[-1]) + 1} tokens for its images, more "
+                            f"than --seq-length {pre.seq_length}; raise --seq-length, lower --max-pixels, or remove "
+                            f"the sample (validation samples are never replaced)")
+        last = min(len(ids) - 1, pre.seq_length)  # labels[t] = ids[t+1], as SamplePreprocessor.encode
+        tokens += int(amask[1:last + 1].sum())
+    if tokens == 0:
+        raise UserError(f"{flag}: the {n_samples} validation samples have no supervised tokens (no assistant text "
+                        f"after the chat template and --seq-length {pre.seq_length}); check their roles "
+                        f"(user/assistant) and --seq-length")
+    return tokens
+
+
+class ValidationSampler:
+    """Per micro-batch, this rank's dataset indices of positions ``0..n_samples-1`` in dataset order
+    (finite: ``ceil(n_samples / micro_batch_size)`` micro-batches). Filler positions past the end
+    (the last micro-batch) are yielded as ``-1 - index`` of a real sample: read, but not counted."""
+
+    def __init__(self, n_samples: int, *, micro_batch_size: int, dp_size: int, dp_rank: int,
+                 whole_micro_batch: bool = False):
+        assert n_samples > 0 and micro_batch_size % dp_size == 0 and 0 <= dp_rank < dp_size
+        self.n = n_samples
+        self.mbs = micro_batch_size
+        self.whole = whole_micro_batch
+        per = micro_batch_size // dp_size
+        self.slice = (dp_rank * per, (dp_rank + 1) * per)
+
+    @property
+    def micro_batches(self) -> int:
+        return -(-self.n // self.mbs)
+
+    def __len__(self) -> int:
+        return self.micro_batches
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for k in range(self.micro_batches):
+            full = [p if p < self.n else -1 - (p % self.n) for p in range(k * self.mbs, (k + 1) * self.mbs)]
+            yield full if self.whole else full[self.slice[0]: self.slice[1]]
+
+
+def uncounted_fillers(batch: dict, filler: list[bool], pad_id: int) -> dict:
+    """Zero the loss of the filler rows of a collated micro-batch (``filler[b]`` for row b)."""
+    if any(filler):
+        rows = torch.tensor(filler, dtype=torch.bool)
+        batch["loss_mask"][rows] = 0.0
+        batch["labels"][rows] = pad_id
+    return batch
+
+
+class _ValidationBatches(torch.utils.data.Dataset):
+    """Item = one rank-local validation micro-batch: the training set's ``MicroBatchDataset`` on the
+    real indices, then the filler rows' loss zeroed."""
+
+    def __init__(self, inner, keep_slice: tuple[int, int] | None):
+        self.inner, self.keep_slice = inner, keep_slice
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getitem__(self, indices) -> dict:
+        filler = [i < 0 for i in indices]
+        batch = self.inner[[i if i >= 0 else -1 - i for i in indices]]
+        if "input_ids" not in batch:  # a worker's UserError, passed on as data
+            return batch
+        if self.keep_slice is not None:
+            filler = filler[self.keep_slice[0]: self.keep_slice[1]]
+        return uncounted_fillers(batch, filler, self.inner.pre.pad_id)
+
+
+class ValidationReader:
+    """This rank's validation micro-batches; iterate it once per evaluation (same samples each time).
+
+    Workers (``--num-workers``) persist between evaluations; the loader has its own generator, so
+    an evaluation never draws from the global torch RNG.
+    """
+
+    def __init__(self, source: SFTSource, pre: SamplePreprocessor, *, n_samples: int, micro_batch_size: int,
+                 dp_size: int, dp_rank: int, need_pixels: bool, scalable_dp: bool, num_workers: int,
+                 pad_to_seq_length: bool):
+        self.sampler = ValidationSampler(n_samples, micro_batch_size=micro_batch_size, dp_size=dp_size,
+                                         dp_rank=dp_rank, whole_micro_batch=not scalable_dp)
+        keep = None if scalable_dp else self.sampler.slice  # without scalable DP: read all, keep this rank's part
+        inner = MicroBatchDataset(source, pre, need_pixels=need_pixels, on_truncation="error",
+                                  pad_to_seq_length=pad_to_seq_length, keep_slice=keep)
+        self.dataset = _ValidationBatches(inner, keep)
+        self.loader = torch.utils.data.DataLoader(
+            self.dataset, sampler=self.sampler, batch_size=None, collate_fn=_identity, num_workers=num_workers,
+            persistent_workers=num_workers > 0, prefetch_factor=2 if num_workers > 0 else None,
+            worker_init_fn=_worker_init if num_workers > 0 else None, generator=torch.Generator().manual_seed(0))
+
+    @property
+    def micro_batches(self) -> int:
+        return self.sampler.micro_batches
+
+    def __iter__(self):
+        """One pass: the ``micro_batches`` micro-batches, a worker's UserError raised as one line."""
+        return MicroBatchIterator(self.loader, self.sampler, self.dataset)

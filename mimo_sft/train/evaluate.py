@@ -1,0 +1,178 @@
+"""Validation loss: forward-only passes over the validation set on the training layout.
+
+``Evaluator.evaluate`` runs megatron's schedule for this layout (non-colocated 1F1B, colocated
+no-pipelining; ``StepRunner.forward_only``) over every evaluated validation micro-batch, in dataset
+order, each rank reading its canonical-grid shard as in training (no reordering: it would move
+samples between ranks, never change the sum). The value is the training loss's definition:
+
+    valid_loss = sum of per-token losses over the assistant tokens of all evaluated samples
+                 / number of those tokens
+
+summed on each language DP rank of the last pipeline stage (tensor rank 0: every TP rank holds the
+same loss) and all-reduced over the world, so every rank gets the same value (``--save-best``
+decides on every rank alike). ``valid_ppl = exp(valid_loss)``.
+
+No side effects on training: no backward, no gradient buffers touched, dropout off
+(``model.eval()``, each module's mode restored after), and every RNG stream (Python, numpy, torch,
+device, megatron's tracker) restored, so a run that evaluates trains bit-identically to one that
+does not. The validation reader has its own loader and generator, apart from the training feed.
+
+``mimo-sft evaluate`` (:func:`evaluate_command`) builds the same parts without training: the
+weights of ``--hf-model``, or of a checkpoint on top of them, evaluated once on any layout.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.distributed as dist
+
+from mimo_sft.data.loader import build_preprocessor
+from mimo_sft.data.validation import ValidationReader, check_validation_set, evaluated_samples
+from mimo_sft.parallel import runtime
+from mimo_sft.parallel.layout import LANGUAGE
+from mimo_sft.train.feed import Feed, read_shard
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    """One evaluation; ``step`` is the optimizer step it follows (0: before the first)."""
+
+    step: int
+    valid_loss: float
+    valid_ppl: float
+    valid_tokens: float
+    valid_samples: int
+    valid_time_s: float
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+class Evaluator:
+    """This rank's part of every evaluation of one run (built once, before step 0)."""
+
+    def __init__(self, cfg, layout, pstate, ctx, runner, source, *, flag: str):
+        mbs = cfg.train.micro_batch_size
+        pre = build_preprocessor(cfg.data, cfg.model.hf_model)
+        self.n_samples = evaluated_samples(len(source), eval_iters=cfg.train.eval_iters,
+                                           global_batch_size=cfg.train.global_batch_size)
+        # refuses, before step 0, a set without supervised tokens or with a sample that cannot fit
+        self.expected_tokens = check_validation_set(source, pre, self.n_samples, flag=flag)
+        shard = read_shard(layout, pstate, ctx.info, mbs)
+        self.reader = ValidationReader(source, pre, n_samples=self.n_samples, micro_batch_size=mbs,
+                                       dp_size=shard.dp_size, dp_rank=shard.dp_rank, need_pixels=shard.need_pixels,
+                                       scalable_dp=cfg.parallel.scalable_dp, num_workers=cfg.data.num_workers,
+                                       pad_to_seq_length=cfg.data.pad_to_seq_length)
+        self.split = shard.split
+        self.packed = cfg.data.in_batch_packing
+        self.model = ctx.model
+        self.runner = runner
+        self.world = pstate.world_gloo
+        c = layout.coords(pstate.rank).get(LANGUAGE)
+        #: the ranks whose losses are summed: last language stage, tensor/context rank 0, one per DP rank
+        self.counts_loss = c is not None and c.pp == layout.language.pp - 1 and c.tp == 0 and c.cp == 0
+
+    def evaluate(self, step: int) -> EvalResult:
+        """Collective (every rank): the validation loss at the current weights."""
+        t0 = time.perf_counter()
+        feed = Feed(iter(self.reader), split=self.split, packed=self.packed)
+        rng = runtime.rng_state()
+        modes = [(m, m.training) for m in self.model.modules()]
+        self.model.eval()
+        try:
+            loss_sum, tokens = self.runner.forward_only(feed, self.reader.micro_batches)
+        finally:
+            for module, training in modes:
+                module.training = training
+            runtime.set_rng_state(rng)
+        t = torch.tensor([loss_sum, tokens] if self.counts_loss else [0.0, 0.0], dtype=torch.float64)
+        dist.all_reduce(t, group=self.world)
+        total_loss, total_tokens = float(t[0]), float(t[1])
+        assert total_tokens == self.expected_tokens, (total_tokens, self.expected_tokens)
+        loss = total_loss / total_tokens
+        return EvalResult(step=step, valid_loss=loss, valid_ppl=_ppl(loss), valid_tokens=total_tokens,
+                          valid_samples=self.n_samples, valid_time_s=time.perf_counter() - t0)
+
+    def close(self) -> None:
+        self.reader = None  # ends persistent loader workers
+
+
+def _ppl(loss: float) -> float:
+    return math.exp(loss) if loss < 700 else math.inf
+
+
+# ---- mimo-sft evaluate ---------------------------------------------------------------------------
+
+#: flags of ``mimo-sft evaluate`` beyond the config flag table
+EVALUATE_FLAGS = {"CHECKPOINT": "(first argument, optional) a mimo-sft checkpoint folder, or its parent with "
+                                "'latest'; without one, --hf-model's weights are evaluated",
+                  "--checkpoint": "the same as the first argument (or --load-checkpoint)",
+                  "--json": "print the result as one JSON object"}
+
+
+def evaluate_command(args: list[str]) -> int:
+    """``mimo-sft evaluate``: every rank loads the config, runs the checks, builds the layout, loads
+    the weights and joins one evaluation; the metrics rank prints the result. A checkpoint's base
+    model (``hf_model`` in its meta.json) is the default ``--hf-model``."""
+    from mimo_sft.train.checkpoint_files import read_meta, resolve_checkpoint
+    from mimo_sft.train.run import launch_checked
+
+    as_json = "--json" in args
+    args = [a for a in args if a != "--json"]
+    if args and not args[0].startswith("-"):
+        args = ["--load-checkpoint", *args]
+    args = ["--load-checkpoint" if a == "--checkpoint" else a for a in args]
+    if "--load-checkpoint" in args and "--hf-model" not in args and "--config" not in args:
+        i = args.index("--load-checkpoint") + 1
+        base = read_meta(resolve_checkpoint(args[i])).get("hf_model") if i < len(args) else None
+        args += ["--hf-model", base] if base else []
+    return launch_checked(args, lambda cfg, layout: _evaluate(cfg, layout, as_json))
+
+
+def _evaluate(cfg, layout, as_json: bool) -> int:
+    from mimo_sft.data.validation import split_sources, valid_flag
+    from mimo_sft.data.sources import load_sft_dataset
+    from mimo_sft.parallel.bootstrap import start_world
+    from mimo_sft.train.checkpoint import load_model_weights
+    from mimo_sft.train.checkpoint_files import read_meta, resolve_checkpoint
+    from mimo_sft.train.checkpoint_lora import check_lora_compatible
+    from mimo_sft.train.setup import build_model_and_optimizer, build_state
+    from mimo_sft.train.step import StepRunner
+
+    ckpt = cfg.checkpoint.load_checkpoint or cfg.model.pretrained_checkpoint
+    rank, _ = start_world(timeout_s=cfg.train.dist_timeout_s)
+    pstate = build_state(cfg, layout)
+    ctx = build_model_and_optimizer(cfg, layout, pstate, rank, with_optimizer=False)
+    if ckpt:  # the weights only (as --pretrained-checkpoint loads them); no optimizer is built
+        folder = resolve_checkpoint(ckpt)
+        check_lora_compatible(read_meta(folder), cfg.model, flag="--checkpoint", path=folder, resume=False)
+        load_model_weights(ctx.model, folder, pretrained=True)
+    _train, source = split_sources(cfg.data, seed=cfg.train.seed, global_batch_size=cfg.train.global_batch_size)
+    flag = valid_flag(cfg.data) if source is not None else "--dataset-path"
+    if source is None:
+        source = load_sft_dataset(cfg.data)
+    runner = StepRunner(model=ctx.model, modules=ctx.modules, pstate=pstate, layout=layout, feed=None,
+                        modality_inputs_fn=ctx.info.modality_inputs, seq_length=cfg.data.seq_length,
+                        local_mbs=cfg.train.micro_batch_size // layout.language.dp, packing=cfg.data.in_batch_packing)
+    result = Evaluator(cfg, layout, pstate, ctx, runner, source, flag=flag).evaluate(0)
+    if ctx.is_metrics_rank:
+        what = {"checkpoint": ckpt, "hf_model": cfg.model.hf_model,
+                "dataset": cfg.data.valid_dataset_path or cfg.data.dataset_path}
+        if as_json:
+            print(json.dumps({**what, "loss": result.valid_loss, "perplexity": result.valid_ppl,
+                              "tokens": result.valid_tokens, "samples": result.valid_samples,
+                              "time_s": result.valid_time_s}), flush=True)
+        else:
+            print(f"mimo-sft evaluate: {ckpt or cfg.model.hf_model} on {what['dataset']}: loss {result.valid_loss:.6f} | "
+                  f"perplexity {result.valid_ppl:.4f} | {result.valid_tokens:.0f} tokens in {result.valid_samples} "
+                  f"samples | {result.valid_time_s:.1f} s", flush=True)
+    sys.stdout.flush()
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
