@@ -46,7 +46,9 @@ def test_schema_choices_and_supported_types_come_from_the_descriptors():
 
 def _problems(tmp_path, config: dict, *components: str) -> list[str]:
     (tmp_path / "config.json").write_text(json.dumps(config))
-    args = ["--hf-model", str(tmp_path), "--allow-random-init", "--micro-batch-size", "2", "--global-batch-size", "2"]
+    # (a default-sized vision tower at the default --max-pixels: the memory forecast is not under test here)
+    args = ["--hf-model", str(tmp_path), "--allow-random-init", "--micro-batch-size", "2", "--global-batch-size", "2",
+            "--gpu-memory-gb", "100000"]
     for c in components:
         args += ["--component", c]
     return [str(p) for p in check_config(load_config(args)).problems]
@@ -149,7 +151,9 @@ def test_the_builder_asserts_exactly_what_check_config_refuses(tmp_path, compone
     hf_cfg = Qwen2_5_VLConfig(text_config=dict(num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
                                                hidden_size=64))
     (tmp_path / "config.json").write_text(json.dumps(hf_cfg.to_dict()))
-    args = ["--hf-model", str(tmp_path), "--allow-random-init", "--micro-batch-size", "2", "--global-batch-size", "2"]
+    # (a default-sized vision tower at the default --max-pixels: the memory forecast is not under test here)
+    args = ["--hf-model", str(tmp_path), "--allow-random-init", "--micro-batch-size", "2", "--global-batch-size", "2",
+            "--gpu-memory-gb", "100000"]
     for c in components:
         args += ["--component", c]
     res = check_config(load_config(args))

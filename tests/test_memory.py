@@ -60,14 +60,15 @@ def q7b(tmp_path_factory):
 LAYOUTS = {
     # language pp 2 (tied: the last stage keeps a copy of the embedding), plain bf16 optimizer, frozen projector
     "pp2_plain_bf16": (3, "tied", ["--component", "language=pp=2,dp=1", "--component", "images=dp=1,rank_offset=2",
-                                    "--dtype", "bf16", "--freeze-projector", "--micro-batch-size", "1"]),
+                                    "--dtype", "bf16", "--freeze-projector", "--micro-batch-size", "1",
+                                    "--no-use-distributed-optimizer"]),
     # colocated language tp 2 x dp 2, images dp 4, distributed optimizer (fp32: no main copies)
     "tp2_colocated_distopt": (4, "untied", ["--component", "language=tp=2,dp=2", "--component", "images=dp=4",
                                             "--use-distributed-optimizer", "--dtype", "bf16", "--micro-batch-size", "4"]),
     # LoRA on language (tp 2) and the vision attention, plain bf16 optimizer
     "tp2_lora": (2, "untied", ["--component", "language=tp=2,dp=1", "--component", "images=dp=2",
                                "--lora-rank", "4", "--lora-target-modules", "linear_qkv,linear_proj,linear_fc1,linear_fc2,vision_attn",
-                               "--dtype", "bf16", "--micro-batch-size", "2"]),
+                               "--dtype", "bf16", "--micro-batch-size", "2", "--no-use-distributed-optimizer"]),
 }
 
 

@@ -171,6 +171,11 @@ class _ValidationBatches(torch.utils.data.Dataset):
     def __init__(self, inner, keep_slice: tuple[int, int] | None):
         self.inner, self.keep_slice = inner, keep_slice
 
+    @property
+    def max_bad_samples(self) -> int:
+        """0: a validation sample is never replaced by a stand-in (the value would change)."""
+        return self.inner.max_bad_samples
+
     def __len__(self) -> int:
         return len(self.inner)
 

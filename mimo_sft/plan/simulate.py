@@ -177,7 +177,8 @@ def exchange_bytes(micro_batches: Sequence[MicroBatchLoad], orders: Sequence[Seq
 
     def nbytes(patches: float, images: int, pixels: bool) -> int:
         s = seq_length
-        meta = [("attention_mask", "bool", (1, s)), ("image_counts", "i64", (1,)), ("input_ids", "i64", (1, s)),
+        meta = [("answer_cut", "bool", (1,)), ("answer_empty", "bool", (1,)),
+                ("attention_mask", "bool", (1, s)), ("image_counts", "i64", (1,)), ("input_ids", "i64", (1, s)),
                 ("labels", "i64", (1, s)), ("loss_mask", "f32", (1, s)), ("mm_token_type_ids", "i64", (1, s)),
                 ("position_ids", "i64", (3, 1, s)), ("sample_ids", "i64", (1,))]
         if pixels:
