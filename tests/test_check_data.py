@@ -223,3 +223,10 @@ def test_check_data_help_and_bad_flags_are_one_line(tiny_ckpt):
     assert res.exit_code == 2 and "needs --hf-model" in res.stderr and "Traceback" not in res.output
     res = _check_data(tiny_ckpt, "x.jsonl", "--workers", "two")
     assert res.exit_code == 2 and "--workers 'two'" in res.stderr
+
+
+def test_max_image_pixels_default_is_pils_own_limit():
+    from mimo_sft.config.schema import DataConfig
+    from mimo_sft.data.images import PIL_BOMB_LIMIT
+
+    assert DataConfig().max_image_pixels == PIL_BOMB_LIMIT == 2 * 89_478_485  # PIL raises above 2 x MAX_IMAGE_PIXELS
