@@ -223,3 +223,26 @@ def test_check_data_help_and_bad_flags_are_one_line(tiny_ckpt):
     assert res.exit_code == 2 and "needs --hf-model" in res.stderr and "Traceback" not in res.output
     res = _check_data(tiny_ckpt, "x.jsonl", "--workers", "two")
     assert res.exit_code == 2 and "--workers 'two'" in res.stderr
+
+
+def test_max_image_pixels_default_is_pils_own_limit():
+    from mimo_sft.config.schema import DataConfig
+    from mimo_sft.data.images import PIL_BOMB_LIMIT
+
+    assert DataConfig().max_image_pixels == PIL_BOMB_LIMIT == 2 * 89_478_485  # PIL raises above 2 x MAX_IMAGE_PIXELS
+
+
+def test_finetune_refuses_unusable_output_folders_before_step_0(tiny_ckpt, messy, tmp_path):
+    import subprocess
+    import sys
+
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    proc = subprocess.run([sys.executable, "-m", "mimo_sft", "finetune", "--component", "language=dp=1", "--component",
+                           "images=dp=1", "--hf-model", str(tiny_ckpt), "--dataset-path", str(messy),
+                           "--output-dir", str(a_file / "run"), "--export-hf", "/sys/mimo-sft-hf"],
+                          capture_output=True, text=True, timeout=120, cwd=str(Path(__file__).resolve().parents[1]))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 2 and lines[0].startswith("error: [26] --output-dir") and lines[1].startswith("error: [27] --export-hf")
+    assert not (a_file.parent / "run").exists()

@@ -66,15 +66,14 @@ def c26_run_folders(ctx):
 
 
 #: (flag, where the config keeps it, what it holds) of the folders written after training or for debugging;
-#: a new output setting (a profiler trace folder, ...) adds one row here
+#: a new output setting (a profiler trace folder, when one exists) adds one row here
 EXTRA_OUTPUTS = (
     ("--export-hf", ("checkpoint", "export_hf"), "the Hugging Face export"),
     ("--save-grads", ("logging", "save_grads"), "the per-step gradient checkpoints"),
-    ("--profile-dir", ("logging", "profile_dir"), "the profiler traces"),
 )
 
 
 def c27_extra_folders(ctx):
-    """The folders written after training (export) or for debugging (gradients, profiles)."""
+    """The folders written after training (export) or for debugging (gradients)."""
     for flag, (section, key), what in EXTRA_OUTPUTS:
-        yield from _report(flag, getattr(getattr(ctx.cfg, section), key, None), what)
+        yield from _report(flag, getattr(getattr(ctx.cfg, section), key), what)

@@ -76,6 +76,7 @@ def check_sample(source, pre, i: int, report: ChunkReport) -> None:
     from mimo_sft.data.preprocess import TruncatedImageError
 
     report.counts["samples"] += 1
+    refs: list = []
     try:
         messages, refs = source[i]
         for ref in refs:
@@ -102,7 +103,7 @@ def check_sample(source, pre, i: int, report: ChunkReport) -> None:
         return
     except Exception as err:  # noqa: BLE001 - a decoder's own error on a bad file is a finding, not a crash
         report.flag("bad_samples", i)
-        path = next((image_where(r) for r in locals().get("refs", []) if image_where(r)), None)
+        path = next((image_where(r) for r in refs if image_where(r)), None)
         report.problems.append(SampleProblem(i, path, f"{type(err).__name__}: {str(err).strip()[:200]}"))
         return
     report.counts["images"] += len(refs)
@@ -124,7 +125,7 @@ def _worker_init(_worker_id: int) -> None:
     torch.set_num_threads(1)
 
 
-def check_dataset(data_cfg, *, model_dir, workers: int, chunk: int = 256, limit: int | None = None) -> dict:
+def check_dataset(data_cfg, *, model_dir, workers: int, chunk: int = 256) -> dict:
     """Every sample of ``data_cfg``'s dataset checked; a JSON-ready dict of counts and problems."""
     import torch
 
@@ -133,8 +134,7 @@ def check_dataset(data_cfg, *, model_dir, workers: int, chunk: int = 256, limit:
 
     source = load_sft_dataset(data_cfg, check_files=False)  # missing files are listed below, every one
     pre = build_preprocessor(data_cfg, model_dir)
-    n = len(source) if limit is None else min(limit, len(source))
-    ds = _CheckDataset(source, pre, n, chunk)
+    ds = _CheckDataset(source, pre, len(source), chunk)
     if workers <= 0:
         items = (ds[k] for k in range(len(ds)))
     else:
