@@ -134,3 +134,23 @@ def test_plan_exchange_bytes_are_the_records_training_would_send(demo_data, tiny
         assert got == [float(want)]
         total += want
     assert total > 0, "some sample should move in 4 micro-batches (else this test proves nothing)"
+
+
+def test_colocated_ranks_decode_only_their_encoder_slice(demo_data, tiny_ckpt):
+    """Item 4: ranks reading the same shard (a bridge gather group) decode each image once between
+    them, and each gets exactly its encoder slice's pixels (the split then needs no pixel cut)."""
+    from mimo_sft.data.reorder.serialize import merge_samples, split_samples
+
+    whole = _iter(demo_data, tiny_ckpt, dp_size=1, dp_rank=0, need_pixels=True)
+    halves = [_iter(demo_data, tiny_ckpt, dp_size=1, dp_rank=0, need_pixels=True, pixel_slice=s)
+              for s in (slice(0, 4), slice(4, 8))]
+    for _k in range(3):
+        full = next(whole)
+        recs = split_samples(full)
+        for s, it in zip((slice(0, 4), slice(4, 8)), halves):
+            got = next(it)
+            want = merge_samples([{k: r[k] for k in ("pixel_values", "image_grid_thw")} for r in recs[s]])
+            assert torch.equal(got["pixel_values"], want["pixel_values"])
+            assert torch.equal(got["image_grid_thw"], want["image_grid_thw"])
+            assert torch.equal(got["input_ids"], full["input_ids"])  # every sample's text, as before
+    assert sum(it.images_decoded for it in halves) == whole.images_decoded > 0
