@@ -23,7 +23,8 @@ def _iter(data, ckpt, **kw):
 
     args = dict(model_dir=ckpt, micro_batch_size=8, canonical_grid=4, seed=3)
     args.update(kw)
-    return build_microbatch_iterator(DataConfig(dataset_path=str(data), seq_length=256), num_workers=0, **args)
+    args.setdefault("num_workers", 0)
+    return build_microbatch_iterator(DataConfig(dataset_path=str(data), seq_length=256), **args)
 
 
 def test_each_rank_gets_the_exchange_share(demo_data, tiny_ckpt):
@@ -64,6 +65,12 @@ def test_each_rank_gets_the_exchange_share(demo_data, tiny_ckpt):
             assert moved > 0, "the demo data should need balancing (else this test proves nothing)"
         decoded = sum(it.images_decoded for it in ranks)
         assert decoded == whole.images_decoded  # each image decoded once, on its owner
+    # in a DataLoader worker (the plan's functions travel with the forked dataset): the same batches
+    inline, worker = (_iter(demo_data, tiny_ckpt, dp_size=2, dp_rank=1, need_pixels=True, index_reorder=index,
+                            num_workers=n) for n in (0, 1))
+    for _k in range(2):
+        a, b = next(inline), next(worker)
+        assert all(torch.equal(a[k], b[k]) for k in a) and inline.last_stats["order"] == worker.last_stats["order"]
 
 
 E2E = ["--seq-length", "192", "--micro-batch-size", "4", "--global-batch-size", "8", "--train-iters", "1",
