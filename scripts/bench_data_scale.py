@@ -9,8 +9,9 @@ distinct small PNGs on local disk, reused cyclically: 1M distinct files would ne
 this shared machine; a ``stat`` of a cached dentry costs the same). For each rank count R it starts
 R processes at once that each do what a rank does before step 0: open the dataset, and either
 check every path (``before``: every rank, the old way) or only rank 0 checks and the others wait
-(``once``: this issue's way; the verdict cache is off). It prints wall time until the last rank is
-ready and the largest peak RSS of one rank.
+(``once``: this issue's way; the verdict cache is off); ``--old COMMIT`` adds the predecessor's
+check (``combine_chunks`` of the whole column, on every rank). It prints wall time until the last
+rank is ready and the largest peak RSS of one rank.
 
 ``bytes``: bytes per image for real page sizes (Qwen2.5-VL's processor: patch 14, merge 2, max
 12.8 Mpx) as fp32 patches (before) and uint8 patches (now), measured on real images through the
@@ -56,11 +57,32 @@ def _write_rows(folder: str, rows: int, files: int) -> str:
     return path
 
 
+def _old_sources(commit: str):
+    """The predecessor's ``data/sources.py`` (whole-column ``combine_chunks`` check), as a module."""
+    import importlib.util
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    text = subprocess.run(["git", "-C", root, "show", f"{commit}:mimo_sft/data/sources.py"], check=True,
+                          capture_output=True, text=True).stdout
+    path = os.path.join(tempfile.mkdtemp(), "old_sources.py")
+    with open(path, "w") as fh:
+        fh.write(text)
+    spec = importlib.util.spec_from_file_location("old_sources", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def _rank(rank: int, path: str, mode: str, ready, verdict) -> None:
     from mimo_sft.config.schema import DataConfig
     from mimo_sft.data.file_check import cached_check
     from mimo_sft.data.sources import load_sft_dataset
 
+    if mode.startswith("old:"):  # every rank runs the predecessor's load-and-check
+        _old_sources(mode[4:]).load_sft_dataset(DataConfig(dataset_path=path))
+        ready.put((time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024))
+        return
     source = load_sft_dataset(DataConfig(dataset_path=path), check_files=False)
     if mode == "before" or rank == 0:
         assert cached_check(source, None) is None
@@ -78,7 +100,8 @@ def startup(args) -> None:
         for rows in args.rows:
             path = _write_rows(tmp, rows, args.files)
             for ranks in args.ranks:
-                for mode in ("before", "once") if ranks > 1 else ("once",):
+                modes = ("before", "once") if ranks > 1 else ("once",)
+                for mode in ((f"old:{args.old}",) if args.old else ()) + modes:
                     q, ev = ctx.Queue(), ctx.Event()
                     t0 = time.perf_counter()
                     procs = [ctx.Process(target=_rank, args=(r, path, mode, q, ev)) for r in range(ranks)]
@@ -89,7 +112,8 @@ def startup(args) -> None:
                         p.join()
                     wall = max(t for t, _ in out) - t0
                     rss = max(m for _, m in out) / 2**20
-                    label = "every rank (before)" if mode == "before" else "rank 0, others wait"
+                    label = {"before": "every rank, streamed", "once": "rank 0, others wait"}.get(
+                        mode, f"every rank, whole column ({args.old})")
                     print(f"| {rows:,} | {ranks} | {label} | {wall:.1f} | {rss:.0f} |", flush=True)
 
 
@@ -147,6 +171,7 @@ def main(argv=None) -> int:
     s.add_argument("--rows", type=int, nargs="+", default=[100_000, 1_000_000])
     s.add_argument("--files", type=int, default=20_000)
     s.add_argument("--ranks", type=int, nargs="+", default=[1, 4])
+    s.add_argument("--old", default=None, help="also time this commit's data/sources.py (the check before issue 22)")
     b = sub.add_parser("bytes")
     b.add_argument("--dp", type=int, nargs="+", default=[2, 4, 8])
     b.add_argument("--micro-batch-size", type=int, default=32)

@@ -111,3 +111,12 @@ def _entry(rank: int, world: int, port: int, fn, args) -> None:
 def run_world(fn, world: int, *args) -> None:
     """Run ``fn(rank, world, *args)`` in ``world`` gloo processes; any worker's exception fails the test."""
     mp.spawn(_entry, args=(world, free_port(), fn, args), nprocs=world, join=True)
+
+
+def encoder_slice_pixels(batch: dict[str, torch.Tensor], encoder: slice) -> dict[str, torch.Tensor]:
+    """``batch`` as the data layer hands a colocated rank its read shard: every sample's text fields,
+    the pixels of its encoder slice only (``build_microbatch_iterator(pixel_slice=...)``)."""
+    recs = serialize.split_samples(batch)
+    out = dict(batch)
+    out.update(serialize.merge_samples([{k: r[k] for k in ("pixel_values", "image_grid_thw")} for r in recs[encoder]]))
+    return out

@@ -8,7 +8,7 @@ import itertools
 import pytest
 import torch
 
-from reorder_helpers import IMAGE_TOKEN_ID, make_batch
+from reorder_helpers import IMAGE_TOKEN_ID, encoder_slice_pixels, make_batch
 
 from mimo_sft.data.reorder.serialize import merge_samples
 from mimo_sft.data.colocated import ColocatedSplit, bridge_pads, colocated_read_plan, image_tokens_per_sample
@@ -153,12 +153,14 @@ def test_split_hands_over_the_bridge_counts():
     batch = make_batch(range(4), with_pixels=True)
     tokens = image_tokens_per_sample(batch, IMAGE_TOKEN_ID)
     plan = colocated_read_plan(layout, 1, 4)
-    out = ColocatedSplit.for_plan(plan, layout, image_token_id=IMAGE_TOKEN_ID)(batch)
+    out = ColocatedSplit.for_plan(plan, layout, image_token_id=IMAGE_TOKEN_ID)(encoder_slice_pixels(batch, plan.encoder))
     assert torch.equal(out["input_ids"], batch["input_ids"])
     assert torch.equal(out["encoder_image_tokens"], tokens[2:4])
     assert out["bridge_tokens_per_sample"] == int(tokens.max())
     equal = Layout.from_specs([parse_component("language=dp=2"), parse_component("images=dp=2")], 2)
-    plain = ColocatedSplit.for_plan(colocated_read_plan(equal, 1, 4), equal, image_token_id=IMAGE_TOKEN_ID)(batch)
+    eq_plan = colocated_read_plan(equal, 1, 4)
+    plain = ColocatedSplit.for_plan(eq_plan, equal, image_token_id=IMAGE_TOKEN_ID)(
+        encoder_slice_pixels(make_batch(range(2, 4), with_pixels=True), eq_plan.encoder))
     assert "encoder_image_tokens" not in plain and "bridge_tokens_per_sample" not in plain
 
 
@@ -166,13 +168,14 @@ def test_text_only_encoder_slice_still_runs_the_encoder_when_the_shard_has_image
     layout = Layout.from_specs([parse_component("language=tp=2,dp=1"), parse_component("images=dp=2")], 2)
     batch = merge_samples([make_batch([i], with_pixels=True, text_only=i >= 2) for i in range(4)])
     assert int(image_tokens_per_sample(batch, IMAGE_TOKEN_ID)[:2].max()) > 0
-    out = ColocatedSplit.for_plan(colocated_read_plan(layout, 1, 4), layout, image_token_id=IMAGE_TOKEN_ID)(batch)
+    plan = colocated_read_plan(layout, 1, 4)
+    out = ColocatedSplit.for_plan(plan, layout, image_token_id=IMAGE_TOKEN_ID)(encoder_slice_pixels(batch, plan.encoder))
     assert out["pixel_values"].shape[0] == 0 and out["encoder_image_tokens"].tolist() == [0, 0]
     inputs = modality_inputs_from_batch(out)
     assert inputs is not None and inputs["images"]["qwen_vit"]["image_grid_thw"].shape == (0, 3)
     # a shard with no image at all: no rank of the group runs the encoder
     text = merge_samples([make_batch([i], with_pixels=True, text_only=True) for i in range(4)])
-    out = ColocatedSplit.for_plan(colocated_read_plan(layout, 1, 4), layout, image_token_id=IMAGE_TOKEN_ID)(text)
+    out = ColocatedSplit.for_plan(plan, layout, image_token_id=IMAGE_TOKEN_ID)(encoder_slice_pixels(text, plan.encoder))
     assert out["bridge_tokens_per_sample"] == 0 and modality_inputs_from_batch(out) is None
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dist_utils import run_distributed
-from reorder_helpers import IMAGE_TOKEN_ID, MERGE, make_batch
+from reorder_helpers import IMAGE_TOKEN_ID, MERGE, encoder_slice_pixels, make_batch
 
 from mimo_sft.data.colocated import ColocatedSplit, colocated_read_plan, image_tokens_per_sample
 from mimo_sft.data.load_stats import VisionLoadStats, vision_load_spread
@@ -52,7 +52,7 @@ def test_colocated_fan_out_plan_and_split():
     assert plan == ("images", 0, 1, slice(2, 4), slice(0, 4))
     assert (plan.module, plan.dp_rank, plan.dp_size) == ("images", 0, 1)
     batch = make_batch(range(4), with_pixels=True)
-    out = ColocatedSplit.for_plan(plan, layout, image_token_id=IMAGE_TOKEN_ID)(batch)
+    out = ColocatedSplit.for_plan(plan, layout, image_token_id=IMAGE_TOKEN_ID)(encoder_slice_pixels(batch, plan.encoder))
     assert torch.equal(out["input_ids"], batch["input_ids"][2:4]) and torch.equal(out["sample_ids"], torch.tensor([2, 3]))
     assert torch.equal(out["pixel_values"], batch["pixel_values"])
     assert torch.equal(out["image_grid_thw"], batch["image_grid_thw"])

@@ -218,6 +218,9 @@ def test_json_and_reordering_off_still_shows_what_it_would_do():
     assert res.exit_code == 0, res.output
     plan = json.loads(res.output)
     assert plan["steps"] == 10 and plan["reorder"]["enabled_in_config"] is False and "OFF" in plan["note"]
+    # the mode training would use, and what each mode would move between ranks
+    assert plan["reorder"]["mode"] == "index" and plan["reorder"]["bytes_per_micro_batch"]["index"] == 0
+    assert plan["reorder"]["bytes_per_micro_batch"]["exchange"] > 0
     img = plan["modules"]["images"]
     for key in ("max_over_mean_before", "max_over_mean_after", "spread_before", "spread_after",
                 "max_over_mean_p95_before", "wait_share_before", "wait_share_after"):

@@ -23,7 +23,8 @@ def _iter(data, ckpt, **kw):
 
     args = dict(model_dir=ckpt, micro_batch_size=8, canonical_grid=4, seed=3)
     args.update(kw)
-    return build_microbatch_iterator(DataConfig(dataset_path=str(data), seq_length=256), num_workers=0, **args)
+    args.setdefault("num_workers", 0)
+    return build_microbatch_iterator(DataConfig(dataset_path=str(data), seq_length=256), **args)
 
 
 def test_each_rank_gets_the_exchange_share(demo_data, tiny_ckpt):
@@ -64,6 +65,12 @@ def test_each_rank_gets_the_exchange_share(demo_data, tiny_ckpt):
             assert moved > 0, "the demo data should need balancing (else this test proves nothing)"
         decoded = sum(it.images_decoded for it in ranks)
         assert decoded == whole.images_decoded  # each image decoded once, on its owner
+    # in a DataLoader worker (the plan's functions travel with the forked dataset): the same batches
+    inline, worker = (_iter(demo_data, tiny_ckpt, dp_size=2, dp_rank=1, need_pixels=True, index_reorder=index,
+                            num_workers=n) for n in (0, 1))
+    for _k in range(2):
+        a, b = next(inline), next(worker)
+        assert all(torch.equal(a[k], b[k]) for k in a) and inline.last_stats["order"] == worker.last_stats["order"]
 
 
 E2E = ["--seq-length", "192", "--micro-batch-size", "4", "--global-batch-size", "8", "--train-iters", "1",
@@ -134,3 +141,23 @@ def test_plan_exchange_bytes_are_the_records_training_would_send(demo_data, tiny
         assert got == [float(want)]
         total += want
     assert total > 0, "some sample should move in 4 micro-batches (else this test proves nothing)"
+
+
+def test_colocated_ranks_decode_only_their_encoder_slice(demo_data, tiny_ckpt):
+    """Item 4: ranks reading the same shard (a bridge gather group) decode each image once between
+    them, and each gets exactly its encoder slice's pixels (the split then needs no pixel cut)."""
+    from mimo_sft.data.reorder.serialize import merge_samples, split_samples
+
+    whole = _iter(demo_data, tiny_ckpt, dp_size=1, dp_rank=0, need_pixels=True)
+    halves = [_iter(demo_data, tiny_ckpt, dp_size=1, dp_rank=0, need_pixels=True, pixel_slice=s)
+              for s in (slice(0, 4), slice(4, 8))]
+    for _k in range(3):
+        full = next(whole)
+        recs = split_samples(full)
+        for s, it in zip((slice(0, 4), slice(4, 8)), halves):
+            got = next(it)
+            want = merge_samples([{k: r[k] for k in ("pixel_values", "image_grid_thw")} for r in recs[s]])
+            assert torch.equal(got["pixel_values"], want["pixel_values"])
+            assert torch.equal(got["image_grid_thw"], want["image_grid_thw"])
+            assert torch.equal(got["input_ids"], full["input_ids"])  # every sample's text, as before
+    assert sum(it.images_decoded for it in halves) == whole.images_decoded > 0

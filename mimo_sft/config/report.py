@@ -32,8 +32,10 @@ def print_report(cfg: ExperimentConfig, result: CheckResult, console: Console, *
         console.print(table)
         r = cfg.reorder
         data_mode = "scalable DP (each rank reads its shard)" if cfg.parallel.scalable_dp else "every rank reads the whole micro-batch"
-        reorder = (f"on (window {r.window_size}, {'overlapped' if r.overlap else 'synchronous'}, cost weights "
-                   f"encoder {r.encoder_cost_weight} / language {r.language_cost_weight})") if r.enabled else "off"
+        how = ("by index, no bytes between ranks" if r.mode == "index" else
+               f"exchange, window {r.window_size}, {'overlapped' if r.overlap else 'synchronous'}")
+        reorder = (f"on ({how}, cost weights encoder {r.encoder_cost_weight} / language "
+                   f"{r.language_cost_weight})") if r.enabled else "off"
         packing = "packed (one padding-free sequence per language rank)" if cfg.data.in_batch_packing else "padded rows"
         console.print(f"data: {data_mode}; reordering: {reorder}; language: {packing}, "
                       f"{cfg.model.attention_backend} attention")

@@ -22,8 +22,12 @@ Public API (what the training loop, the planner and ``validate`` call)::
 Samples whose image tokens do not fit in seq_length are replaced by the next dataset index that
 fits (``on_truncation=drop``, counted warning) or refused (``error``); ``sample_ids`` shows the
 sample actually used. ``labels`` hold the pad id wherever ``loss_mask`` is 0. On encoder ranks a
-micro-batch without images has ``pixel_values`` of shape ``[0, C*T*P*P]`` and ``image_grid_thw``
-``[0, 3]``.
+micro-batch without images has ``pixel_values`` of shape ``[0, C*P*P]`` and ``image_grid_thw``
+``[0, 3]``. ``pixel_values`` are uint8 patches (the encoder normalises them: ``model.pixels``).
+``build_microbatch_iterator(index_reorder=...)`` balances by index (``data.indexed``), and
+``pixel_slice=`` decodes only a colocated rank's encoder slice. Unreadable images become stand-ins
+up to ``--max-bad-samples`` (``MicroBatchIterator.bad_samples``); the start-up file check is
+``data.file_check`` (streamed, run once per run by training).
     load_sft_dataset(cfg.data) -> SFTSource                  # source[i] -> (messages, image refs)
     model_token_info(model_dir) -> dict                      # image/vision_start/vision_end ids, merge, patch
     load_processor(model_dir) -> QwenVLImageOnlyProcessor    # works on real Qwen2.5-VL folders, no torchvision

@@ -2,9 +2,10 @@
 
 On a colocated layout every rank runs the language model and the encoder, usually with different
 DP sizes. DP sizes divide one another, so the shard of the module with the smaller DP size contains
-the shard of the other: a rank reads that (coarser) shard once (:func:`colocated_read_plan`) and
-:class:`ColocatedSplit` keeps the language fields of its language DP slice and the pixels of its
-encoder DP slice. megatron's ColocatedBridgeCommunicator then moves encoder output between the
+the shard of the other: a rank reads that (coarser) shard once (:func:`colocated_read_plan`), decodes
+only the images of its encoder DP slice (each image is decoded by one rank of the bridge group,
+not by all), and :class:`ColocatedSplit` keeps the language fields of its language DP slice with
+those pixels. megatron's ColocatedBridgeCommunicator then moves encoder output between the
 two DP layouts; where the DP sizes differ (:func:`bridge_pads`) the split also hands over what
 ``train.bridge.PaddedBridge`` needs to cut that output on sample boundaries: the image tokens of
 each sample of the encoder slice and the most image tokens of any sample of the read shard.
@@ -82,11 +83,14 @@ class ColocatedSplit:
         return cls(plan.language, plan.encoder, image_token_id=image_token_id, bridge=bridge_pads(layout))
 
     def __call__(self, batch: dict) -> dict:
-        records = split_samples(batch)
-        lang = merge_samples([{k: v for k, v in r.items() if k not in PIXEL_KEYS} for r in records[self.language]])
-        enc = merge_samples([{k: v for k, v in r.items() if k in PIXEL_KEYS} for r in records[self.encoder]])
-        lang["pixel_values"] = enc.get("pixel_values")
-        lang["image_grid_thw"] = enc.get("image_grid_thw")
+        """``batch``: the read shard, whose pixels are already only the encoder slice's (the data
+        layer decodes only those: ``build_microbatch_iterator(pixel_slice=...)``, each image once)."""
+        records = split_samples({k: v for k, v in batch.items() if k not in PIXEL_KEYS})
+        lang = merge_samples(records[self.language])
+        counts = batch["image_counts"][self.encoder]
+        assert int(counts.sum()) == batch["image_grid_thw"].shape[0], "pixels are not the encoder slice's"
+        lang["pixel_values"] = batch["pixel_values"]
+        lang["image_grid_thw"] = batch["image_grid_thw"]
         if self.bridge:
             tokens = image_tokens_per_sample(batch, self.image_token_id)
             lang["encoder_image_tokens"] = tokens[self.encoder].clone()

@@ -65,13 +65,17 @@ class MicroBatchDataset(torch.utils.data.Dataset):
     """
 
     def __init__(self, source: SFTSource, pre: SamplePreprocessor, *, need_pixels: bool, on_truncation: str = "drop",
-                 pad_to_seq_length: bool = True, keep_slice: tuple[int, int] | None = None, max_bad_samples: int = 0):
+                 pad_to_seq_length: bool = True, keep_slice: tuple[int, int] | None = None, max_bad_samples: int = 0,
+                 pixel_slice: tuple[int, int] | None = None):
         self.source, self.pre = source, pre
         self.need_pixels = need_pixels
         self.on_truncation = on_truncation
         self.pad_to_seq_length = pad_to_seq_length
         self.keep_slice = keep_slice
         self.max_bad_samples = max_bad_samples
+        #: colocated layouts: only the samples at these positions of the (kept) micro-batch are
+        #: decoded -- this rank's encoder slice; the batch's pixels are then that slice's only
+        self.pixel_slice = pixel_slice
         self.dropped = 0
         self._bad: list[tuple[int, str | None, str, str]] = []  # (index, path, reason, stage)  # of the item being built
 
@@ -124,13 +128,13 @@ class MicroBatchDataset(torch.utils.data.Dataset):
 
     def __getitem__(self, indices) -> dict:
         self._bad = []
-        try:
-            samples = [self.encode(i) for i in indices]
+        lo, hi = self.keep_slice if self.keep_slice is not None else (0, len(indices))
+        p0, p1 = (lo + self.pixel_slice[0], lo + self.pixel_slice[1]) if self.pixel_slice else (lo, hi)
+        try:  # positions outside the kept range are encoded too (non-scalable DP reads everything)
+            samples = [self.encode(i, need_pixels=self.need_pixels and p0 <= k < p1) for k, i in enumerate(indices)]
         except UserError as err:  # crosses worker processes as data, re-raised as one line
             return {_ERROR_KEY: str(err)}
-        if self.keep_slice is not None:
-            samples = samples[self.keep_slice[0]: self.keep_slice[1]]
-        return self.collate(samples, self.need_pixels)
+        return self.collate(samples[lo:hi], self.need_pixels)
 
 
 def _identity(x):
@@ -214,7 +218,7 @@ def build_microbatch_iterator(data_cfg, *, model_dir, micro_batch_size: int, can
                               scalable_dp: bool = True, global_batch_size: int | None = None,
                               num_workers: int | None = None, source: SFTSource | None = None,
                               preprocessor: SamplePreprocessor | None = None, index_reorder: dict | None = None,
-                              pin_memory: bool = False) -> MicroBatchIterator:
+                              pin_memory: bool = False, pixel_slice: slice | None = None) -> MicroBatchIterator:
     """This rank's endless stream of micro-batch dicts (design.md), starting after ``consumed_samples``.
 
     ``need_pixels=False`` (language-only ranks) never decodes pixels. Without ``scalable_dp`` every
@@ -223,7 +227,9 @@ def build_microbatch_iterator(data_cfg, *, model_dir, micro_batch_size: int, can
     :class:`~mimo_sft.data.indexed.IndexReorderedDataset` beyond the data ones (cost and load
     functions, canonical grid, stats DP sizes); this rank then reads the whole micro-batch's text
     path and decodes only the samples the balanced plan gives it. ``pin_memory``: the DataLoader
-    pins each micro-batch in its own thread (CUDA runs), not the training thread.
+    pins each micro-batch in its own thread (CUDA runs), not the training thread. ``pixel_slice``
+    (colocated layouts): decode only the samples of this slice of the rank's micro-batch (its
+    encoder slice, ``data.colocated``); ``pixel_values`` then hold that slice's images only.
     """
     source = source if source is not None else load_sft_dataset(data_cfg)
     pre = preprocessor if preprocessor is not None else build_preprocessor(data_cfg, model_dir)
@@ -242,7 +248,9 @@ def build_microbatch_iterator(data_cfg, *, model_dir, micro_batch_size: int, can
 
         dataset = IndexReorderedDataset(source, pre, dp_rank=dp_rank, dp_size=dp_size, **index_reorder, **common)
     else:
-        dataset = MicroBatchDataset(source, pre, keep_slice=None if scalable_dp else sampler.slice, **common)
+        cut = (pixel_slice.start, pixel_slice.stop) if pixel_slice is not None else None
+        dataset = MicroBatchDataset(source, pre, keep_slice=None if scalable_dp else sampler.slice, pixel_slice=cut,
+                                    **common)
     workers = resolve_num_workers(data_cfg.num_workers if num_workers is None else num_workers)
     local = micro_batch_size // dp_size if scalable_dp or index_reorder is not None else micro_batch_size
     warning = shm_warning(workers, micro_batch_bytes=micro_batch_bytes(pre, local, need_pixels=need_pixels))

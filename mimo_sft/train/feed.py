@@ -159,7 +159,7 @@ def build_feed(cfg, layout, pstate, info, *, consumed_samples: int, train_source
     if layout.colocated:
         plan = colocated_read_plan(layout, rank, mbs)
         it = build_microbatch_iterator(cfg.data, dp_size=plan.dp_size, dp_rank=plan.dp_rank, need_pixels=True,
-                                       **common)
+                                       pixel_slice=plan.encoder, **common)
         split = ColocatedSplit.for_plan(plan, layout, image_token_id=info.image_token_id)
         # ranks that read the same shard all see its bad samples: the first language slice of the
         # shard on language tp 0 counts them

@@ -196,7 +196,7 @@ class Trainer:
         print(f"mimo-sft: {layout.world_size} ranks, {'colocated' if layout.colocated else 'non-colocated'}: "
               f"{layout_text}\n"
               f"mimo-sft: {t.train_iters} steps of {t.global_batch_size} samples ({self.num_microbatches} "
-              f"micro-batches of {t.micro_batch_size}), reordering {'on' if cfg.reorder.enabled else 'off'}, "
+              f"micro-batches of {t.micro_batch_size}), reordering {f'on ({cfg.reorder.mode})' if cfg.reorder.enabled else 'off'}, "
               f"{start}, output {self.output_dir}\n"
               f"mimo-sft: {self._checkpoint_plan()}", flush=True)
 
