@@ -76,25 +76,25 @@ def build_mimo_model(hf_dir: str, *, layout, parallel_state, model_cfg=None, ran
     attention = attention or getattr(model_cfg, "attention_backend", None) or "sdpa"
     if random_init is None:
         random_init = bool(getattr(model_cfg, "allow_random_init", False))
-    b = _BuildInputs.read(hf_dir, layout, model_cfg, random_init=random_init)
+    src = _BuildInputs.read(hf_dir, layout, model_cfg, random_init=random_init)
     overrides = dict(config_overrides or {})
     lang = layout.spec(LANGUAGE)
-    info: ModelInfo = b.adapter.info(b.hf_cfg, tp=lang.tp)
+    info: ModelInfo = src.adapter.info(src.hf_cfg, tp=lang.tp)
     info.hf_dir = hf_dir
-    info.prefix_style = b.ckpt.prefix_style if b.ckpt is not None else "legacy"
+    info.prefix_style = src.ckpt.prefix_style if src.ckpt is not None else "legacy"
     info.modules_on_rank = parallel_state.mine()
     lang_overrides = {**overrides, **language_memory_settings(model_cfg, tp=lang.tp)}
-    info.language_config = b.adapter.language_transformer_config(
-        b.hf_cfg, tp=lang.tp, pp=lang.pp, dtype=b.dtype, random_init=random_init, cpu_init=cpu_init,
+    info.language_config = src.adapter.language_transformer_config(
+        src.hf_cfg, tp=lang.tp, pp=lang.pp, dtype=src.dtype, random_init=random_init, cpu_init=cpu_init,
         overrides=lang_overrides)
     modality_specs = {}
     if IMAGES in layout.names:
-        info.vision_config = b.adapter.vision_transformer_config(b.hf_cfg, dtype=b.dtype, cpu_init=cpu_init,
+        info.vision_config = src.adapter.vision_transformer_config(src.hf_cfg, dtype=src.dtype, cpu_init=cpu_init,
                                                                  overrides=overrides)
-        modality_specs[IMAGES] = _vision_spec(b, parallel_state, attention)
-    model = _assemble(b, info, parallel_state, modality_specs, attention=attention, max_seq_len=max_seq_len)
-    _load_weights(model, b, info, parallel_state, hf_dir)
-    _freeze(model, b.adapter, model_cfg)
+        modality_specs[IMAGES] = _vision_spec(src, parallel_state, attention)
+    model = _assemble(src, info, parallel_state, modality_specs, attention=attention, max_seq_len=max_seq_len)
+    _load_weights(model, src, info, parallel_state, hf_dir)
+    _freeze(model, src.adapter, model_cfg)
     _enable_recompute(model, info, model_cfg)
     return model, info
 
@@ -129,18 +129,18 @@ def _language_stage(info, parallel_state) -> tuple[int, bool, bool]:
     return pp_rank, pp_rank == 0, pp_rank == info.language_config.pipeline_model_parallel_size - 1
 
 
-def _vision_spec(b: _BuildInputs, parallel_state, attention: str):
+def _vision_spec(src: _BuildInputs, parallel_state, attention: str):
     from megatron.core.models.mimo.submodules.vision import VisionModalitySubmodules
     from megatron.core.transformer.spec_utils import ModuleSpec
 
-    enc_spec = ModuleSpec(module=b.adapter.encoder_class(),
-                          params=b.adapter.encoder_params(b.hf_cfg, attn_implementation=VISION_ATTENTION[attention]))
+    enc_spec = ModuleSpec(module=src.adapter.encoder_class(),
+                          params=src.adapter.encoder_params(src.hf_cfg, attn_implementation=VISION_ATTENTION[attention]))
     return ModuleSpec(module=VisionModalitySubmodules,
                       params={"pg_collection": parallel_state.modules[IMAGES].pg_collection},
-                      submodules={"encoders": {b.adapter.encoder_name: enc_spec}})
+                      submodules={"encoders": {src.adapter.encoder_name: enc_spec}})
 
 
-def _assemble(b: _BuildInputs, info, parallel_state, modality_specs: dict, *, attention: str, max_seq_len: int):
+def _assemble(src: _BuildInputs, info, parallel_state, modality_specs: dict, *, attention: str, max_seq_len: int):
     """``MimoModel`` from the language ``GPTModel`` spec and the modality specs (collective)."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.mimo import MimoModel, MimoModelConfig
@@ -150,10 +150,10 @@ def _assemble(b: _BuildInputs, info, parallel_state, modality_specs: dict, *, at
     lang_cfg = info.language_config
     pp_rank, pre, post = _language_stage(info, parallel_state)
     lang_groups = parallel_state.modules[LANGUAGE]
-    layer_spec = b.adapter.block_spec(b.hf_cfg, get_num_layers_to_build(lang_cfg, pp_rank=pp_rank), attention=attention)
+    layer_spec = src.adapter.block_spec(src.hf_cfg, get_num_layers_to_build(lang_cfg, pp_rank=pp_rank), attention=attention)
     lm_params = dict(config=lang_cfg, transformer_layer_spec=layer_spec, pre_process=pre, post_process=post,
                      pg_collection=lang_groups.pg_collection,
-                     **b.adapter.language_model_params(b.hf_cfg, padded_vocab=info.padded_vocab_size,
+                     **src.adapter.language_model_params(src.hf_cfg, padded_vocab=info.padded_vocab_size,
                                                        max_seq_len=max_seq_len))
     mimo_cfg = MimoModelConfig(language_model_spec=ModuleSpec(module=GPTModel, params=lm_params),
                                modality_submodules_spec=modality_specs, special_token_ids=dict(info.special_token_ids),
@@ -164,19 +164,19 @@ def _assemble(b: _BuildInputs, info, parallel_state, modality_specs: dict, *, at
     return MimoModel(mimo_cfg, **groups)
 
 
-def _load_weights(model, b: _BuildInputs, info, parallel_state, hf_dir: str) -> None:
+def _load_weights(model, src: _BuildInputs, info, parallel_state, hf_dir: str) -> None:
     """Cast to the dtype and copy this rank's slices of the checkpoint in (nothing with random init)."""
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
     from mimo_sft.model.decoder_weights import copy_into
 
     if model.language_model is not None:
-        model.language_model.to(b.dtype)
-        if b.ckpt is not None:
+        model.language_model.to(src.dtype)
+        if src.ckpt is not None:
             pp_rank, pre, post = _language_stage(info, parallel_state)
             lang_groups = parallel_state.modules[LANGUAGE]
-            tensors = b.adapter.load_language(
-                b.ckpt, b.hf_cfg, tp_rank=lang_groups.pg_collection.tp.rank(), tp=lang_groups.pg_collection.tp.size(),
+            tensors = src.adapter.load_language(
+                src.ckpt, src.hf_cfg, tp_rank=lang_groups.pg_collection.tp.rank(), tp=lang_groups.pg_collection.tp.size(),
                 layer_offset=get_transformer_layer_offset(info.language_config, None, pp_rank),
                 num_local_layers=len(model.language_model.decoder.layers), pre_process=pre, post_process=post,
                 padded_vocab=info.padded_vocab_size)
@@ -184,10 +184,10 @@ def _load_weights(model, b: _BuildInputs, info, parallel_state, hf_dir: str) -> 
     from mimo_sft.model.pixels import pixel_norm_from
 
     for enc in _encoders(model):
-        _cast_keeping_fp32_buffers(enc, b.dtype)
+        _cast_keeping_fp32_buffers(enc, src.dtype)
         enc.pixel_norm = pixel_norm_from(hf_dir)  # uint8 patches are normalised on the device
-        if b.ckpt is not None:
-            copy_into(enc, b.adapter.load_encoder(b.ckpt, b.hf_cfg), where=f"{hf_dir} vision")
+        if src.ckpt is not None:
+            copy_into(enc, src.adapter.load_encoder(src.ckpt, src.hf_cfg), where=f"{hf_dir} vision")
 
 
 def _encoders(model) -> list:

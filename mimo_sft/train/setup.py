@@ -107,7 +107,7 @@ def build_model_and_optimizer(cfg: ExperimentConfig, layout: Layout, pstate: Par
         adam_beta2=o.adam_beta2, adam_eps=o.adam_eps, clip_grad=o.clip_grad, bf16=bf16, fp16=False,
         params_dtype=torch.bfloat16 if bf16 else torch.float32,
         use_distributed_optimizer=distributed_optimizer_in_use(cfg))
-    optimizer = _without_empty_optimizers(build_mimo_optimizer(model, opt_cfg, _lr_overrides(o)))
+    optimizer = _without_empty_optimizers(build_mimo_optimizer(model, opt_cfg, _lr_overrides(o)), modules)
     return TrainContext(cfg, layout, pstate, model, info, modules, optimizer, rank)
 
 
@@ -178,16 +178,18 @@ def build_mimo_optimizer(model, config: OptimizerConfig, overrides: dict):
     return MimoOptimizer(infos, config)
 
 
-def _without_empty_optimizers(optimizer):
+def _without_empty_optimizers(optimizer, modules: dict):
     """The MIMO optimizer with no optimizer for a module that has nothing to train (a fully frozen vision
-    tower: LoRA on the language model only, or --freeze-vision --freeze-projector): megatron builds one
-    without a torch optimizer there, which its checkpointing cannot describe. Such a module then counts
-    0 in the grad norm and has no optimizer state, as an inactive one."""
+    tower: LoRA on the language model only, or --freeze-vision --freeze-projector; a --freeze-language
+    model): megatron builds one there anyway (without a torch optimizer, or a distributed one with no
+    state, which can never report its step), and its checkpointing cannot describe it. Such a module then
+    counts 0 in the grad norm and has no optimizer state, as an inactive one. Decided by the module's
+    parameters, so every DP rank of the module decides alike."""
     from megatron.core.models.mimo.optimizer import MimoOptimizer
 
     infos = optimizer.module_infos
-    empty = [name for name, info in infos.items() if info.optimizer is not None
-             and all(getattr(o, "optimizer", None) is None for o in getattr(info.optimizer, "chained_optimizers", [info.optimizer]))]
+    empty = [name for name, info in infos.items() if info.optimizer is not None and name in modules
+             and not any(p.requires_grad for p in modules[name].parameters())]
     if not empty:
         return optimizer
     for name in empty:
