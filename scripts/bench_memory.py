@@ -100,7 +100,7 @@ def vision_rows(hf_dir, v, patches, dtype, b):
     merger = Qwen2_5_VLPatchMerger(dim=cfg.out_hidden_size, context_dim=cfg.hidden_size,
                                    spatial_merge_size=cfg.spatial_merge_size).to(dtype)
     x = torch.randn(patches, v.hidden, dtype=dtype, requires_grad=True)
-    measured, _ = sb.saved_bytes(merger, x, exclude=list(merger.parameters()) + [x])
+    measured, _ = sb.saved_bytes(merger, x, exclude=list(merger.parameters()))
     rows.append(("patch merger", "patch", act.merger_terms(v, b=b), measured / patches))
     return rows
 
@@ -120,7 +120,7 @@ def cross_entropy_row(d, tokens, dtype, b):
     logits = torch.randn(tokens, 1, vocab, dtype=dtype, requires_grad=True)
     labels = torch.randint(0, d.vocab, (tokens, 1))
     measured, _ = sb.saved_bytes(tensor_parallel.vocab_parallel_cross_entropy, logits, labels,
-                                 tp_group=state.modules["language"].pg_collection.tp, exclude=[logits])
+                                 tp_group=state.modules["language"].pg_collection.tp)
     saved = act.FP32 * vocab  # the forecast's "cross entropy" term also holds the bf16 logits beside it
     return [("cross entropy, saved softmax (fp32)", "token", saved, measured / tokens)]
 
