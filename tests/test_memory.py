@@ -259,3 +259,23 @@ def test_gpu_memory_gb_must_be_positive_and_a_folder_without_config_json_is_one_
     res = runner.invoke(app, ["validate", "--quiet", "--component", "language=dp=1", "--hf-model", str(tmp_path)])
     assert res.exit_code == 2 and "--hf-model" in res.output and "no readable config.json" in res.output
     assert "Traceback" not in res.output
+
+
+@pytest.mark.parametrize("preset", ["qwen2.5-vl-3b", "qwen2.5-vl-7b", "qwen2.5-vl-72b"])
+def test_preset_parameter_counts_equal_transformers_models(preset):
+    """The whole-module counts of a preset equal transformers' own model of that config (built on the
+    meta device: no memory), e.g. 8.29B for 7B and 73.4B for 72B as the model cards say."""
+    import torch
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    from mimo_sft.memory.dims import language_params, vision_params
+    from mimo_sft.testing.tiny_checkpoint import preset_config
+
+    config = preset_config(preset)
+    with torch.device("meta"):
+        model = Qwen2_5_VLForConditionalGeneration(config)
+    hf = config.to_dict()
+    vision = sum(p.numel() for n, p in model.named_parameters() if ".visual." in f".{n}")
+    total = sum(p.numel() for p in model.parameters())
+    assert vision == sum(vision_params(VisionDims.from_config(hf)))
+    assert total - vision == language_params(TextDims.from_config(hf))
