@@ -1,8 +1,8 @@
 """The memory forecast (``mimo_sft.memory``) against the real thing.
 
 * state terms: parameter, trainable, grad-buffer and optimizer main-weight counts of real built models
-  (megatron DDP and MIMO optimizer, gloo ranks) on TP, PP, colocated, LoRA and distributed-optimizer
-  layouts, per module and rank, exactly;
+  (megatron DDP and MIMO optimizer, gloo ranks) on PP, TP colocated and distributed-optimizer layouts,
+  per module and rank, exactly; LoRA-adapted models (one process); presets against transformers;
 * activation terms: the bytes autograd saves (``testing.saved_bytes``) for one megatron decoder layer
   and one transformers vision block, with and without each recompute setting, bf16 and fp32, at small
   width and at Qwen2.5-VL-7B's real width;
@@ -61,13 +61,9 @@ LAYOUTS = {
     # language pp 2 (tied: the last stage keeps a copy of the embedding), plain bf16 optimizer, frozen projector
     "pp2_plain_bf16": (3, "tied", ["--component", "language=pp=2,dp=1", "--component", "images=dp=1,rank_offset=2",
                                     "--dtype", "bf16", "--freeze-projector", "--micro-batch-size", "1"]),
-    # colocated language tp 2 x dp 2, images dp 4, distributed optimizer (fp32: no main copies)
+    # colocated language tp 2 x dp 2, images dp 4, untied, the distributed optimizer (sharded fp32 main weights)
     "tp2_colocated_distopt": (4, "untied", ["--component", "language=tp=2,dp=2", "--component", "images=dp=4",
                                             "--use-distributed-optimizer", "--dtype", "bf16", "--micro-batch-size", "4"]),
-    # LoRA on language (tp 2) and the vision attention, plain bf16 optimizer
-    "tp2_lora": (2, "untied", ["--component", "language=tp=2,dp=1", "--component", "images=dp=2",
-                               "--lora-rank", "4", "--lora-target-modules", "linear_qkv,linear_proj,linear_fc1,linear_fc2,vision_attn",
-                               "--dtype", "bf16", "--micro-batch-size", "2"]),
 }
 
 
@@ -121,6 +117,30 @@ def test_state_terms_equal_the_built_models_counts(name, tiny_untied, tiny_tied,
             shards = [r[module]["main_numel"] for i, r in enumerate(ranks) if module in r
                       and layout.coords(i)[module].tp == 0]
             assert sum(shards) == ranks[0][module]["trainable"], module
+
+
+def test_lora_counts_equal_the_adapted_model(tiny_untied):
+    """Adapters on every language linear and the vision attention (one process, tp 1; the tp split of
+    the adapters is ``model.lora``'s, tested in test_lora): held and trainable counts per module."""
+    from mimo_sft.model.builder import build_single_process_model
+    from mimo_sft.model.lora import apply_lora
+
+    cfg = load_config(["--component", "language=dp=1", "--component", "images=dp=1", "--hf-model", tiny_untied,
+                       "--lora-rank", "4", "--lora-target-modules",
+                       "linear_qkv,linear_proj,linear_fc1,linear_fc2,vision_attn,merger"])
+    model, _ = build_single_process_model(tiny_untied, model_cfg=cfg.model)
+    lora = LoraSpec.from_model_config(cfg.model)
+    apply_lora(model, lora, seed=0)
+    hf = read_hf_config(tiny_untied)
+    d, v = TextDims.from_config(hf), VisionDims.from_config(hf)
+    lm = list(model.language_model.parameters())
+    enc = list(model.modality_submodules["images"].parameters())
+    adapters = d.layers * language_lora_params(d, lora, 1)
+    assert sum(p.numel() for p in lm) == language_stage_params(d, tp=1, pp=1, stage=0) + adapters
+    assert sum(p.numel() for p in lm if p.requires_grad) == adapters
+    expected = vision_module_params(v, cfg.model, lora)
+    assert sum(p.numel() for p in enc) == expected.total
+    assert sum(p.numel() for p in enc if p.requires_grad) == expected.rank_trainable < expected.total
 
 
 # ---- activation terms against saved bytes ----------------------------------------------------------
