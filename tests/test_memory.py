@@ -299,3 +299,25 @@ def test_preset_parameter_counts_equal_transformers_models(preset):
     total = sum(p.numel() for p in model.parameters())
     assert vision == sum(vision_params(VisionDims.from_config(hf)))
     assert total - vision == language_params(TextDims.from_config(hf))
+
+
+def test_plan_forecasts_the_heaviest_planned_micro_batch():
+    """plan's forecast uses the data: the vision activations are those of the heaviest vision rank's
+    patches after reordering (the per-micro-batch maxima plan reports), not the --max-pixels worst case."""
+    from train_helpers import demo_data, tiny_model
+
+    from mimo_sft.plan import PlanOptions, build_plan
+
+    cfg = load_config(["--config", os.path.join(ROOT, "configs/demo.yaml"), "--hf-model", tiny_model(),
+                       "--dataset-path", demo_data()])
+    plan = build_plan(cfg, PlanOptions(steps=4))
+    report = plan["memory_report"]
+    assert report["workload"].startswith("this data") and plan["memory"] == report["modules"]
+    patches = max(plan["modules"]["images"]["per_micro_batch"]["max_after"])
+    v = VisionDims.from_config(read_hf_config(tiny_model()))
+    per_patch = v.depth * sum(act.vision_block_terms(v, b=4).values()) + act.merger_terms(v, b=4)
+    in_flight = 2  # the encoder stage of a 1F1B over encoder + one language stage
+    assert plan["memory"]["images"]["terms"]["activations"] == int(in_flight * per_patch * int(patches))
+    worst = check_config(cfg).memory["modules"]["images"]["terms"]["activations"]
+    assert worst > plan["memory"]["images"]["terms"]["activations"]
+    json.dumps(plan)  # the plan stays JSON
