@@ -1,12 +1,14 @@
 #!/usr/bin/env python
 """Forecast vs measured activation bytes at real width, on the CPU: the table in docs/benchmarks.md.
 
-    python scripts/bench_memory.py [--preset qwen2.5-vl-7b] [--tokens 512] [--patches 1024] [--dtype bf16]
+    python scripts/bench_memory.py [--preset qwen2.5-vl-7b] [--tokens 512] [--patches 1024] [--dtype bf16] [--tp 2]
 
 For one megatron decoder layer of the preset (built as mimo-sft builds it: our config, spec and SDPA
 core, tp 1) with each recompute setting, its attention and MLP parts alone, one transformers
 Qwen2.5-VL vision block (with and without ``--recompute-vision``'s checkpointing, full and windowed
-attention), the patch merger, and megatron's vocab-parallel cross entropy on the preset's vocabulary,
+attention), the patch merger, megatron's vocab-parallel cross entropy on the preset's vocabulary, and
+the layer on ``--tp`` gloo ranks with and without sequence parallelism (which needs the decoder norm
+that supports it, ``model.norm``; without it those rows say so),
 it prints the bytes ``mimo_sft.memory``'s formulas forecast and the bytes autograd saves
 (``mimo_sft.testing.saved_bytes``: distinct storages seen by ``saved_tensors_hooks``), per token or
 patch, and their ratio. Attention runs on torch's flash SDPA kernel, the one GPUs use.
@@ -98,7 +100,7 @@ def vision_rows(hf_dir, v, patches, dtype, b):
     merger = Qwen2_5_VLPatchMerger(dim=cfg.out_hidden_size, context_dim=cfg.hidden_size,
                                    spatial_merge_size=cfg.spatial_merge_size).to(dtype)
     x = torch.randn(patches, v.hidden, dtype=dtype, requires_grad=True)
-    measured, _ = sb.saved_bytes(merger, x, exclude=list(merger.parameters()) + [x])
+    measured, _ = sb.saved_bytes(merger, x, exclude=list(merger.parameters()))
     rows.append(("patch merger", "patch", act.merger_terms(v, b=b), measured / patches))
     return rows
 
@@ -118,9 +120,79 @@ def cross_entropy_row(d, tokens, dtype, b):
     logits = torch.randn(tokens, 1, vocab, dtype=dtype, requires_grad=True)
     labels = torch.randint(0, d.vocab, (tokens, 1))
     measured, _ = sb.saved_bytes(tensor_parallel.vocab_parallel_cross_entropy, logits, labels,
-                                 tp_group=state.modules["language"].pg_collection.tp, exclude=[logits])
+                                 tp_group=state.modules["language"].pg_collection.tp)
     saved = act.FP32 * vocab  # the forecast's "cross entropy" term also holds the bf16 logits beside it
     return [("cross entropy, saved softmax (fp32)", "token", saved, measured / tokens)]
+
+
+def _tp_worker(rank, tp, port, hf_dir, tokens, dtype_name, queue):
+    """One of ``tp`` gloo ranks: a ``language=tp=N`` layout's decoder layer with and without sequence
+    parallelism (and full recomputation), this rank's saved bytes against the forecast's."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(tp),
+                      LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
+    import torch
+
+    from mimo_sft.config.checks import read_hf_config
+    from mimo_sft.memory import activations as act
+    from mimo_sft.memory.dims import TextDims
+    from mimo_sft.parallel import runtime
+    from mimo_sft.parallel.bootstrap import start_world
+    from mimo_sft.parallel.components import parse_component
+    from mimo_sft.parallel.groups import build_parallel_state
+    from mimo_sft.parallel.layout import Layout
+    from mimo_sft.testing import saved_bytes as sb
+
+    start_world(timeout_s=300)
+    pstate = build_parallel_state(Layout.from_specs([parse_component(f"language=tp={tp},dp=1")]))
+    runtime.init_megatron(0, tp_rank=rank)
+    dtype = getattr(torch, dtype_name)
+    b = 2 if dtype == torch.bfloat16 else 4
+    d = TextDims.from_config(read_hf_config(hf_dir))
+    rows = []
+    for sp in (False, True):
+        for name, rc in (("no recompute", None), ("full", SETTINGS["full (uniform, 1 layer)"])):
+            try:
+                block, cfg = sb.language_layer(hf_dir, dtype=dtype, recompute=rc, pstate=pstate,
+                                               extra={"sequence_parallel": sp})
+            except AssertionError as err:  # megatron's WrappedTorchNorm refuses sequence parallelism
+                rows.append((f"decoder layer tp {tp}{', SP' if sp else ''}, {name}: not built ({err})", "token", 0, 0))
+                continue
+            measured = sb.language_layer_saved(block, cfg, tokens, dtype=dtype)
+            if rc:
+                forecast = act.language_layer_input(d, tp=tp, sp=sp, b=b)
+            else:
+                forecast = sum(act.language_layer_terms(d, tp=tp, sp=sp, b=b).values())
+            rows.append((f"decoder layer tp {tp}{', sequence parallel' if sp else ''}, {name} (per rank)", "token",
+                         forecast, measured / tokens))
+    if rank == 0:
+        queue.put(rows)
+    import torch.distributed as dist
+
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def tp_rows(hf_dir, tp, tokens, dtype_name):
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_tp_worker, args=(r, tp, port, hf_dir, tokens, dtype_name, queue)) for r in range(tp)]
+    for proc in procs:
+        proc.start()
+    try:
+        rows = queue.get(timeout=900)
+    finally:
+        for proc in procs:
+            proc.join(timeout=60)
+            if proc.is_alive():
+                proc.kill()
+    return rows
 
 
 def main(argv=None) -> int:
@@ -129,6 +201,8 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=int, default=512)
     p.add_argument("--patches", type=int, default=1024)
     p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
+    p.add_argument("--tp", type=int, default=2, help="also measure one layer on this many gloo ranks, "
+                   "with and without sequence parallelism (1: skip)")
     a = p.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "2")
     import torch
@@ -144,12 +218,17 @@ def main(argv=None) -> int:
         d, v = TextDims.from_config(hf), VisionDims.from_config(hf)
         rows = language_rows(tmp, d, a.tokens, dtype, b) + vision_rows(tmp, v, a.patches, dtype, b)
         rows += cross_entropy_row(d, a.tokens, dtype, b)
+        if a.tp > 1:
+            rows += tp_rows(tmp, a.tp, a.tokens, str(dtype).split(".")[1])
     print(f"{a.preset}, {a.dtype}: language hidden {d.hidden}, {a.tokens} tokens; vision hidden {v.hidden}, "
           f"{a.patches} patches (bytes per token / patch; hidden multiples in brackets)")
     print(f"| {'what':<58} | {'per':<5} | {'forecast':>18} | {'measured':>18} | {'ratio':>6} |")
     print(f"|{'-' * 60}|{'-' * 7}|{'-' * 20}|{'-' * 20}|{'-' * 8}|")
     for name, per, forecast, measured in rows:
         width = d.hidden if per == "token" else v.hidden
+        if not measured:
+            print(f"| {name} |")
+            continue
         print(f"| {name:<58} | {per:<5} | {forecast:>9,.0f} ({forecast / width:5.1f}h) | "
               f"{measured:>9,.0f} ({measured / width:5.1f}h) | {forecast / measured if measured else float('nan'):6.3f} |")
     return 0

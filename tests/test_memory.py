@@ -1,8 +1,8 @@
 """The memory forecast (``mimo_sft.memory``) against the real thing.
 
 * state terms: parameter, trainable, grad-buffer and optimizer main-weight counts of real built models
-  (megatron DDP and MIMO optimizer, gloo ranks) on TP, PP, colocated, LoRA and distributed-optimizer
-  layouts, per module and rank, exactly;
+  (megatron DDP and MIMO optimizer, gloo ranks) on PP, TP colocated and distributed-optimizer layouts,
+  per module and rank, exactly; LoRA-adapted models (one process); presets against transformers;
 * activation terms: the bytes autograd saves (``testing.saved_bytes``) for one megatron decoder layer
   and one transformers vision block, with and without each recompute setting, bf16 and fp32, at small
   width and at Qwen2.5-VL-7B's real width;
@@ -62,21 +62,21 @@ LAYOUTS = {
     "pp2_plain_bf16": (3, "tied", ["--component", "language=pp=2,dp=1", "--component", "images=dp=1,rank_offset=2",
                                     "--dtype", "bf16", "--freeze-projector", "--micro-batch-size", "1",
                                     "--no-use-distributed-optimizer"]),
-    # colocated language tp 2 x dp 2, images dp 4, distributed optimizer (fp32: no main copies)
+    # colocated language tp 2 x dp 2, images dp 4, untied, the distributed optimizer (sharded fp32 main weights)
     "tp2_colocated_distopt": (4, "untied", ["--component", "language=tp=2,dp=2", "--component", "images=dp=4",
                                             "--use-distributed-optimizer", "--dtype", "bf16", "--micro-batch-size", "4"]),
-    # LoRA on language (tp 2) and the vision attention, plain bf16 optimizer
-    "tp2_lora": (2, "untied", ["--component", "language=tp=2,dp=1", "--component", "images=dp=2",
-                               "--lora-rank", "4", "--lora-target-modules", "linear_qkv,linear_proj,linear_fc1,linear_fc2,vision_attn",
-                               "--dtype", "bf16", "--micro-batch-size", "2", "--no-use-distributed-optimizer"]),
 }
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_state_terms_equal_the_built_models_counts(name, tiny_untied, tiny_tied):
+def test_state_terms_equal_the_built_models_counts(name, tiny_untied, tiny_tied, tmp_path):
     world, which, flags = LAYOUTS[name]
     hf_dir = tiny_untied if which == "untied" else tiny_tied
-    flags = flags + ["--hf-model", hf_dir, "--global-batch-size", flags[flags.index("--micro-batch-size") + 1]]
+    distributed = "--use-distributed-optimizer" in flags
+    yaml = tmp_path / "optimizer.yaml"  # explicit either way: the default changes with issue 20 item 4
+    yaml.write_text(f"optimizer:\n  use_distributed_optimizer: {str(distributed).lower()}\n")
+    flags = ["--config", str(yaml)] + flags + ["--hf-model", hf_dir,
+                                               "--global-batch-size", flags[flags.index("--micro-batch-size") + 1]]
     ranks = run_distributed(worker_rank_state, world, flags)
     cfg = load_config(flags)
     result = check_config(cfg, world_size=world)
@@ -85,6 +85,7 @@ def test_state_terms_equal_the_built_models_counts(name, tiny_untied, tiny_tied)
     d, v = TextDims.from_config(hf), VisionDims.from_config(hf)
     lora = LoraSpec.from_model_config(cfg.model)
     lang = layout.spec("language")
+    distributed = cfg.optimizer.use_distributed_optimizer and lora is None  # LoRA runs the plain optimizer
     b = 2
     forecast = forecast_memory(cfg, layout, hf)
     for rank, mods in enumerate(ranks):
@@ -100,23 +101,47 @@ def test_state_terms_equal_the_built_models_counts(name, tiny_untied, tiny_tied)
             assert (got["held"], got["trainable"]) == (held, trainable), (rank, module)
             assert got["grad_dtypes"] == ["torch.float32"], (rank, module)
             # the distributed optimizer aligns each tensor's start in the buffer to 64 values
-            slack = 64 * got["trainable_tensors"] if cfg.optimizer.use_distributed_optimizer else 0
+            slack = 64 * got["trainable_tensors"] if distributed else 0
             assert trainable <= got["grad_numel"] <= trainable + slack, (rank, module)
             f = forecast.modules[module]
             if f.rank == "every rank" or f.rank.startswith(f"pp stage {got['stage']} "):
                 assert f.rank_parameters == held and f.terms["weights"] == held * b
                 assert f.terms["gradients"] == 4 * trainable
-                if cfg.optimizer.use_distributed_optimizer:
+                if distributed:
                     # megatron shards the flat (aligned) buffer: each rank holds about 1/dp of it
                     assert 0 < got["main_numel"] <= -(-(trainable + slack) // dp), (rank, module)
                     assert f.terms["optimizer"] == 12 * -(-trainable // dp)
                 else:
                     assert got["main_numel"] == trainable and f.terms["optimizer"] == 12 * trainable
-    if cfg.optimizer.use_distributed_optimizer:  # the DP shards add up to every trainable parameter once
+    if distributed:  # the DP shards add up to every trainable parameter once
         for module in ranks[0]:
             shards = [r[module]["main_numel"] for i, r in enumerate(ranks) if module in r
                       and layout.coords(i)[module].tp == 0]
             assert sum(shards) == ranks[0][module]["trainable"], module
+
+
+def test_lora_counts_equal_the_adapted_model(tiny_untied):
+    """Adapters on every language linear and the vision attention (one process, tp 1; the tp split of
+    the adapters is ``model.lora``'s, tested in test_lora): held and trainable counts per module."""
+    from mimo_sft.model.builder import build_single_process_model
+    from mimo_sft.model.lora import apply_lora
+
+    cfg = load_config(["--component", "language=dp=1", "--component", "images=dp=1", "--hf-model", tiny_untied,
+                       "--lora-rank", "4", "--lora-target-modules",
+                       "linear_qkv,linear_proj,linear_fc1,linear_fc2,vision_attn,merger"])
+    model, _ = build_single_process_model(tiny_untied, model_cfg=cfg.model)
+    lora = LoraSpec.from_model_config(cfg.model)
+    apply_lora(model, lora, seed=0)
+    hf = read_hf_config(tiny_untied)
+    d, v = TextDims.from_config(hf), VisionDims.from_config(hf)
+    lm = list(model.language_model.parameters())
+    enc = list(model.modality_submodules["images"].parameters())
+    adapters = d.layers * language_lora_params(d, lora, 1)
+    assert sum(p.numel() for p in lm) == language_stage_params(d, tp=1, pp=1, stage=0) + adapters
+    assert sum(p.numel() for p in lm if p.requires_grad) == adapters
+    expected = vision_module_params(v, cfg.model, lora)
+    assert sum(p.numel() for p in enc) == expected.total
+    assert sum(p.numel() for p in enc if p.requires_grad) == expected.rank_trainable < expected.total
 
 
 # ---- activation terms against saved bytes ----------------------------------------------------------
@@ -255,3 +280,45 @@ def test_gpu_memory_gb_must_be_positive_and_a_folder_without_config_json_is_one_
     res = runner.invoke(app, ["validate", "--quiet", "--component", "language=dp=1", "--hf-model", str(tmp_path)])
     assert res.exit_code == 2 and "--hf-model" in res.output and "no readable config.json" in res.output
     assert "Traceback" not in res.output
+
+
+@pytest.mark.parametrize("preset", ["qwen2.5-vl-3b", "qwen2.5-vl-7b", "qwen2.5-vl-72b"])
+def test_preset_parameter_counts_equal_transformers_models(preset):
+    """The whole-module counts of a preset equal transformers' own model of that config (built on the
+    meta device: no memory), e.g. 8.29B for 7B and 73.4B for 72B as the model cards say."""
+    import torch
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    from mimo_sft.memory.dims import language_params, vision_params
+    from mimo_sft.testing.tiny_checkpoint import preset_config
+
+    config = preset_config(preset)
+    with torch.device("meta"):
+        model = Qwen2_5_VLForConditionalGeneration(config)
+    hf = config.to_dict()
+    vision = sum(p.numel() for n, p in model.named_parameters() if ".visual." in f".{n}")
+    total = sum(p.numel() for p in model.parameters())
+    assert vision == sum(vision_params(VisionDims.from_config(hf)))
+    assert total - vision == language_params(TextDims.from_config(hf))
+
+
+def test_plan_forecasts_the_heaviest_planned_micro_batch():
+    """plan's forecast uses the data: the vision activations are those of the heaviest vision rank's
+    patches after reordering (the per-micro-batch maxima plan reports), not the --max-pixels worst case."""
+    from train_helpers import demo_data, tiny_model
+
+    from mimo_sft.plan import PlanOptions, build_plan
+
+    cfg = load_config(["--config", os.path.join(ROOT, "configs/demo.yaml"), "--hf-model", tiny_model(),
+                       "--dataset-path", demo_data()])
+    plan = build_plan(cfg, PlanOptions(steps=4))
+    report = plan["memory_report"]
+    assert report["workload"].startswith("this data") and plan["memory"] == report["modules"]
+    patches = max(plan["modules"]["images"]["per_micro_batch"]["max_after"])
+    v = VisionDims.from_config(read_hf_config(tiny_model()))
+    per_patch = v.depth * sum(act.vision_block_terms(v, b=4).values()) + act.merger_terms(v, b=4)
+    in_flight = 2  # the encoder stage of a 1F1B over encoder + one language stage
+    assert plan["memory"]["images"]["terms"]["activations"] == int(in_flight * per_patch * int(patches))
+    worst = check_config(cfg).memory["modules"]["images"]["terms"]["activations"]
+    assert worst > plan["memory"]["images"]["terms"]["activations"]
+    json.dumps(plan)  # the plan stays JSON

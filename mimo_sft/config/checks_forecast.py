@@ -67,5 +67,5 @@ def c23_memory(ctx):
     budget, source = gpu_budget_bytes(gb)
     ctx.memory = forecast.report(budget, source)
     yield from over_budget_messages(ctx.cfg, ctx.layout, ctx.hf_config, forecast, budget,
-                                    max_pixels=max_pixels_of(ctx.cfg, ctx.hf_config, proc_pixels),
+                                    max_pixels=max_pixels_of(ctx.cfg, proc_pixels),
                                     processor_max_pixels=proc_pixels)

@@ -105,7 +105,8 @@ def _state_terms(held: int, trainable: int, *, b: int, distributed: bool, shards
             "optimizer": _optimizer_bytes(trainable, b=b, distributed=distributed, shards=shards)}
 
 
-def max_pixels_of(cfg, hf_config: dict | None, processor_max_pixels: int | None) -> int:
+def max_pixels_of(cfg, processor_max_pixels: int | None) -> int:
+    """--max-pixels, else the processor's max_pixels, else Qwen2.5-VL's default."""
     return int(cfg.data.max_pixels or processor_max_pixels or DEFAULT_MAX_PIXELS)
 
 
@@ -235,7 +236,7 @@ def forecast_memory(cfg, layout, hf_config: dict, *, workload: Workload | None =
     """The forecast of every module in ``layout`` (a checked ``parallel.layout.Layout``) for ``cfg``
     (an ``ExperimentConfig``) and a Qwen2.5-VL config.json dict."""
     wl = workload or worst_case_workload(cfg, layout, hf_config,
-                                         max_pixels=max_pixels_of(cfg, hf_config, processor_max_pixels))
+                                         max_pixels=max_pixels_of(cfg, processor_max_pixels))
     modules = {LANGUAGE: language_forecast(cfg, layout, hf_config, wl)}
     if IMAGES in layout.names:
         modules[IMAGES] = vision_forecast(cfg, layout, hf_config, wl)

@@ -64,28 +64,32 @@ def flash_sdpa():
 
 
 # ---- one megatron decoder layer ------------------------------------------------------------------
-def language_layer(hf_dir: str, *, dtype: torch.dtype, recompute: dict | None = None):
+def language_layer(hf_dir: str, *, dtype: torch.dtype, recompute: dict | None = None, pstate=None,
+                   extra: dict | None = None):
     """One decoder layer (``TransformerBlock`` with ``num_layers=1``, no final norm) of ``hf_dir``'s
     language model, built as ``model.builder`` builds them (our adapter's config and spec, SDPA core),
-    tp 1, weights not initialised. ``recompute``: TransformerConfig recompute fields (``recompute_granularity``,
-    ``recompute_method``, ``recompute_num_layers``, ``recompute_modules``). Needs the 1-rank world
-    (``parallel.bootstrap.start_single_process``)."""
+    weights not initialised. ``recompute``: TransformerConfig recompute fields (``recompute_granularity``,
+    ``recompute_method``, ``recompute_num_layers``, ``recompute_modules``); ``extra``: other config fields
+    (``sequence_parallel``). Runs in the 1-rank world (``parallel.bootstrap.start_single_process``), or
+    on the tp of ``pstate`` (a ``parallel.groups.ParallelState`` of a ``language=tp=N`` layout)."""
     from megatron.core.transformer.transformer_block import TransformerBlock
 
     from mimo_sft.model.hf_checkpoint import read_config_json
     from mimo_sft.model.registry import get_family
     from mimo_sft.parallel.bootstrap import start_single_process
 
-    state = start_single_process("cpu")
+    state = pstate or start_single_process("cpu")
+    tp = state.modules["language"].pg_collection.tp.size()
     raw = read_config_json(hf_dir)
     adapter = get_family(raw, hf_dir=hf_dir)
     hf_cfg = adapter.load_hf_config(hf_dir, raw)
     hf_cfg.text_config.num_hidden_layers = 1
     overrides = {"calculate_per_token_loss": True, "attention_dropout": 0.0, "hidden_dropout": 0.0}
     overrides.update(recompute or {})
+    overrides.update(extra or {})
     # no initialisation (weights left as allocated): what is saved depends on shapes, not values, and a
     # 7B-wide layer then builds in a fraction of the time
-    cfg = adapter.language_transformer_config(hf_cfg, tp=1, pp=1, dtype=dtype, random_init=False, cpu_init=True,
+    cfg = adapter.language_transformer_config(hf_cfg, tp=tp, pp=1, dtype=dtype, random_init=False, cpu_init=True,
                                               overrides=overrides)
     spec = adapter.block_spec(hf_cfg, 1)
     block = TransformerBlock(cfg, spec, post_layer_norm=False, pg_collection=state.modules["language"].pg_collection)
@@ -93,12 +97,14 @@ def language_layer(hf_dir: str, *, dtype: torch.dtype, recompute: dict | None = 
 
 
 def language_layer_saved(block, cfg, tokens: int, *, dtype: torch.dtype, batch: int = 1) -> int:
-    """Bytes one decoder layer saves for ``batch`` rows of ``tokens`` positions (input not counted:
-    it is the previous layer's output, which that layer's own terms hold)."""
+    """Bytes one decoder layer saves on this rank for ``batch`` rows of ``tokens`` positions (this rank's
+    ``1/tp`` of them under sequence parallelism). The input counts where the layer keeps it (fp32, or
+    under full recomputation); the rotary table, shared by every layer, does not."""
     from megatron.core.models.common.embeddings.rotary_pos_embedding import MultimodalRotaryEmbedding
 
     h = cfg.hidden_size
-    x = torch.randn(tokens, batch, h, dtype=dtype, requires_grad=True)
+    local = tokens // cfg.tensor_model_parallel_size if cfg.sequence_parallel else tokens
+    x = torch.randn(local, batch, h, dtype=dtype, requires_grad=True)
     rope = MultimodalRotaryEmbedding(kv_channels=cfg.kv_channels, rotary_percent=1.0)
     pos = torch.arange(tokens).view(1, 1, tokens).expand(3, batch, tokens)
     emb = rope(pos, cfg.mrope_section)
