@@ -7,7 +7,8 @@ Hugging Face weights.
 
 ``--suite load``: 2 colocated ranks, language tp 2 + images dp 2, the same model with its
 safetensors weights. Each rank's peak extra RSS while its language weights are copied into the built
-model (reading included), streamed one decoder layer at a time (now) and with the rank's whole
+model (reading included) -- all of it, and the anonymous part (RssAnon: without the safetensors
+file pages the reader maps, which are page cache the kernel can drop) -- streamed one decoder layer at a time (now) and with the rank's whole
 stage read first (before; the same reader, its groups merged into one dict).
 
 Writes a Qwen2.5-VL whose language model is real-width (``make_tiny_qwen_vl.py --text-hidden 1024
@@ -47,6 +48,16 @@ sys.path.insert(0, ROOT)
 from mimo_sft.testing.bench_runs import bench_env, run_session  # noqa: E402
 
 
+def _rss_anon() -> int:
+    """Anonymous resident memory (RssAnon): RSS without file pages mapped from the safetensors files,
+    which the kernel can drop at any time."""
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
 class PeakMemory:
     """Peak RSS of this process and peak USS of its children, sampled in a thread."""
 
@@ -57,6 +68,7 @@ class PeakMemory:
         self.base = self.proc.memory_info().rss
         self.before = {c.pid for c in self.proc.children(recursive=True)}  # megatron's results-queue manager
         self.peak, self.child_peak = self.base, 0
+        self.anon_base = self.anon_peak = _rss_anon()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -66,6 +78,7 @@ class PeakMemory:
 
         while not self._stop.is_set():
             self.peak = max(self.peak, self.proc.memory_info().rss)
+            self.anon_peak = max(self.anon_peak, _rss_anon())
             for child in self.proc.children(recursive=True):
                 if child.pid in self.before:
                     continue
@@ -186,7 +199,8 @@ def load_worker(args: list[str], mode: str) -> int:
             tensors = merged
         copy_into(module, tensors, where=where, **kw)
         del tensors
-        peaks.append(mem.stop()[0])
+        rss, _ = mem.stop()
+        peaks.append((rss, mem.anon_peak - mem.anon_base))
 
     dw.copy_into = measured
     cfg = load_config(args)
@@ -194,10 +208,10 @@ def load_worker(args: list[str], mode: str) -> int:
     trainer.setup()
     own = sum(p.numel() * p.element_size() for p in trainer.ctx.model.language_model.parameters())
     gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (dist.get_rank(), own, max(peaks)), group=trainer.pstate.world_gloo)
+    dist.all_gather_object(gathered, (dist.get_rank(), own, peaks[0]), group=trainer.pstate.world_gloo)
     if dist.get_rank() == 0:
-        for rank, own_bytes, peak in sorted(gathered):
-            print(f"| {mode} | {rank} | {own_bytes / 2 ** 20:.0f} | {peak / 2 ** 20:.0f} |")
+        for rank, own_bytes, (rss, anon) in sorted(gathered):
+            print(f"| {mode} | {rank} | {own_bytes / 2 ** 20:.0f} | {rss / 2 ** 20:.0f} | {anon / 2 ** 20:.0f} |")
     trainer.close()
     trainer.shutdown()
     return 0
@@ -208,8 +222,9 @@ def load_suite(a, py, env, work, model, data) -> None:
             "--global-batch-size", "2", "--train-iters", "1", "--no-tensorboard", "--component", "language=tp=2,dp=1",
             "--component", "images=dp=2"]
     torchrun = os.path.join(os.path.dirname(py), "torchrun")
-    print("| language weights | rank | rank's language parameters MB | peak extra RSS while loading MB |")
-    print("|---|---|---|---|")
+    print("| language weights | rank | rank's language parameters MB | peak extra RSS while loading MB "
+          "| of it anonymous (RssAnon) MB |")
+    print("|---|---|---|---|---|")
     for mode in ("whole stage", "streamed"):
         log = os.path.join(work, f"load_{mode.split()[0]}.log")
         run_session([torchrun, "--nproc-per-node", "2", "scripts/bench_checkpoint.py", "--load-worker", mode, *args,
