@@ -1,7 +1,15 @@
 """Checkpoint saves at a few hundred million parameters: host memory, save time, and the training
-step while a background save is written.
+step while a background save is written; and (``--suite load``) host memory while loading the
+Hugging Face weights.
 
     .venv/bin/python scripts/bench_checkpoint.py [--text-hidden 1024] [--text-layers 12] [--nproc 2]
+    .venv/bin/python scripts/bench_checkpoint.py --suite load
+
+``--suite load``: 2 colocated ranks, language tp 2 + images dp 2, the same model with its
+safetensors weights. Each rank's peak extra RSS while its language weights are copied into the built
+model (reading included) -- all of it, and the anonymous part (RssAnon: without the safetensors
+file pages the reader maps, which are page cache the kernel can drop) -- streamed one decoder layer at a time (now) and with the rank's whole
+stage read first (before; the same reader, its groups merged into one dict).
 
 Writes a Qwen2.5-VL whose language model is real-width (``make_tiny_qwen_vl.py --text-hidden 1024
 --text-layers 12 --intermediate 4096``: about 0.19B language parameters; the vision tower stays
@@ -40,6 +48,16 @@ sys.path.insert(0, ROOT)
 from mimo_sft.testing.bench_runs import bench_env, run_session  # noqa: E402
 
 
+def _rss_anon() -> int:
+    """Anonymous resident memory (RssAnon): RSS without file pages mapped from the safetensors files,
+    which the kernel can drop at any time."""
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
 class PeakMemory:
     """Peak RSS of this process and peak USS of its children, sampled in a thread."""
 
@@ -50,6 +68,7 @@ class PeakMemory:
         self.base = self.proc.memory_info().rss
         self.before = {c.pid for c in self.proc.children(recursive=True)}  # megatron's results-queue manager
         self.peak, self.child_peak = self.base, 0
+        self.anon_base = self.anon_peak = _rss_anon()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -59,6 +78,7 @@ class PeakMemory:
 
         while not self._stop.is_set():
             self.peak = max(self.peak, self.proc.memory_info().rss)
+            self.anon_peak = max(self.anon_peak, _rss_anon())
             for child in self.proc.children(recursive=True):
                 if child.pid in self.before:
                     continue
@@ -156,6 +176,62 @@ def worker(args: list[str], out_dir: str) -> int:
     return 0
 
 
+def load_worker(args: list[str], mode: str) -> int:
+    import torch.distributed as dist
+
+    import mimo_sft.model.decoder_weights as dw
+    from mimo_sft.config.checks import require_valid
+    from mimo_sft.config.loader import load_config
+    from mimo_sft.quiet import quiet_libraries
+    from mimo_sft.train.trainer import Trainer
+
+    quiet_libraries()
+    copy_into, peaks = dw.copy_into, []
+
+    def measured(module, tensors, *, where, **kw):
+        if "language" not in where:
+            return copy_into(module, tensors, where=where, **kw)
+        mem = PeakMemory()
+        if mode == "whole stage":
+            merged = {}
+            for group in tensors:
+                merged.update(group)
+            tensors = merged
+        copy_into(module, tensors, where=where, **kw)
+        del tensors
+        rss, _ = mem.stop()
+        peaks.append((rss, mem.anon_peak - mem.anon_base))
+
+    dw.copy_into = measured
+    cfg = load_config(args)
+    trainer = Trainer(cfg, require_valid(cfg, for_run=True).layout)
+    trainer.setup()
+    own = sum(p.numel() * p.element_size() for p in trainer.ctx.model.language_model.parameters())
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (dist.get_rank(), own, peaks[0]), group=trainer.pstate.world_gloo)
+    if dist.get_rank() == 0:
+        for rank, own_bytes, (rss, anon) in sorted(gathered):
+            print(f"| {mode} | {rank} | {own_bytes / 2 ** 20:.0f} | {rss / 2 ** 20:.0f} | {anon / 2 ** 20:.0f} |")
+    trainer.close()
+    trainer.shutdown()
+    return 0
+
+
+def load_suite(a, py, env, work, model, data) -> None:
+    args = ["--hf-model", model, "--dataset-path", data, "--seq-length", str(a.seq_length), "--micro-batch-size", "2",
+            "--global-batch-size", "2", "--train-iters", "1", "--no-tensorboard", "--component", "language=tp=2,dp=1",
+            "--component", "images=dp=2"]
+    torchrun = os.path.join(os.path.dirname(py), "torchrun")
+    print("| language weights | rank | rank's language parameters MB | peak extra RSS while loading MB "
+          "| of it anonymous (RssAnon) MB |")
+    print("|---|---|---|---|---|")
+    for mode in ("whole stage", "streamed"):
+        log = os.path.join(work, f"load_{mode.split()[0]}.log")
+        run_session([torchrun, "--nproc-per-node", "2", "scripts/bench_checkpoint.py", "--load-worker", mode, *args,
+                     "--output-dir", os.path.join(work, f"run_{mode.split()[0]}")], cwd=ROOT, env=env, log=log)
+        print("\n".join(ln for ln in open(log).read().splitlines() if ln.startswith(f"| {mode} |")))
+
+
 def _print_table(gathered) -> None:
     mb = 2 ** 20
     print("| save | rank | rank's own state MB | peak extra RSS MB | writer peak USS MB | blocked s | until published s |")
@@ -178,11 +254,16 @@ def main() -> int:
     p.add_argument("--text-layers", type=int, default=12)
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--seq-length", type=int, default=128)
+    p.add_argument("--suite", choices=("save", "load"), default="save")
     p.add_argument("--worker", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    p.add_argument("--load-worker", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.worker is not None:
         out_dir, *args = a.worker
         return worker(args, out_dir)
+    if a.load_worker is not None:
+        mode, *args = a.load_worker
+        return load_worker(args, mode)
     py, env = sys.executable, bench_env()
     work = tempfile.mkdtemp(prefix="bench_checkpoint_")
     model, data = os.path.join(work, "model"), os.path.join(work, "data")
@@ -190,6 +271,9 @@ def main() -> int:
                     "--kv-heads", "8", "--text-layers", str(a.text_layers), "--intermediate", str(4 * a.text_hidden)],
                    check=True, cwd=ROOT, env=env, stdout=subprocess.DEVNULL)
     subprocess.run([py, "scripts/make_demo_data.py", data], check=True, cwd=ROOT, env=env, stdout=subprocess.DEVNULL)
+    if a.suite == "load":
+        load_suite(a, py, env, work, model, data)
+        return 0
     n = a.nproc
     args = ["--hf-model", model, "--dataset-path", data, "--seq-length", str(a.seq_length), "--micro-batch-size", str(n),
             "--global-batch-size", str(n), "--train-iters", "100", "--use-distributed-optimizer", "--no-tensorboard",

@@ -79,7 +79,7 @@ def test_full_disk_fails_the_save_in_one_line():
     lines = [ln for ln in proc.stderr.splitlines() if "saving step 4" in ln]
     assert len(lines) == 2 and all("the disk is full (No space left on device)" in ln and "iter_0000002 stays the latest" in ln
                          for ln in lines), proc.stderr[-3000:]
-    assert "Traceback" not in proc.stderr.split("torchrun")[0]
+    assert "mimo_sft/train/" not in proc.stderr, "no traceback of ours (torchrun's own follows the ranks' exit)"
     root = out + "/checkpoints"
     assert resolve_checkpoint(root).endswith("iter_0000002")
     assert [s for s, _v, _n in complete_checkpoints(root)] == [2]

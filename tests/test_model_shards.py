@@ -42,13 +42,13 @@ def test_tp_pp_shards_reassemble(tmp_path, tp, pp):
     ad = Qwen25VLAdapter()
     cfg = ad.load_hf_config(hf, {})
     ck = HFCheckpoint(hf)
-    full = ad.load_language(ck, cfg, tp_rank=0, tp=1, layer_offset=0, num_local_layers=4, pre_process=True,
-                            post_process=True, padded_vocab=158)
+    full = _merged(ad.load_language(ck, cfg, tp_rank=0, tp=1, layer_offset=0, num_local_layers=4, pre_process=True,
+                            post_process=True, padded_vocab=158))
     padded = pad_vocab(158, tp)
     per = 4 // pp
     for stage in range(pp):
-        shards = [ad.load_language(ck, cfg, tp_rank=r, tp=tp, layer_offset=stage * per, num_local_layers=per,
-                                   pre_process=stage == 0, post_process=stage == pp - 1, padded_vocab=padded)
+        shards = [_merged(ad.load_language(ck, cfg, tp_rank=r, tp=tp, layer_offset=stage * per, num_local_layers=per,
+                                           pre_process=stage == 0, post_process=stage == pp - 1, padded_vocab=padded))
                   for r in range(tp)]
         for key in shards[0]:
             kind = ("qkv" if "linear_qkv" in key else "fc1" if "linear_fc1" in key else
@@ -65,6 +65,15 @@ def test_tp_pp_shards_reassemble(tmp_path, tp, pp):
             assert torch.equal(merged, full[ref_key]), (tp, pp, stage, key)
         assert ("embedding.word_embeddings.weight" in shards[0]) == (stage == 0)
         assert ("output_layer.weight" in shards[0]) == (stage == pp - 1)
+
+
+def _merged(groups) -> dict:
+    """The language weights a rank loads, streamed one layer at a time, as one dict."""
+    out = {}
+    for group in groups:
+        assert not set(group) & set(out)
+        out.update(group)
+    return out
 
 
 def test_qkv_grouping_is_per_kv_head():

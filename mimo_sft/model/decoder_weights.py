@@ -15,13 +15,15 @@ Layout rules (megatron-core 0.19.2, checked against transformers by the parity t
   (vocab padded to a multiple of TP with zero rows); norms are replicated.
 * Tied embeddings: no ``output_layer.weight`` (``share_embeddings_and_output_weights=True``).
 
-Loading reads only this rank's rows/columns from the safetensors shards (``HFCheckpoint.read``).
+Loading reads only this rank's rows/columns from the safetensors shards (``HFCheckpoint.read``),
+one decoder layer at a time (:func:`iter_decoder_shard`): :func:`copy_into` copies each layer into
+the model before the next is read, so host memory holds one layer's slice, not the rank's stage.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Iterable, Iterator, Optional, Union
 
 import torch
 
@@ -117,10 +119,19 @@ def _vocab_rows(ckpt: HFCheckpoint, name: str, s: DecoderShape, rank: int, tp: i
     return torch.cat([real, pad], dim=0)
 
 
-def load_decoder_shard(ckpt: HFCheckpoint, names: DecoderNames, s: DecoderShape, *, tp_rank: int, tp: int,
+def load_decoder_shard(ckpt: HFCheckpoint, names: DecoderNames, s: DecoderShape, **where) -> dict[str, torch.Tensor]:
+    """This rank's megatron ``GPTModel`` state as one dict (:func:`iter_decoder_shard`'s groups merged)."""
+    out: dict[str, torch.Tensor] = {}
+    for group in iter_decoder_shard(ckpt, names, s, **where):
+        out.update(group)
+    return out
+
+
+def iter_decoder_shard(ckpt: HFCheckpoint, names: DecoderNames, s: DecoderShape, *, tp_rank: int, tp: int,
                        layer_offset: int, num_local_layers: int, pre_process: bool, post_process: bool
-                       ) -> dict[str, torch.Tensor]:
-    """This rank's megatron ``GPTModel`` state (names without the ``language_model.`` prefix)."""
+                       ) -> Iterator[dict[str, torch.Tensor]]:
+    """This rank's megatron ``GPTModel`` state (names without the ``language_model.`` prefix), read
+    lazily in groups: embeddings / final norm / output layer, then one decoder layer at a time."""
     p = names.prefix
     out: dict[str, torch.Tensor] = {}
     if pre_process:
@@ -131,6 +142,7 @@ def load_decoder_shard(ckpt: HFCheckpoint, names: DecoderNames, s: DecoderShape,
             out["output_layer.weight"] = _vocab_rows(ckpt, names.lm_head, s, tp_rank, tp)
         elif not pre_process:  # tied and PP > 1: the last stage keeps its own copy of the embedding
             out["output_layer.weight"] = _vocab_rows(ckpt, f"{p}embed_tokens.weight", s, tp_rank, tp)
+    yield out
     groups_local = s.kv_heads // tp
     q_rows = _span(s.heads * s.head_dim, tp_rank, tp)
     kv_rows = _span(s.kv_heads * s.head_dim, tp_rank, tp)
@@ -138,6 +150,7 @@ def load_decoder_shard(ckpt: HFCheckpoint, names: DecoderNames, s: DecoderShape,
     for j in range(num_local_layers):
         L = f"{p}layers.{layer_offset + j}."
         M = f"decoder.layers.{j}."
+        out = {}
         q = ckpt.read(L + "self_attn.q_proj.weight", rows=q_rows)
         k = ckpt.read(L + "self_attn.k_proj.weight", rows=kv_rows)
         v = ckpt.read(L + "self_attn.v_proj.weight", rows=kv_rows)
@@ -157,7 +170,7 @@ def load_decoder_shard(ckpt: HFCheckpoint, names: DecoderNames, s: DecoderShape,
         up = ckpt.read(L + "mlp.up_proj.weight", rows=ffn_rows)
         out[M + "mlp.linear_fc1.weight"] = torch.cat([gate, up], dim=0)
         out[M + "mlp.linear_fc2.weight"] = ckpt.read(L + "mlp.down_proj.weight", rows=(0, s.hidden), cols=ffn_rows)
-    return out
+        yield out
 
 
 # ---- megatron (TP=1, all layers) -> HF ----------------------------------------------------------
@@ -190,17 +203,24 @@ def export_decoder(sd: dict[str, torch.Tensor], names: DecoderNames, s: DecoderS
     return {k: v.contiguous() for k, v in out.items()}
 
 
-def copy_into(module: torch.nn.Module, tensors: dict[str, torch.Tensor], *, where: str,
-              skip: Optional[Callable[[str], bool]] = None) -> None:
-    """Copy ``tensors`` into ``module``'s parameters; every parameter must be covered exactly."""
+def copy_into(module: torch.nn.Module, tensors: Union[dict[str, torch.Tensor], Iterable[dict[str, torch.Tensor]]],
+              *, where: str, skip: Optional[Callable[[str], bool]] = None) -> None:
+    """Copy ``tensors`` (a dict, or groups of them read one at a time: each group is copied and
+    dropped before the next is read) into ``module``'s parameters; every parameter must be covered
+    exactly once."""
     params = {k: v for k, v in module.state_dict(keep_vars=True).items() if not k.endswith("_extra_state")}
     if skip is not None:
         params = {k: v for k, v in params.items() if not skip(k)}
-    missing = sorted(set(params) - set(tensors))
-    extra = sorted(set(tensors) - set(params))
-    assert not missing and not extra, f"{where}: weight mapping mismatch: missing {missing[:5]}, unexpected {extra[:5]}"
+    covered: set[str] = set()
     with torch.no_grad():
-        for name, target in params.items():
-            src = tensors[name]
-            assert tuple(src.shape) == tuple(target.shape), f"{where}: {name} {tuple(src.shape)} != {tuple(target.shape)}"
-            target.copy_(src.to(target.dtype))
+        for group in ([tensors] if isinstance(tensors, dict) else tensors):
+            extra = sorted(set(group) - set(params) | (set(group) & covered))
+            assert not extra, f"{where}: weight mapping mismatch: unexpected or repeated {extra[:5]}"
+            for name, src in group.items():
+                target = params[name]
+                assert tuple(src.shape) == tuple(target.shape), f"{where}: {name} {tuple(src.shape)} != {tuple(target.shape)}"
+                target.copy_(src.to(target.dtype))
+            covered |= set(group)
+            del group
+    missing = sorted(set(params) - covered)
+    assert not missing, f"{where}: weight mapping mismatch: missing {missing[:5]}"

@@ -122,7 +122,9 @@ class FamilyAdapter:
         raise NotImplementedError
 
     def load_language(self, ckpt, hf_cfg, *, tp_rank: int, tp: int, layer_offset: int, num_local_layers: int,
-                      pre_process: bool, post_process: bool, padded_vocab: int) -> dict:
+                      pre_process: bool, post_process: bool, padded_vocab: int):
+        """This rank's language weights as groups of tensors read one after another (embeddings, then
+        one decoder layer at a time: ``copy_into`` copies each before the next is read)."""
         raise NotImplementedError
 
     def load_encoder(self, ckpt, hf_cfg) -> dict:

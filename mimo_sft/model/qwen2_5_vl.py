@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from mimo_sft.config.families import QWEN2_5_VL
 from mimo_sft.errors import UserError
 from mimo_sft.model.decoder_weights import (DecoderNames, DecoderShape, expected_hf_shapes, export_decoder,
-                                            load_decoder_shard, pad_vocab)
+                                            iter_decoder_shard, pad_vocab)
 from mimo_sft.model.family import FamilyAdapter, ModelInfo
 from mimo_sft.model.pixels import PixelNorm, float_patches
 from mimo_sft.parallel.layout import IMAGES
@@ -206,8 +206,9 @@ class Qwen25VLAdapter(FamilyAdapter):
             ckpt.expect_shape(name, shape)
 
     def load_language(self, ckpt, hf_cfg, *, tp_rank, tp, layer_offset, num_local_layers, pre_process,
-                      post_process, padded_vocab) -> dict:
-        return load_decoder_shard(ckpt, self._names(ckpt.prefix_style), self._shape(hf_cfg, padded_vocab),
+                      post_process, padded_vocab):
+        """This rank's language weights, one group (embeddings, then one layer) at a time."""
+        return iter_decoder_shard(ckpt, self._names(ckpt.prefix_style), self._shape(hf_cfg, padded_vocab),
                                   tp_rank=tp_rank, tp=tp, layer_offset=layer_offset, num_local_layers=num_local_layers,
                                   pre_process=pre_process, post_process=post_process)
 

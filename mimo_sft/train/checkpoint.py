@@ -15,13 +15,16 @@ Layout of ``SAVE_DIR`` (folder rules, fsync order and pruning: :mod:`checkpoint_
     iter_0000020.v2/       a re-save of step 20 (a resumed run reached it again); replaces iter_0000020
     iter_0000030.tmp/      a save in progress: never read, removed by the next save of that step
 
-Every rank writes (and fsyncs) its files into ``iter_N.tmp``; after a barrier rank 0 writes
-``meta.json`` and publishes the folder: fsync, rename, ``latest`` replaced atomically, and only
-then older copies removed (:func:`checkpoint_files.publish`). A partial ``.tmp`` folder is never
+Every rank writes (and fsyncs) its own shards into ``iter_N.tmp``, in parallel (megatron's fully
+parallel save; ``--async-save``: in a forked writer while training goes on, :mod:`checkpoint_write`);
+once every rank's writes are done rank 0 writes ``meta.json`` and publishes the folder: fsync,
+rename, ``latest`` replaced atomically, and only then older copies removed
+(:func:`checkpoint_files.publish`). A partial ``.tmp`` folder is never
 picked up, and ``latest`` always names a complete checkpoint.
 
 Weights and optimizer state are megatron dist-checkpoints, so ``--load-checkpoint`` continues on
-another layout (language/encoder DP, TP, PP, colocated or not) with the same weights, Adam state,
+another layout (language/encoder DP, TP, PP, colocated or not; a distributed optimizer's default
+DP-only form only on its saved TP/PP, :mod:`checkpoint_optimizer`) with the same weights, Adam state,
 step, LR schedule (a function of the step) and data position (``consumed_samples``: every layout
 reads the same global batches). Only the RNG streams are per rank: restored when the layout is
 the one the checkpoint was saved with (then a resume is bit-exact), restarted from the seed on
@@ -59,8 +62,6 @@ def save_checkpoint(root: str, *, step: int, consumed_samples: int, ctx, extra_m
 
     ``keep_last`` defaults to the run's ``--keep-last-checkpoints``.
     """
-    from megatron.core import dist_checkpointing  # noqa: F401 - megatron's writer, through checkpoint_write
-
     if keep_last is None:
         keep_last = ctx.cfg.checkpoint.keep_last_checkpoints
     if pending is not None:

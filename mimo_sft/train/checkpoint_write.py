@@ -70,7 +70,7 @@ def one_request(parts: list, publish, *, step: int):
 
 
 #: niceness of a background writer: training keeps the CPU it needs, the writer takes what is left
-WRITER_NICENESS = 10
+WRITER_NICENESS = 19
 
 
 def _write_parts(writes: list, step: int, trainer_pid: int) -> None:

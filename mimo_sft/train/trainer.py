@@ -364,7 +364,7 @@ class Trainer:
 
     def finish_saves(self) -> None:
         """A background save still being written completes (and is published) before the run ends."""
-        if self.pending_saves is not None:
+        if getattr(self, "pending_saves", None) is not None:
             self.pending_saves.wait()
 
     # ---- the end ------------------------------------------------------------------------------------
@@ -381,7 +381,9 @@ class Trainer:
             self.evaluator.close()
 
     def shutdown(self) -> None:
-        """Wait for every rank, then end the process group (the run's last collective)."""
+        """Publish a background save still in flight, wait for every rank, then end the process group
+        (the run's last collectives)."""
+        self.finish_saves()
         dist.barrier()
         dist.destroy_process_group()
 
