@@ -36,8 +36,8 @@ SETTINGS = [
 
 
 PACKING_SETTINGS = [
-    ("padded, local attention", ["--attention-backend", "local"]),
-    ("padded, SDPA", ["--attention-backend", "sdpa"]),
+    ("padded, local attention", ["--attention-backend", "local", "--no-in-batch-packing"]),
+    ("padded, SDPA", ["--attention-backend", "sdpa", "--no-in-batch-packing"]),
     ("packed, SDPA", ["--attention-backend", "sdpa", "--in-batch-packing"]),
 ]
 

@@ -66,8 +66,8 @@ run() {  # run NAME NPROC ARGS...
 }
 
 COLO=(--component "language=dp=$NGPU" --component "images=dp=$NGPU" --scalable-dp)
-run colocated-local-attention "$NGPU" "${COLO[@]}" --attention-backend local
-run colocated "$NGPU" "${COLO[@]}"
+run colocated-local-attention "$NGPU" "${COLO[@]}" --attention-backend local --no-in-batch-packing
+run colocated "$NGPU" "${COLO[@]}" --no-in-batch-packing
 run colocated-packed "$NGPU" "${COLO[@]}" --in-batch-packing
 if [ "$NGPU" -ge 4 ]; then
   HALF=$((NGPU / 2))

@@ -23,7 +23,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("dist")]
 TARGETS = "linear_qkv,linear_proj,linear_fc1,linear_fc2,vision_attn,vision_mlp,merger"
 BASE = ["--seq-length", "192", "--micro-batch-size", "4", "--global-batch-size", "8", "--lr", "1e-2",
         "--lr-warmup-iters", "0", "--lr-decay-style", "constant", "--no-tensorboard", "--dataloader-type", "cyclic",
-        "--seed", "7", "--lora-rank", "4", "--lora-alpha", "8", "--lora-target-modules", TARGETS]
+        "--seed", "7", "--no-in-batch-packing", "--lora-rank", "4", "--lora-alpha", "8", "--lora-target-modules", TARGETS]
 
 
 def run(name, nproc, components, extra=(), iters=2):

@@ -326,7 +326,8 @@ def c19_packing(ctx):
         return
     if m.attention_backend != "sdpa":
         yield (f"--in-batch-packing with --attention-backend {m.attention_backend}: megatron's local core attention "
-               f"cannot keep packed samples apart; use --attention-backend sdpa (the default)")
+               f"cannot keep packed samples apart; use --attention-backend sdpa (the default), or "
+               f"--no-in-batch-packing to compute padded rows")
 
 
 def c20_lora(ctx):

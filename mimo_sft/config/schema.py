@@ -61,7 +61,7 @@ class DataConfig:
     max_image_pixels: int = opt(178_956_970, "--max-image-pixels", "largest image file (width x height, before resizing) accepted; the default is PIL's decompression-bomb limit; 0: no limit (a trusted large file is resized to --max-pixels anyway)")
     seq_length: int = opt(1024, "--seq-length", "tokens per sample after padding/truncation")
     pad_to_seq_length: bool = opt(True, "--pad-to-seq-length", "pad every sample to --seq-length (required by reordering)", negatable=True)
-    in_batch_packing: bool = opt(False, "--in-batch-packing", "the language model computes each rank's micro-batch as one padding-free packed sequence (THD, per-sample causal attention)")
+    in_batch_packing: bool = opt(True, "--in-batch-packing", "the language model computes each rank's micro-batch as one padding-free packed sequence (THD, per-sample causal attention); exact against padded rows, so on by default (--no-in-batch-packing computes the padded rows)")
     dataloader_type: str = opt("single", "--dataloader-type", "'single' reads in order, 'cyclic' reshuffles each epoch", choices=("single", "cyclic"))
     drop_last: bool = opt(True, "--drop-last", "drop the incomplete last global batch of an epoch", negatable=True)
     num_workers: int = opt(-1, "--num-workers", "DataLoader worker processes per rank (-1: from the CPUs each rank of the node may use, at most 4)")
