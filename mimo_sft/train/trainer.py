@@ -348,7 +348,8 @@ class Trainer:
             pending.wait()
             pending = None
         path = save_checkpoint(self.save_dir, step=self.step, consumed_samples=self.consumed, ctx=self.ctx,
-                               extra_meta=extra, pending=pending, on_published=self._say_saved)
+                               extra_meta=extra, pending=pending,
+                               on_published=self._say_saved if pending is not None else None)
         if path is None:  # in the background: said when published
             return
         if best:  # every rank knows the same valid_loss; rank 0 published the folder
