@@ -50,6 +50,8 @@ echo "== model and data"
 TORCHRUN="$(dirname "$PY")/torchrun"
 [ -x "$TORCHRUN" ] || TORCHRUN="$PY -m torch.distributed.run"
 
+# --max-pixels 250880 (320 merged tokens) bounds the demo data's largest page (420 x 560) without resizing
+# any image; the memory forecast (check 23) holds the run to it instead of Qwen's 12.8 Mpx default
 run() {  # run NAME NPROC ARGS...
   local name=$1 nproc=$2
   shift 2
@@ -58,7 +60,8 @@ run() {  # run NAME NPROC ARGS...
   $TORCHRUN --nproc-per-node "$nproc" -m mimo_sft finetune --hf-model "$OUT/qwen2.5-vl-3b" --allow-random-init \
     --dataset-path "$OUT/data" --dtype bf16 --use-distributed-optimizer --seq-length "$SEQ" \
     --micro-batch-size "$MBS" --global-batch-size "$GBS" --train-iters "$STEPS" --lr 1e-5 --lr-warmup-iters 2 \
-    --dataloader-type cyclic --log-interval 5 --no-tensorboard --output-dir "$OUT/$name" "${PEAK[@]}" "$@" \
+    --dataloader-type cyclic --log-interval 5 --no-tensorboard --output-dir "$OUT/$name" "${PEAK[@]}" \
+    --max-pixels 250880 "$@" \
     2>&1 | grep --line-buffered -v -E "Warning|warnings.warn|^\s*$"
   local status=${PIPESTATUS[0]}
   [ "$status" -eq 0 ] || { echo "gpu_check: $name failed (exit $status)" >&2; exit "$status"; }

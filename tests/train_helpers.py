@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import functools
 import io
+import itertools
 import json
 import os
 import shutil
@@ -125,10 +126,32 @@ def torchrun(nproc: int, args: list[str], *, timeout: float = 300, check: bool =
     return proc
 
 
+_RUNS = itertools.count()
+
+
+def _kill_marked(marker: str) -> None:
+    """SIGKILL every process that inherited this run's ``MIMO_SFT_TEST_RUN`` marker, as a cgroup kill
+    would: torchrun starts each rank in a session of its own, and the processes a rank started
+    (megatron's checkpoint writers and their queue manager) outlive a rank killed with SIGKILL,
+    reparented to init, so neither the process group nor the process tree finds them."""
+    needle = f"MIMO_SFT_TEST_RUN={marker}".encode()
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as fh:
+                if needle not in fh.read().split(b"\0"):
+                    continue
+            os.kill(int(pid), signal.SIGKILL)
+        except (OSError, ProcessLookupError):
+            continue
+
+
 def _torchrun_once(nproc: int, args: list[str], *, timeout: float, extra_env: dict | None,
                    command: str = "finetune") -> subprocess.CompletedProcess:
+    marker = f"{os.getpid()}-{next(_RUNS)}"
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
-               HF_DATASETS_OFFLINE="1", PYTHONWARNINGS="ignore", **(extra_env or {}))
+               HF_DATASETS_OFFLINE="1", PYTHONWARNINGS="ignore", MIMO_SFT_TEST_RUN=marker, **(extra_env or {}))
     cmd = [TORCHRUN, "--nproc-per-node", str(nproc), "--master-port", str(free_port()), "-m", "mimo_sft",
            command, *args]
     # Own session, output to files: a rank killed with SIGKILL (the checkpoint tests do that) leaves
@@ -144,6 +167,7 @@ def _torchrun_once(nproc: int, args: list[str], *, timeout: float, extra_env: di
                 os.killpg(child.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+            _kill_marked(marker)
         out.seek(0)
         err.seek(0)
         return subprocess.CompletedProcess(cmd, code, out.read(), err.read())

@@ -122,7 +122,9 @@ def load_optimizer(folder: str, ctx, *, sharding: str | None) -> None:
         if not module_sd:
             continue
         if _COMMON in module_sd:
-            module_sd = state[name] = merge(module_sd, module_sd.pop(_COMMON))
+            common = module_sd.pop(_COMMON)
+            align_param_groups(module_sd, common)
+            module_sd = state[name] = merge(module_sd, common)
         for sub_sd, inner in _iter_optimizer_sub_dicts(module_sd, ctx.optimizer.module_infos[name].optimizer):
             inner = getattr(inner, "chained_optimizers", [inner])[0]  # a chain of one: its optimizer
             _schedule_from_this_run(sub_sd, inner)
@@ -136,6 +138,51 @@ def load_optimizer(folder: str, ctx, *, sharding: str | None) -> None:
         _load_param_state(opt, param_state, sharding)
 
 
+def _group_identity(group: dict) -> tuple:
+    return tuple(group.get(k) for k in ("wd_mult", "max_lr", "min_lr", "is_expert_parallel"))
+
+
+def _aligned_groups(current: list, saved: list) -> list:
+    """``saved`` param groups in the order of ``current``, matched by their hyperparameters. megatron
+    builds a module's groups from the union of every rank's groups in the same call: where the layout
+    pairs the language and vision modules' calls (non-colocated) each optimizer also has the other's
+    (empty) groups, where it does not (colocated) it has only its own. A group of this run that the
+    checkpoint lacks is such an empty one: it keeps its own values."""
+    left = list(saved)
+    out = []
+    for group in current:
+        match = next((g for g in left if _group_identity(g) == _group_identity(group)), None)
+        if match is None:
+            if group.get("params"):
+                from mimo_sft.errors import UserError
+
+                raise UserError("--load-checkpoint: this layout groups the optimizer's parameters differently from "
+                                "the checkpoint's and a learning rate changed; resume once with the --lr, --min-lr, "
+                                "--vision-lr and --projector-lr it was saved with")
+            match = ({k: v for k, v in group.items() if k != "params"} | {"params": []}
+                     | ({"step": saved[0]["step"]} if saved and "step" in saved[0] else {}))
+        else:
+            left.remove(match)
+        out.append(match)
+    return out
+
+
+def align_param_groups(template, loaded) -> None:
+    """Make every param-group list in ``loaded`` (a checkpoint's common optimizer state) line up with
+    the same list in ``template`` (this run's), in place, when their lengths differ."""
+    if not (isinstance(template, dict) and isinstance(loaded, dict)):
+        return
+    for key, value in loaded.items():
+        if key not in template:
+            continue
+        mine = template[key]
+        groups = key == "param_groups" or str(key).startswith("_mimo_param_groups")
+        if groups and isinstance(value, list) and isinstance(mine, list) and len(value) != len(mine):
+            loaded[key] = _aligned_groups(mine, value)
+        else:
+            align_param_groups(mine, value)
+
+
 #: param-group keys megatron pairs saved and current groups by that this run's flags own (--lr,
 #: --min-lr): a resume with another learning rate keeps its groups
 _SCHEDULE_KEYS = ("max_lr", "min_lr", "start_wd", "end_wd")
@@ -144,12 +191,17 @@ _SCHEDULE_KEYS = ("max_lr", "min_lr", "start_wd", "end_wd")
 def _schedule_from_this_run(sub_sd: dict, inner) -> None:
     """Give the loaded param groups this run's schedule values, paired by position (groups are
     built in the same order on every layout); megatron would not find a group whose --lr changed."""
-    saved = next((v for k, v in sub_sd.items() if k.startswith("_mimo_param_groups")), None)
-    if saved is None:
-        saved = (sub_sd.get("optimizer") or {}).get("param_groups", sub_sd.get("param_groups"))
+    key = next((k for k in sub_sd if k.startswith("_mimo_param_groups")), None)
+    holder = sub_sd if key is not None else (sub_sd.get("optimizer") or sub_sd)
+    key = key or "param_groups"
+    if isinstance(holder, dict) and key not in holder and key in sub_sd:
+        holder = sub_sd
+    saved = holder.get(key) if isinstance(holder, dict) else None
     current = inner.optimizer.param_groups
-    if not isinstance(saved, list) or len(saved) != len(current):
+    if not isinstance(saved, list):
         return
+    if len(saved) != len(current):  # another layout's empty groups (see _aligned_groups)
+        saved = holder[key] = _aligned_groups(current, saved)
     for group, now in zip(saved, current):
         for key in _SCHEDULE_KEYS:
             if key in now:

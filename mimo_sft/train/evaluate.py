@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.distributed as dist
 
-from mimo_sft.data.loader import build_preprocessor
+from mimo_sft.data.loader import build_preprocessor, resolve_num_workers
 from mimo_sft.data.validation import ValidationReader, check_validation_set, evaluated_samples
 from mimo_sft.parallel import runtime
 from mimo_sft.parallel.layout import LANGUAGE
@@ -67,7 +67,8 @@ class Evaluator:
         shard = read_shard(layout, pstate, ctx.info, mbs)
         self.reader = ValidationReader(source, pre, n_samples=self.n_samples, micro_batch_size=mbs,
                                        dp_size=shard.dp_size, dp_rank=shard.dp_rank, need_pixels=shard.need_pixels,
-                                       scalable_dp=cfg.parallel.scalable_dp, num_workers=cfg.data.num_workers,
+                                       scalable_dp=cfg.parallel.scalable_dp,
+                                       num_workers=resolve_num_workers(cfg.data.num_workers),
                                        pad_to_seq_length=cfg.data.pad_to_seq_length)
         self.split = shard.split
         self.packed = cfg.data.in_batch_packing
