@@ -20,9 +20,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("dist")]
 
 BASE = ["--seq-length", "160", "--micro-batch-size", "4", "--global-batch-size", "8", "--lr", "1e-3",
         "--lr-warmup-iters", "0", "--lr-decay-style", "constant", "--dataloader-type", "cyclic", "--seed", "7",
-        "--no-tensorboard", "--scalable-dp",
-        # per-module param groups (own peak learning rates; no decay on norms and biases) survive a relayout
-        "--vision-lr", "2e-3", "--projector-lr", "5e-4", "--weight-decay", "0.05"]
+        "--no-tensorboard", "--scalable-dp", "--weight-decay", "0.05"]  # no decay on norms and biases
 FOUR = ["language=dp=2", "images=dp=2,rank_offset=2"]
 ONE = ["language=dp=1", "images=dp=1"]
 #: 2 ranks: colocated, same DP (plain); non-colocated, DP 2 -> 1 on the same TP/PP (distributed, the DP-only

@@ -81,9 +81,10 @@ def test_bf16_resume_reproduces_the_continuous_run(optimizer):
 
 
 def _fp32_main_weights(tensors: dict) -> list:
-    """The fp32 main weights a bf16 checkpoint's optimizer state carries (plain: ``fp32_param``,
-    distributed: ``param``)."""
-    return [v for k, v in tensors.items() if ".optimizer.state.fp32_param." in k or ".optimizer.state.param." in k]
+    """The fp32 main weights a bf16 checkpoint's optimizer state carries (plain: ``fp32_param``;
+    distributed: ``param``, in the DP-only form the flat buffers ending in ``.param``)."""
+    return [v for k, v in tensors.items()
+            if ".optimizer.state.fp32_param." in k or ".optimizer.state.param." in k or k.endswith(".param")]
 
 
 def test_bf16_pretrained_checkpoint_trains_from_the_loaded_weights():

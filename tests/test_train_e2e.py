@@ -233,7 +233,9 @@ def test_resume_with_distributed_optimizer_is_exact():
     args = ["--hf-model", tiny_model(), "--dataset-path", demo_data(), "--seq-length", "192", "--micro-batch-size", "4",
             "--global-batch-size", "8", "--lr", "2e-3", "--dataloader-type", "cyclic", "--train-iters", "3",
             "--use-distributed-optimizer", "--component", "language=dp=2", "--component", "images=dp=2,rank_offset=2",
-            "--scalable-dp", "--save-interval", "1", "--no-tensorboard"]
+            "--scalable-dp", "--save-interval", "1", "--no-tensorboard",
+            # per-module param groups: their own peak learning rates, no decay on norms and biases
+            "--vision-lr", "4e-3", "--projector-lr", "1e-3", "--weight-decay", "0.05"]
     cont, resumed = new_dir("dopt_cont"), new_dir("dopt_resumed")
     torchrun(4, [*args, "--output-dir", cont])
     torchrun(4, [*args, "--output-dir", resumed, "--load-checkpoint", cont + "/checkpoints/iter_0000002"])

@@ -44,6 +44,7 @@ def hf_valid_loss(dataset_path: str, rows=None, *, model_dir=None) -> tuple[floa
     from mimo_sft.config.schema import DataConfig
     from mimo_sft.data.loader import build_preprocessor
     from mimo_sft.data.sources import load_sft_dataset
+    from mimo_sft.model.pixels import float_patches, pixel_norm_from
 
     cfg = DataConfig(dataset_path=dataset_path, seq_length=SEQ)
     source, pre = load_sft_dataset(cfg), build_preprocessor(cfg, tiny_model())
@@ -59,8 +60,11 @@ def hf_valid_loss(dataset_path: str, rows=None, *, model_dir=None) -> tuple[floa
         n = int((labels != -100).sum())
         if n == 0:
             continue
+        pixels = s.get("pixel_values")
+        if pixels is not None:  # the data path's uint8 patches, as the processor's float ones (model.pixels)
+            pixels = float_patches(pixels, pixel_norm_from(model_dir or tiny_model()))
         with torch.no_grad():
-            out = hf(input_ids=ids, attention_mask=torch.ones_like(ids), pixel_values=s.get("pixel_values"),
+            out = hf(input_ids=ids, attention_mask=torch.ones_like(ids), pixel_values=pixels,
                      image_grid_thw=s.get("image_grid_thw"), mm_token_type_ids=s["mm_token_type_ids"][None],
                      labels=labels)
         total += float(out.loss) * n

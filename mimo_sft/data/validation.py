@@ -198,12 +198,12 @@ class ValidationReader:
 
     def __init__(self, source: SFTSource, pre: SamplePreprocessor, *, n_samples: int, micro_batch_size: int,
                  dp_size: int, dp_rank: int, need_pixels: bool, scalable_dp: bool, num_workers: int,
-                 pad_to_seq_length: bool):
+                 pad_to_seq_length: bool, pixel_slice: tuple[int, int] | None = None):
         self.sampler = ValidationSampler(n_samples, micro_batch_size=micro_batch_size, dp_size=dp_size,
                                          dp_rank=dp_rank, whole_micro_batch=not scalable_dp)
         keep = None if scalable_dp else self.sampler.slice  # without scalable DP: read all, keep this rank's part
         inner = MicroBatchDataset(source, pre, need_pixels=need_pixels, on_truncation="error",
-                                  pad_to_seq_length=pad_to_seq_length, keep_slice=keep)
+                                  pad_to_seq_length=pad_to_seq_length, keep_slice=keep, pixel_slice=pixel_slice)
         self.dataset = _ValidationBatches(inner, keep)
         self.loader = torch.utils.data.DataLoader(
             self.dataset, sampler=self.sampler, batch_size=None, collate_fn=_identity, num_workers=num_workers,

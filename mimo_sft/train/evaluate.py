@@ -69,7 +69,10 @@ class Evaluator:
                                        dp_size=shard.dp_size, dp_rank=shard.dp_rank, need_pixels=shard.need_pixels,
                                        scalable_dp=cfg.parallel.scalable_dp,
                                        num_workers=resolve_num_workers(cfg.data.num_workers),
-                                       pad_to_seq_length=cfg.data.pad_to_seq_length)
+                                       pad_to_seq_length=cfg.data.pad_to_seq_length,
+                                       # colocated: decode only the encoder slice's images, as training does
+                                       pixel_slice=(shard.split.encoder.start, shard.split.encoder.stop)
+                                       if shard.split is not None else None)
         self.split = shard.split
         self.packed = cfg.data.in_batch_packing
         self.model = ctx.model
@@ -126,11 +129,12 @@ def evaluate_command(args: list[str]) -> int:
 
     as_json = "--json" in args
     args = [a for a in args if a != "--json"]
+    # the weights only, as --pretrained-checkpoint loads them: any layout (no optimizer state is read)
     if args and not args[0].startswith("-"):
-        args = ["--load-checkpoint", *args]
-    args = ["--load-checkpoint" if a == "--checkpoint" else a for a in args]
-    if "--load-checkpoint" in args and "--hf-model" not in args and "--config" not in args:
-        i = args.index("--load-checkpoint") + 1
+        args = ["--pretrained-checkpoint", *args]
+    args = ["--pretrained-checkpoint" if a in ("--checkpoint", "--load-checkpoint") else a for a in args]
+    if "--pretrained-checkpoint" in args and "--hf-model" not in args and "--config" not in args:
+        i = args.index("--pretrained-checkpoint") + 1
         base = read_meta(resolve_checkpoint(args[i])).get("hf_model") if i < len(args) else None
         args += ["--hf-model", base] if base else []
     return launch_checked(args, lambda cfg, layout: _evaluate(cfg, layout, as_json))

@@ -126,14 +126,17 @@ def family_adapter(model_type: str):
 def _lr_overrides(o) -> dict:
     """megatron param-group overrides: its standard ones (no weight decay for norms and biases: ``wd_mult``
     0), and the vision tower's and the merger's own peak and floor (``--vision-lr``, ``--projector-lr``;
-    ``--min-lr`` scaled by the same ratio, so the schedule keeps its shape). Always present, also when
-    they equal ``--lr``: the param groups are the same whatever the flags say."""
+    ``--min-lr`` scaled by the same ratio, so the schedule keeps its shape), only where they differ from
+    ``--lr``: a run without them has megatron's own groups. (megatron builds a module's groups from the
+    union over the ranks building at the same time, which depends on the layout when modules' groups
+    differ; ``train.checkpoint_optimizer.align_param_groups`` pairs them on another layout's resume.)"""
     from megatron.core.optimizer import get_standard_config_overrides
     from megatron.core.optimizer.optimizer_config import ParamKey
 
     overrides = get_standard_config_overrides(_opt_config_for_overrides(o))
     for attr, peak in ((VISION_LR_ATTR, o.vision_lr), (PROJECTOR_LR_ATTR, o.projector_lr)):
-        peak = o.lr if peak is None else peak
+        if peak is None or peak == o.lr:
+            continue
         overrides[ParamKey(attr=attr)] = {"max_lr": peak, "min_lr": o.min_lr * (peak / o.lr if o.lr else 1.0)}
     return overrides
 
