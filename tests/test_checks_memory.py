@@ -63,10 +63,11 @@ def test_good_settings_pass(hf_dir, args):
      "[21] --recompute-modules moe: a Qwen-VL dense decoder has no such part"),
     (["--recompute-granularity", "selective", "--recompute-modules", "attn"],
      "[21] --recompute-modules attn: unknown module; choose from core_attn, mlp"),
-    (["--sequence-parallel", "--seq-length", "1023"],
+    # (padded rows: packing, the default, pads each packed sequence itself)
+    (["--sequence-parallel", "--seq-length", "1023", "--no-in-batch-packing"],
      "[22] --seq-length 1023 is not a multiple of language tp=2, which --sequence-parallel splits every row's "
      "positions over; use --seq-length 1024"),
-    (["--sequence-parallel", "--no-pad-to-seq-length"], "[22] --sequence-parallel with --no-pad-to-seq-length"),
+    (["--sequence-parallel", "--no-pad-to-seq-length", "--no-in-batch-packing"], "[22] --sequence-parallel with --no-pad-to-seq-length"),
 ])
 def test_bad_settings_give_one_line_naming_the_flag(hf_dir, args, expected):
     problems, _ = findings(args, hf_dir)
@@ -95,7 +96,7 @@ def test_every_problem_at_once_through_validate(hf_dir):
 
     res = CliRunner().invoke(app, ["validate", "--quiet", *LAYOUT, "--hf-model", hf_dir, "--allow-random-init",
                                    "--recompute-method", "block", "--recompute-num-layers", "7",
-                                   "--sequence-parallel", "--seq-length", "999"])
+                                   "--sequence-parallel", "--seq-length", "999", "--no-in-batch-packing"])
     assert res.exit_code == 2, res.output
     for text in ("--recompute-method block needs", "--recompute-num-layers 7 needs", "--seq-length 999"):
         assert text in res.output, res.output
