@@ -27,8 +27,7 @@ class Tracker(Protocol):
 
 def numbers(row: dict) -> dict:
     """The numeric values of a metrics row (no ``step``, no ``None``; booleans as 0/1)."""
-    return {k: float(v) for k, v in row.items()
-            if k != "step" and isinstance(v, (int, float)) and v is not None}
+    return {k: float(v) for k, v in row.items() if k != "step" and isinstance(v, (int, float))}
 
 
 def flat_config(config: dict, prefix: str = "") -> dict:
