@@ -169,3 +169,71 @@ def test_deepstack_split_refuses_a_wrong_width():
         split_deepstack(torch.randn(5, 4), hidden=4, num_deepstack=2)
     main, deep = split_deepstack(torch.randn(0, 4), hidden=4, num_deepstack=2)  # megatron's empty payload
     assert main.shape == (0, 4) and len(deep) == 2
+
+
+def test_export_round_trip_is_bit_exact_and_loads_in_transformers(qwen3_dir, models, tmp_path):
+    """HF -> mimo -> HF gives the source tensors bit for bit; a trained weight (a DeepStack merger's)
+    survives, and transformers loads the folder with the logits of our model."""
+    from transformers import AutoModelForImageTextToText
+
+    from mimo_sft.model import build_single_process_model, export_model
+    from mimo_sft.model.check import compare, hf_forward, hf_position_ids, mimo_forward, random_batch
+    from mimo_sft.model.hf_checkpoint import HFCheckpoint
+
+    model, info = build_single_process_model(qwen3_dir)
+    export_model(model, qwen3_dir, str(tmp_path / "same"), max_shard_bytes=64 * 1024)
+    src, out = HFCheckpoint(qwen3_dir).full_dict(), HFCheckpoint(str(tmp_path / "same")).full_dict()
+    assert sorted(src) == sorted(out) and any("deepstack_merger_list" in k for k in src)
+    assert all(src[k].dtype == out[k].dtype and torch.equal(src[k], out[k]) for k in src)
+    enc = model.modality_submodules["images"].encoders[info.encoder_name]
+    with torch.no_grad():
+        enc.deepstack_merger_list[1].linear_fc2.weight.add_(0.5)
+        model.language_model.decoder.layers[0].self_attention.q_layernorm.weight.add_(0.5)
+    export_model(model, qwen3_dir, str(tmp_path / "trained"))
+    hf = AutoModelForImageTextToText.from_pretrained(str(tmp_path / "trained"), attn_implementation="eager",
+                                                     dtype=torch.float32).eval()
+    changed = sorted(k for k, v in hf.state_dict().items() if not torch.equal(v, models[0].state_dict()[k]))
+    assert changed == ["model.language_model.layers.0.self_attn.q_norm.weight",
+                       "model.visual.deepstack_merger_list.1.linear_fc2.weight"], changed
+    batch = random_batch(hf.config, seed=7, **BATCHES["mixed_sizes"])
+    ref, _ = hf_forward(hf, batch)
+    assert compare(mimo_forward(model.eval(), info, batch, hf_position_ids(hf, batch)), ref, batch["attention_mask"]) <= TOL
+
+
+@pytest.mark.parametrize("targets, saved", [
+    (("linear_qkv", "vision_mlp", "merger"), []),  # every vision linear that trains has an adapter
+    (("linear_fc1", "merger"), ["model.visual.patch_embed", "model.visual.pos_embed", "model.visual.blocks.0",
+                                "model.visual.blocks.1", "model.visual.blocks.2"]),
+])
+def test_lora_targets_and_peft_export(qwen3_dir, tmp_path, targets, saved):
+    """The vision targets adapt Qwen3-VL's own linears (``mlp.linear_fc1/2``, the main merger and every
+    DeepStack merger); ``PeftModel`` on transformers' model gives our LoRA model's logits (1e-5)."""
+    from peft import PeftModel
+    from transformers import AutoModelForImageTextToText
+
+    from mimo_sft.config.lora import LoraSpec
+    from mimo_sft.model.builder import build_single_process_model
+    from mimo_sft.model.check import compare, hf_forward, hf_position_ids, mimo_forward, random_batch
+    from mimo_sft.model.lora import apply_lora, lora_modules
+    from mimo_sft.model.lora_export import write_peft_adapter
+
+    model, info = build_single_process_model(qwen3_dir)
+    spec = LoraSpec(2, 4.0, 0.0, targets)
+    apply_lora(model, spec, seed=1)
+    vision = sorted(n.split("encoders.qwen_vit.")[1] for n, _ in lora_modules(model) if "encoders" in n)
+    mergers = [f"{m}.linear_fc{i}" for m in ("deepstack_merger_list.0", "deepstack_merger_list.1", "merger")
+               for i in (1, 2)]
+    mlps = [f"blocks.{b}.mlp.linear_fc{i}" for b in range(3) for i in (1, 2)] if "vision_mlp" in targets else []
+    assert vision == sorted(mlps + mergers), vision
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.add_(0.05 * torch.randn(p.shape, generator=gen))
+    written = write_peft_adapter(model, info, spec, qwen3_dir, str(tmp_path / "adapter"))
+    assert written["modules_to_save"] == saved
+    base = AutoModelForImageTextToText.from_pretrained(qwen3_dir, attn_implementation="eager", dtype=torch.float32)
+    batch = random_batch(base.config, seed=8, **BATCHES["mixed_sizes"])
+    ours = mimo_forward(model.eval(), info, batch, hf_position_ids(base, batch))
+    peft_logits, _ = hf_forward(PeftModel.from_pretrained(base.eval(), str(tmp_path / "adapter")).eval(), batch)
+    assert compare(peft_logits, ours, batch["attention_mask"]) < TOL
