@@ -237,3 +237,34 @@ def test_lora_targets_and_peft_export(qwen3_dir, tmp_path, targets, saved):
     ours = mimo_forward(model.eval(), info, batch, hf_position_ids(base, batch))
     peft_logits, _ = hf_forward(PeftModel.from_pretrained(base.eval(), str(tmp_path / "adapter")).eval(), batch)
     assert compare(peft_logits, ours, batch["attention_mask"]) < TOL
+
+
+def test_model_flops_match_torch_flop_counter(models):
+    """Our FLOPs formula (full-attention tower, DeepStack mergers, Qwen3 decoder with its head_dim) against
+    torch's FlopCounterMode on transformers' model (eager): tower alone, and the whole forward."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from mimo_sft.model.check import random_batch
+    from mimo_sft.train import flops as F
+
+    hf, _, _ = models
+    batch = random_batch(hf.config, seed=9, **BATCHES["mixed_sizes"])
+    grids = batch["image_grid_thw"]
+
+    def counted(fn):
+        with torch.no_grad(), FlopCounterMode(display=False) as counter:
+            fn()
+        return counter.get_total_flops()
+
+    tower = counted(lambda: hf.model.visual(batch["pixel_values"], grid_thw=grids))
+    assert F.vision_forward_flops(hf.config.vision_config, grids, family="qwen3_vl") == pytest.approx(tower, rel=1e-3)
+    # Qwen2.5's formula (gated MLP, no DeepStack mergers) would be off by far more than the tolerance
+    wrong = F.vision_forward_flops(hf.config.vision_config, grids, family="qwen3_vl") - \
+        2 * 2 * int(grids.prod(-1).sum()) // 4 * (4 * 32) ** 2
+    assert abs(wrong / tower - 1) > 1e-2
+    whole = counted(lambda: hf(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"].long(),
+                               pixel_values=batch["pixel_values"], image_grid_thw=grids,
+                               mm_token_type_ids=batch["mm_token_type_ids"]))
+    S = batch["input_ids"].shape[1]
+    fwd = F.forward_flops(hf.config, [S] * batch["input_ids"].shape[0], grids)
+    assert fwd.total == pytest.approx(whole, rel=1e-3) and fwd.vision == pytest.approx(tower, rel=1e-12)

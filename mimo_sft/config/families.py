@@ -73,6 +73,9 @@ class FamilySpec:
     #: ``"module:Class"`` of the transformers model whose ``get_rope_index`` gives the family's mRoPE
     #: positions (the data path runs it on a stand-in object, ``data.preprocess``; imported lazily)
     rope_index: str = "transformers.models.qwen2_5_vl.modeling_qwen2_5_vl:Qwen2_5_VLModel"
+    #: ``"module:function"`` of the vision tower's forward FLOPs ``(vision_config, grids) -> float``
+    #: (``train.flops``; pure arithmetic)
+    vision_flops: str = "mimo_sft.model.vision_flops:qwen2_5_vl"
 
     @property
     def modalities(self) -> tuple[str, ...]:
@@ -208,6 +211,7 @@ QWEN3_VL = register(FamilySpec(
     language_dims=_qwen_vl_language_dims,
     adapter="mimo_sft.model.qwen3_vl:Qwen3VLAdapter",
     rope_index="transformers.models.qwen3_vl.modeling_qwen3_vl:Qwen3VLModel",
+    vision_flops="mimo_sft.model.vision_flops:qwen3_vl",
 ))
 
 #: config.json ``model_type`` values of Qwen-VL generations mimo-sft knows of but cannot build yet, and why
