@@ -76,6 +76,8 @@ class FamilySpec:
     #: ``"module:function"`` of the vision tower's forward FLOPs ``(vision_config, grids) -> float``
     #: (``train.flops``; pure arithmetic)
     vision_flops: str = "mimo_sft.model.vision_flops:qwen2_5_vl"
+    #: the marked chat template (``data.processor.CHAT_TEMPLATES`` name) a folder's template must render like
+    chat_template: str = "qwen2_vl"
     #: megatron's full-layer recomputation of the language model works (check 30 refuses it otherwise,
     #: with the reason)
     language_full_recompute: bool = True
@@ -216,6 +218,7 @@ QWEN3_VL = register(FamilySpec(
     adapter="mimo_sft.model.qwen3_vl:Qwen3VLAdapter",
     rope_index="transformers.models.qwen3_vl.modeling_qwen3_vl:Qwen3VLModel",
     vision_flops="mimo_sft.model.vision_flops:qwen3_vl",
+    chat_template="qwen3_vl",
     # megatron's re-entrant layer checkpoint re-runs a layer in backward with only its own inputs: the
     # DeepStack features added after layers 0..k-1 would get no gradient (and the re-run fails)
     language_full_recompute=False,
