@@ -88,3 +88,20 @@ def test_decoder_layer_bytes_at_real_width(q3_8b):
     d = TextDims.from_config(read_hf_config(q3_8b))
     terms = act.language_layer_terms(d, tp=1, sp=False, b=2)
     assert terms["qk norm"] > 0 and abs(sum(terms.values()) * tokens - measured) <= 0.01 * measured, measured
+
+
+def test_shipped_qwen3_vl_config_validates_and_fits(q3_8b):
+    """configs/qwen3vl_8b_6gpu_noncolocated.yaml passes every check on the public 8B config.json, and the
+    forecast it quotes is the one validate prints (language 68.1, images 13.0 GiB)."""
+    import os
+
+    from mimo_sft.config.checks import check_config
+    from mimo_sft.config.loader import load_config
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cfg = load_config(["--config", os.path.join(root, "configs/qwen3vl_8b_6gpu_noncolocated.yaml"),
+                       "--hf-model", q3_8b, "--allow-random-init", "--gpu-memory-gb", "80"])
+    result = check_config(cfg, world_size=6)
+    assert result.ok, result.problems
+    peaks = {m: round(f["peak_bytes"] / 2 ** 30, 1) for m, f in result.memory["modules"].items()}
+    assert peaks == {"language": 68.1, "images": 13.0}, peaks
