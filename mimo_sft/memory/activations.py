@@ -15,9 +15,9 @@ selective ``core_attn`` drops the log-sum-exp (flash attention keeps no score ma
 saves little); ``mlp`` keeps only its input (already the fc1 input above); full recompute keeps only
 the layer's input, ``b h`` (/tp with sequence parallelism).
 
-vision block (transformers' Qwen2.5-VL, SDPA), per patch:
+vision block (transformers' Qwen2.5-VL, one SDPA call over all windows: ``model.vision_attention``), per patch:
     norms          2 x (4h fp32 input + 4 rstd + b h normalised + b h scaled)
-    qkv            3 b h (fused output) + 2 b h (rotated q, k)
+    qkv            3 b h (the padded q, k, v copies SDPA keeps; window padding at page edges adds a few %)
     attention      4 heads (log-sum-exp) + 2 b h (output, its contiguous copy for proj)
     mlp            4 b ffn (gate and up outputs, SiLU output, product)
 with ``--recompute-vision`` a block keeps only its input, ``b h``.
@@ -74,7 +74,7 @@ def vision_block_terms(v: VisionDims, *, b: int) -> dict[str, float]:
     h = v.hidden
     return {
         "norms": 2 * (FP32 * h + FP32 + 2 * b * h),
-        "qkv": 3 * b * h + 2 * b * h,
+        "qkv": 3 * b * h,
         "attention": FP32 * v.heads + 2 * b * h,
         "mlp": 4 * b * v.ffn,
     }

@@ -13,8 +13,9 @@ alignment), attended in one ``scaled_dot_product_attention`` call, and copied ba
 * causal (language): pads sit after each row's real tokens, so causal attention never lets a real
   token see them and no mask is needed (the flash kernel stays eligible on GPUs).
 
-The copies are ``index_copy`` into zeros and ``index_select`` back with one host-built index, so
-gradients flow to exactly the real rows. Extra work: attention over ``segments x width**2`` instead
+The copies are ``index_put`` into zeros and ``index_select`` back with one host-built index, so
+gradients flow to exactly the real rows, and autograd keeps only that index for them (``index_copy``
+would also keep its source: 3 more bytes x hidden per patch per block). Extra work: attention over ``segments x width**2`` instead
 of the sum of squared lengths (windows are at most 64 patches, so nearly none for windowed blocks;
 images and packed samples of very different lengths pay the difference in attention FLOPs only).
 Memory: the padded copies of q, k, v and the output; the mask is one bool per key slot.
@@ -60,7 +61,7 @@ class SegmentBatch:
     def scatter(self, x: torch.Tensor) -> torch.Tensor:
         """Packed ``[total, heads, d]`` -> padded ``[count, heads, width, d]`` (zeros in the pads)."""
         assert x.shape[0] == self.total, f"{x.shape[0]} packed rows, segments cover {self.total}"
-        padded = x.new_zeros((self.count * self.width,) + tuple(x.shape[1:])).index_copy(0, self.slots, x)
+        padded = x.new_zeros((self.count * self.width,) + tuple(x.shape[1:])).index_put((self.slots,), x)
         return padded.view(self.count, self.width, *x.shape[1:]).transpose(1, 2)
 
     def gather(self, out: torch.Tensor) -> torch.Tensor:

@@ -116,14 +116,17 @@ def language_layer_saved(block, cfg, tokens: int, *, dtype: torch.dtype, batch: 
 
 # ---- one transformers Qwen2.5-VL vision block ----------------------------------------------------
 def vision_block(hf_dir: str, *, dtype: torch.dtype):
-    """One ``Qwen2_5_VLVisionBlock`` of ``hf_dir``'s vision tower (SDPA attention), random weights."""
+    """One ``Qwen2_5_VLVisionBlock`` of ``hf_dir``'s vision tower with training's attention (one SDPA call
+    over all windows or images: ``model.vision_attention``), random weights."""
     import copy
 
     from transformers import Qwen2_5_VLConfig
     from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLVisionBlock
 
+    from mimo_sft.model.vision_attention import SEGMENT_ATTENTION
+
     vcfg = copy.deepcopy(Qwen2_5_VLConfig.from_pretrained(hf_dir).vision_config)
-    vcfg._attn_implementation = "sdpa"
+    vcfg._attn_implementation = SEGMENT_ATTENTION
     return Qwen2_5_VLVisionBlock(vcfg).to(dtype), vcfg
 
 
