@@ -8,8 +8,8 @@ Vision: the preset's real-width Qwen2.5-VL tower (1280 wide, 16 heads) on one do
 own tower with its ``sdpa`` path (one SDPA call per window or image); ``after`` is mimo-sft's encoder
 with ``model.vision_attention`` (one call per block). SDPA calls are counted with ``torch.profiler``
 on one windowed block and one full-attention block, then scaled to the preset's depth (its number of
-windowed and full blocks); forward+backward time is measured on a tower of ``--blocks`` real-width
-blocks (the last one full attention), fp32 on the CPU.
+windowed and full blocks); forward+backward CPU time (one thread) is measured on a tower of ``--blocks``
+real-width blocks (the last one full attention), fp32.
 
 Language: one packed micro-batch of ``--samples`` samples (seeded lengths) through the language
 core at the preset's real head layout: ``before`` the per-sample loop the core ran until issue 23
@@ -40,16 +40,17 @@ def sdpa_calls(fn) -> int:
 
 
 def fwd_bwd_seconds(fn, params, repeats: int) -> float:
-    """The fastest of ``repeats`` forward+backward passes (the machine is shared: the minimum is the
-    least disturbed)."""
+    """CPU seconds (``time.process_time``, one thread) of the fastest of ``repeats`` forward+backward
+    passes: on a machine shared with other work, wall time varies by 2x between identical runs, the
+    process's own CPU time by a few percent."""
     best = math.inf
     for _ in range(repeats):
         for p in params:
             p.grad = None
-        start = time.perf_counter()
+        start = time.process_time()
         out = fn()
         out.float().square().mean().backward()
-        best = min(best, time.perf_counter() - start)
+        best = min(best, time.process_time() - start)
     return best
 
 
@@ -100,7 +101,7 @@ def vision_rows(vcfg, args) -> list[tuple]:
     times = [fwd_bwd_seconds(lambda: before(hidden_states=x, grid_thw=grid).pooler_output,
                              list(before.parameters()), args.repeats),
              fwd_bwd_seconds(lambda: after(x, grid), list(after.parameters()), args.repeats)]
-    timing = (f"vision fwd+bwd s, {args.blocks} real-width blocks (last full), CPU fp32", *[f"{t:.2f}" for t in times])
+    timing = (f"vision fwd+bwd CPU s (1 thread), {args.blocks} real-width blocks (last full), fp32", *[f"{t:.2f}" for t in times])
     return rows, timing
 
 
@@ -156,7 +157,7 @@ def language_rows(tcfg, args):
             (f"language forward ({layers} layers)", calls[0] * layers, calls[1] * layers),
             ("language attention score entries (sum L^2 vs segments x width^2)", f"{flops[0]:,}", f"{flops[1]:,}")]
     times = [fwd_bwd_seconds(run_before, [q, k, v], args.repeats), fwd_bwd_seconds(run_after, [q, k, v], args.repeats)]
-    timing = ("language core fwd+bwd s, one layer, CPU fp32", *[f"{t:.3f}" for t in times])
+    timing = ("language core fwd+bwd CPU s (1 thread), one layer, fp32", *[f"{t:.3f}" for t in times])
     return rows, timing
 
 
@@ -172,7 +173,7 @@ def main() -> None:
 
     from mimo_sft.testing.tiny_checkpoint import preset_config
 
-    torch.set_num_threads(max(1, torch.get_num_threads()))
+    torch.set_num_threads(1)  # process CPU time is the measure (fwd_bwd_seconds)
     cfg = preset_config(args.preset)
     vision, vision_time = vision_rows(cfg.vision_config, args)
     language, language_time = language_rows(cfg.text_config, args)
