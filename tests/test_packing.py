@@ -1,7 +1,8 @@
 """In-batch packing and the SDPA attention core, in one process (no torchrun).
 
 * ``SDPAttention`` equals megatron's local ``DotProductAttention`` on padded rows (GQA, several
-  shapes), and on packed rows equals running each sample alone: no token sees another sample.
+  shapes), and on packed rows (one SDPA call for all samples) equals running each sample alone: no
+  token sees another sample.
 * ``pack_micro_batch`` keeps every real token, label, loss-mask entry and mRoPE position in order.
 * The whole MimoModel (vision tower, mRoPE, GQA, LM head, loss) on a packed micro-batch of mixed
   image sizes, several images per sample and a text-only sample gives the padded run's per-token loss
@@ -84,6 +85,9 @@ def test_packed_attention_equals_each_sample_alone(megatron_ready):
     params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=9, max_seqlen_kv=9)
     packed = ours(q, k, v, None, packed_seq_params=params)
     assert packed.shape == (18, 4 * d)
+    with torch.profiler.profile() as prof:  # one SDPA call for the four samples, not one per sample
+        ours(q, k, v, None, packed_seq_params=params)
+    assert sum(e.name == "aten::scaled_dot_product_attention" for e in prof.events()) == 1
     for start, end in zip(cu[:-1].tolist(), cu[1:].tolist()):
         alone = local(q[start:end, None], k[start:end, None], v[start:end, None], None)[:, 0]
         torch.testing.assert_close(packed[start:end], alone, rtol=1e-5, atol=1e-6)

@@ -17,9 +17,9 @@ the layer's input, ``b h`` (/tp with sequence parallelism).
 
 Qwen3 adds q/k norms (RMSNorm over the head dim, torch's): (heads + kv) (2 x 4 hd fp32 + 4 rstd) /tp.
 
-vision block (transformers' Qwen2.5-VL, SDPA), per patch:
+vision block (transformers' Qwen2.5-VL, one SDPA call over all windows: ``model.vision_attention``), per patch:
     norms          2 x (4h fp32 input + 4 rstd + b h normalised + b h scaled)
-    qkv            3 b h (fused output) + 2 b h (rotated q, k)
+    qkv            3 b h (the padded q, k, v copies SDPA keeps; window padding at page edges adds a few %)
     attention      4 heads (log-sum-exp) + 2 b h (output, its contiguous copy for proj)
     mlp            4 b ffn (gate and up outputs, SiLU output, product)
 Qwen3-VL's block (LayerNorm, plain GELU MLP): norms 2 x (b h input + 8 mean/rstd + b h output),
@@ -84,7 +84,7 @@ def vision_block_terms(v: VisionDims, *, b: int) -> dict[str, float]:
     norm = (b * h + 2 * FP32 + b * h) if v.layer_norm else (FP32 * h + FP32 + 2 * b * h)
     return {
         "norms": 2 * norm,
-        "qkv": 3 * b * h + 2 * b * h,
+        "qkv": 3 * b * h,
         "attention": FP32 * v.heads + 2 * b * h,
         "mlp": (4 if v.gated_mlp else 2) * b * v.ffn,
     }

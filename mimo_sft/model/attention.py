@@ -11,9 +11,10 @@ Two input formats, as megatron's ``Attention`` passes them:
 * ``sbhd`` (padded rows): ``q [s, b, heads, d]``, ``k/v [s, b, groups, d]`` -> ``[s, b, heads*d]``.
   Causal; right padding means real tokens never see pads, so no mask is needed.
 * ``thd`` (in-batch packing, ``packed_seq_params.qkv_format == "thd"``): ``q [t, heads, d]`` holding
-  several samples back to back, split by ``cu_seqlens_q``. Each sample gets its own causal SDPA
-  call, so no token attends across samples and no ``t x t`` mask is ever built. A handful of
-  samples per rank means a handful of calls per layer.
+  several samples back to back, split by ``cu_seqlens_q``. The samples are laid out as rows of one
+  padded batch (``model.segments``) and attended in one causal SDPA call per layer: no token attends
+  across samples, no ``t x t`` mask is built, and the flash kernel stays eligible on GPUs. The
+  layout is built once per forward from host ``cu_seqlens`` and shared by every layer.
 
 GQA uses SDPA's ``enable_gqa`` (no repeated K/V copies). No attention dropout: training builds the
 language model with ``attention_dropout=0`` (``train.setup``), so a dropout path here would never run
@@ -32,6 +33,8 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.utils import divide
+
+from mimo_sft.model.segments import SegmentBatch, segments_of
 
 #: the ``--attention-backend`` choices: ours, and megatron's local core (the reference)
 BACKENDS = ("sdpa", "local")
@@ -83,24 +86,31 @@ class SDPAttention(MegatronModule):
         return out.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.head_dim)
 
     def _packed(self, query, key, value, params: PackedSeqParams) -> torch.Tensor:
-        cu_q = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
-        cu_kv = params.cu_seqlens_kv_padded if params.cu_seqlens_kv_padded is not None else params.cu_seqlens_kv
-        # one PackedSeqParams serves every layer of a forward: read the bounds to the host once, not
-        # once per layer (a device sync each time on GPUs)
-        bounds = getattr(params, "_host_bounds", None)
-        if bounds is None:
-            assert cu_q is not None and torch.equal(cu_q, cu_kv), "SDPAttention: self-attention needs cu_seqlens_q == kv"
-            bounds = cu_q.tolist()
-            params._host_bounds = bounds
-        assert bounds[0] == 0 and bounds[-1] == query.shape[0], (
-            f"cu_seqlens {bounds} do not cover the {query.shape[0]} packed tokens")
-        outs = []
-        for start, end in zip(bounds[:-1], bounds[1:]):
-            if end == start:
-                continue
-            q, k, v = (x[start:end].transpose(0, 1).unsqueeze(0) for x in (query, key, value))  # [1, heads, L, d]
-            outs.append(self._sdpa(q, k, v)[0].transpose(0, 1))  # [L, heads, d]
-        return torch.cat(outs, dim=0).reshape(query.shape[0], self.heads * self.head_dim)
+        """One causal SDPA call over every ``cu_seqlens`` segment (``model.segments``)."""
+        assert not (self.training and self.dropout_p > 0), (
+            f"SDPAttention: attention dropout {self.dropout_p} is not supported (training uses attention_dropout=0)")
+        segments = packed_segments(params, query.device)
+        assert segments.total == query.shape[0], (
+            f"cu_seqlens cover {segments.total} tokens, the packed sequence has {query.shape[0]}")
+        out = segments.attend(query, key, value, causal=True, scale=self.scale)
+        return out.reshape(query.shape[0], self.heads * self.head_dim)
+
+
+def packed_segments(params: PackedSeqParams, device: torch.device) -> SegmentBatch:
+    """The segment layout of a forward's ``PackedSeqParams``, built once and shared by every layer.
+
+    ``cu_seqlens`` stay on the host (the forward step never moves them): megatron's THD rotary reads
+    them with ``.tolist()`` / ``.item()`` in every layer, host reads that cost no device sync, and the
+    layout's one index is copied to the device once per forward, here.
+    """
+    cu_q = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
+    cu_kv = params.cu_seqlens_kv_padded if params.cu_seqlens_kv_padded is not None else params.cu_seqlens_kv
+    segments = getattr(params, "_segments", None)
+    if segments is None:
+        assert cu_q is not None and torch.equal(cu_q, cu_kv), "SDPAttention: self-attention needs cu_seqlens_q == kv"
+        segments = segments_of(cu_q, device)
+        params._segments = segments
+    return segments
 
 
 def core_attention_class(backend: str):

@@ -21,13 +21,15 @@ from mimo_sft.model.family import ModelInfo
 from mimo_sft.model.hf_checkpoint import HFCheckpoint, read_config_json
 from mimo_sft.model.recompute import enable_vision_recompute, language_memory_settings, require_decoder_input_grad
 from mimo_sft.model.registry import get_family
+from mimo_sft.model.vision_attention import SEGMENT_ATTENTION
 from mimo_sft.parallel import runtime
 from mimo_sft.parallel.layout import IMAGES, LANGUAGE
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 DEFAULT_MAX_SEQ_LEN = 32768
-#: transformers' vision attention for each ``--attention-backend``
-VISION_ATTENTION = {"sdpa": "sdpa", "local": "eager"}
+#: transformers' vision attention for each ``--attention-backend``: one SDPA call per block
+#: (``model.vision_attention``), or transformers' eager attention beside megatron's local core
+VISION_ATTENTION = {"sdpa": SEGMENT_ATTENTION, "local": "eager"}
 
 
 def _check_layout(layout, hf_cfg, adapter, hf_dir: str) -> None:
@@ -65,8 +67,8 @@ def build_mimo_model(hf_dir: str, *, layout, parallel_state, model_cfg=None, ran
     recompute and sequence-parallel settings: ``model.recompute``); ``random_init`` overrides
     ``model_cfg.allow_random_init``. ``config_overrides`` is applied to the language
     ``TransformerConfig`` (and the encoder's DDP config), e.g. ``calculate_per_token_loss``.
-    ``attention``: ``"sdpa"`` (``model.attention.SDPAttention`` for the language model, transformers'
-    SDPA for the vision tower) or ``"local"`` (megatron's local core, transformers' eager vision
+    ``attention``: ``"sdpa"`` (``model.attention.SDPAttention`` for the language model, one SDPA call per
+    vision block: ``model.vision_attention``) or ``"local"`` (megatron's local core, transformers' eager vision
     attention); default ``model_cfg.attention_backend``, else ``"sdpa"``. ``cpu_init``: create the
     parameters in host memory (default: when the process's device is the CPU; export asks for it on
     GPU machines too). ``runtime.init_megatron`` must have run.

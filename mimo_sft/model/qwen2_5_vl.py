@@ -18,6 +18,7 @@ from mimo_sft.model.decoder_weights import (DecoderNames, DecoderShape, expected
                                             iter_decoder_shard, pad_vocab)
 from mimo_sft.model.family import FamilyAdapter, ModelInfo
 from mimo_sft.model.pixels import PixelNorm, float_patches
+from mimo_sft.model.vision_attention import SegmentAttentionTower, host_vision_kwargs
 from mimo_sft.parallel.layout import IMAGES
 
 try:  # transformers is a hard dependency; the import is here so the error names the family
@@ -26,13 +27,17 @@ except ImportError as _err:  # pragma: no cover
     raise ImportError(f"Qwen2.5-VL support needs transformers>=5 ({_err})")
 
 
-class Qwen25VisionEncoder(Qwen2_5_VisionTransformerPretrainedModel):
+class Qwen25VisionEncoder(SegmentAttentionTower, Qwen2_5_VisionTransformerPretrainedModel):
     """HF's Qwen2.5-VL vision tower + patch merger as a MIMO encoder.
 
     ``pixel_values`` are uint8 patches from the data path (normalised here, on the device:
     ``model.pixels``) or transformers' float patches. ``forward(pixel_values, image_grid_thw)`` returns the merged tokens ``[sum_i t*h*w/merge**2,
     out_hidden]`` (images in batch order), which MimoModel scatters onto the image placeholders.
     Parameter names are exactly HF's (``patch_embed.*``, ``blocks.N.*``, ``merger.*``).
+
+    Attention (``model.vision_attention``): with ``--attention-backend sdpa`` one SDPA call per block
+    over all windows or all images of the micro-batch; positions, window order and bounds come from
+    the host ``image_grid_thw`` (the forward step hands the host copy), so no block reads the device.
 
     Zero images (a colocated bridge's gather group needs every rank's encoder output, see
     ``train.bridge``) give ``[0, out_hidden]`` connected to every trainable parameter, so it requires
@@ -57,7 +62,9 @@ class Qwen25VisionEncoder(Qwen2_5_VisionTransformerPretrainedModel):
         if pixel_values.dtype == torch.uint8:  # training's data path; float patches (HF's) pass as they are
             assert self.pixel_norm is not None, "uint8 pixels need the checkpoint's pixel_norm (model.builder sets it)"
             pixel_values = float_patches(pixel_values, self.pixel_norm)
-        out = super().forward(hidden_states=pixel_values.to(self.patch_embed.proj.weight.dtype), grid_thw=image_grid_thw)
+        precomputed = host_vision_kwargs(image_grid_thw, self.config, pixel_values.device)
+        out = super().forward(hidden_states=pixel_values.to(self.patch_embed.proj.weight.dtype),
+                              grid_thw=image_grid_thw, **precomputed)
         return out.pooler_output
 
     def _no_images(self) -> torch.Tensor:

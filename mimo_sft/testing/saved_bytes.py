@@ -76,6 +76,7 @@ def language_layer(hf_dir: str, *, dtype: torch.dtype, recompute: dict | None = 
 
     from mimo_sft.model.hf_checkpoint import read_config_json
     from mimo_sft.model.registry import get_family
+    from mimo_sft.model.vision_attention import SEGMENT_ATTENTION
     from mimo_sft.parallel.bootstrap import start_single_process
 
     state = pstate or start_single_process("cpu")
@@ -117,16 +118,18 @@ def language_layer_saved(block, cfg, tokens: int, *, dtype: torch.dtype, batch: 
 # ---- one transformers vision block of the checkpoint's family --------------------------------------
 def vision_block(hf_dir: str, *, dtype: torch.dtype):
     """One vision block of ``hf_dir``'s tower (its family's ``vision_block_class``: transformers'
-    ``Qwen2_5_VLVisionBlock`` / ``Qwen3VLVisionBlock``), SDPA attention, random weights."""
+    ``Qwen2_5_VLVisionBlock`` / ``Qwen3VLVisionBlock``) with training's attention (one SDPA call over
+    all windows or images: ``model.vision_attention``), random weights."""
     import copy
 
     from mimo_sft.model.hf_checkpoint import read_config_json
     from mimo_sft.model.registry import get_family
+    from mimo_sft.model.vision_attention import SEGMENT_ATTENTION
 
     raw = read_config_json(hf_dir)
     adapter = get_family(raw, hf_dir=hf_dir)
     vcfg = copy.deepcopy(adapter.load_hf_config(hf_dir, raw).vision_config)
-    vcfg._attn_implementation = "sdpa"
+    vcfg._attn_implementation = SEGMENT_ATTENTION
     return adapter.vision_block_class()(vcfg).to(dtype), vcfg
 
 

@@ -150,12 +150,13 @@ class StepRunner:
         has_enc = any(n != LANGUAGE for n in self.mine)
         packing_kwargs = None
         if self.packing and has_lang:  # every language stage packs the same rows the same way
+            # cu_seqlens stay on the host: every layer's rotary and attention read them there (no device sync)
             batch, packing_kwargs = pack_micro_batch(batch, multiple=self.pack_multiple)
-            packing_kwargs = runtime.to_device(packing_kwargs)
+        host_grid = batch.get("image_grid_thw")
         batch = runtime.to_device(batch)
         kwargs = {"input_ids": batch["input_ids"]}
-        if has_enc:
-            kwargs["modality_inputs"] = self.modality_inputs_fn(batch)
+        if has_enc:  # the vision tower plans its attention from the host grid (model.vision_attention)
+            kwargs["modality_inputs"] = self.modality_inputs_fn(dict(batch, image_grid_thw=host_grid))
         if has_lang:
             # Right padding + causal attention: real tokens never attend to pads, so no padding
             # mask is needed (colocated MIMO passes None anyway); pads are masked in the loss.

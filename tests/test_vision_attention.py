@@ -1,0 +1,181 @@
+"""One attention call per vision block (``model.vision_attention``, ``model.segments``), in one process.
+
+The reference is transformers' own tower with its ``sdpa`` path (one SDPA call per window or image):
+* Qwen2.5-VL (windowed and full-attention blocks; partial windows at the right and bottom edges, so the
+  key mask matters): the encoder's output and every parameter's gradient, fp32, relative 1e-5, on
+  images of mixed sizes and aspect ratios, and one SDPA call per block where transformers makes one per
+  window; the window and image bounds carry host layouts, so no block reads the device.
+* Qwen3-VL's tower (full attention over images, deepstack), given the implementation name and the mixin
+  only: the same numbers through the fallback that reads ``cu_seqlens`` once per forward.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch.profiler import profile
+
+# images of one micro-batch: mixed sizes and aspect ratios (in patches), several with partial windows
+GRIDS = [[1, 6, 10], [1, 4, 4], [1, 14, 6], [1, 2, 2], [1, 10, 12]]
+
+
+def _sdpa_calls(fn) -> int:
+    with profile() as prof:
+        fn()
+    return sum(e.name == "aten::scaled_dot_product_attention" for e in prof.events())
+
+
+def _compare(ref_module, ours_module, run_ref, run_ours):
+    """Outputs and per-parameter gradients of two towers holding the same weights (relative 1e-5)."""
+    ref_out, ours_out = run_ref(), run_ours()
+    assert ref_out.shape == ours_out.shape
+    err = (ours_out - ref_out).detach().abs().max() / ref_out.detach().abs().max()
+    assert float(err) <= 1e-5, float(err)
+    weight = torch.randn_like(ref_out, generator=torch.Generator().manual_seed(3))
+    (ref_out * weight).sum().backward()
+    (ours_out * weight).sum().backward()
+    ref_grads = dict(ref_module.named_parameters())
+    checked = 0
+    for name, p in ours_module.named_parameters():
+        ref = ref_grads[name].grad
+        assert ref is not None and p.grad is not None, name
+        err = float((p.grad - ref).abs().max() / ref.abs().max().clamp_min(1e-12))
+        assert err <= 1e-5, (name, err)
+        checked += 1
+    return checked
+
+
+def _qwen25_towers():
+    from transformers import Qwen2_5_VLConfig
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
+
+    from mimo_sft.model.qwen2_5_vl import Qwen25VisionEncoder
+    from mimo_sft.model.vision_attention import SEGMENT_ATTENTION
+
+    vcfg = Qwen2_5_VLConfig(vision_config=dict(
+        depth=4, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=48, patch_size=14,
+        spatial_merge_size=2, temporal_patch_size=2, window_size=56, fullatt_block_indexes=[1, 3])).vision_config
+    ref_cfg, ours_cfg = copy.deepcopy(vcfg), copy.deepcopy(vcfg)
+    ref_cfg._attn_implementation, ours_cfg._attn_implementation = "sdpa", SEGMENT_ATTENTION
+    torch.manual_seed(0)
+    ref = Qwen2_5_VisionTransformerPretrainedModel(ref_cfg).float()
+    with torch.no_grad():  # biases and norms away from their init so they matter
+        for name, p in ref.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(0.1 * torch.randn_like(p))
+    ours = Qwen25VisionEncoder(ours_cfg).float()
+    ours.load_state_dict(ref.state_dict())
+    assert ours.config._attn_implementation == SEGMENT_ATTENTION
+    return ref, ours
+
+
+def test_qwen25_tower_one_call_per_block_equals_transformers_per_parameter():
+    from mimo_sft.model.segments import segments_of
+    from mimo_sft.model.vision_attention import host_vision_kwargs
+
+    ref, ours = _qwen25_towers()
+    grid = torch.tensor(GRIDS)
+    x = torch.randn(int(grid.prod(1).sum()), 3 * 2 * 14 * 14, generator=torch.Generator().manual_seed(1))
+    checked = _compare(ref, ours, lambda: ref(hidden_states=x, grid_thw=grid).pooler_output, lambda: ours(x, grid))
+    assert checked == len(list(ours.parameters())) > 20
+
+    depth = len(ours.blocks)
+    with torch.no_grad():
+        assert _sdpa_calls(lambda: ours(x, grid)) == depth
+        # transformers calls once per window in windowed blocks and once per image in full ones
+        assert _sdpa_calls(lambda: ref(hidden_states=x, grid_thw=grid)) > 4 * depth
+
+    # every bound the blocks receive already holds its layout, built on the host: no block reads the device
+    kw = host_vision_kwargs(grid, ours.config, torch.device("cpu"))
+    windows, images = segments_of(kw["cu_window_seqlens"]), segments_of(kw["cu_seqlens"])
+    assert getattr(kw["cu_window_seqlens"], "_mimo_segments") is windows
+    assert images.count == len(GRIDS) and images.width == 120 and images.key_mask is not None
+    assert windows.width == 16 and windows.count > len(GRIDS) and windows.key_mask is not None  # edge windows
+    assert kw["max_window_seqlen"] == 16 and kw["max_seqlen"] == 120
+
+
+def test_qwen25_tower_keeps_images_apart():
+    """The test can fail: attention across the micro-batch's images changes the first image's output."""
+    _, ours = _qwen25_towers()
+    grid = torch.tensor(GRIDS[:2])
+    n0 = int(grid[0].prod())
+    x = torch.randn(int(grid.prod(1).sum()), 3 * 2 * 14 * 14, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        both = ours(x, grid)
+        alone = ours(x[:n0], grid[:1])
+        other = x.clone()
+        other[n0:] += 1.0  # change only the second image
+        changed = ours(other, grid)
+    merged0 = n0 // 4
+    torch.testing.assert_close(both[:merged0], alone, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(changed[:merged0], both[:merged0], rtol=0, atol=0)
+    assert not torch.allclose(changed[merged0:], both[merged0:])
+
+
+def test_qwen3_vl_tower_gets_one_call_per_block_from_the_mixin():
+    from transformers import Qwen3VLConfig
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
+
+    from mimo_sft.model.vision_attention import SEGMENT_ATTENTION, SegmentAttentionTower
+
+    class Tower(SegmentAttentionTower, Qwen3VLVisionModel):
+        pass
+
+    vcfg = Qwen3VLConfig(vision_config=dict(
+        depth=3, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=48, patch_size=16,
+        spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=64,
+        deepstack_visual_indexes=[1])).vision_config
+    ref_cfg, ours_cfg = copy.deepcopy(vcfg), copy.deepcopy(vcfg)
+    ref_cfg._attn_implementation, ours_cfg._attn_implementation = "sdpa", SEGMENT_ATTENTION
+    torch.manual_seed(0)
+    ref = Qwen3VLVisionModel(ref_cfg).float()
+    ours = Tower(ours_cfg).float()
+    ours.load_state_dict(ref.state_dict())
+    grid = torch.tensor([[1, 6, 10], [1, 4, 4], [1, 8, 2]])
+    x = torch.randn(int(grid.prod(1).sum()), 3 * 2 * 16 * 16, generator=torch.Generator().manual_seed(1))
+
+    def run(model):
+        out = model(hidden_states=x, grid_thw=grid)
+        return torch.cat([out.pooler_output, *out.deepstack_features])
+
+    checked = _compare(ref, ours, lambda: run(ref), lambda: run(ours))
+    assert checked > 20
+    with torch.no_grad():
+        assert _sdpa_calls(lambda: run(ours)) == len(ours.blocks)
+        assert _sdpa_calls(lambda: run(ref)) == len(ours.blocks) * len(grid)
+
+
+def test_segment_batch_lays_segments_out_as_padded_rows():
+    from mimo_sft.model.segments import SegmentBatch
+
+    lengths = [3, 9, 1]
+    batch = SegmentBatch([3, 0, 9, 1], torch.device("cpu"))  # an empty segment is skipped
+    assert (batch.count, batch.width, batch.total) == (3, 16, 13)
+    x = torch.arange(13.0).view(13, 1, 1).expand(13, 2, 4).contiguous()
+    padded = batch.scatter(x)
+    assert padded.shape == (3, 2, 16, 4)
+    assert padded[1, 0, :9, 0].tolist() == [float(v) for v in range(3, 12)] and padded[1, 0, 9:].abs().sum() == 0
+    assert batch.key_mask[:, 0, 0].sum(1).tolist() == lengths
+    torch.testing.assert_close(batch.gather(padded), x, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_segment_attention_equals_each_segment_alone(causal):
+    import torch.nn.functional as F
+
+    from mimo_sft.model.segments import SegmentBatch
+
+    g = torch.Generator().manual_seed(4)
+    lengths = [5, 1, 12, 3]
+    q = torch.randn(sum(lengths), 4, 8, generator=g)
+    k, v = (torch.randn(sum(lengths), 2, 8, generator=g) for _ in range(2))  # GQA: 2 kv groups
+    out = SegmentBatch(lengths, torch.device("cpu")).attend(q, k, v, causal=causal, scale=0.3)
+    start = 0
+    for n in lengths:
+        sl = slice(start, start + n)
+        alone = F.scaled_dot_product_attention(*(t[sl].transpose(0, 1)[None] for t in (q, k, v)), is_causal=causal,
+                                               scale=0.3, enable_gqa=True)[0].transpose(0, 1)
+        torch.testing.assert_close(out[sl], alone, rtol=1e-5, atol=1e-6)
+        start += n
