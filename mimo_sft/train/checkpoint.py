@@ -66,6 +66,7 @@ def save_checkpoint(root: str, *, step: int, consumed_samples: int, ctx, extra_m
         keep_last = ctx.cfg.checkpoint.keep_last_checkpoints
     if pending is not None:
         pending.wait()  # one save in flight at a time
+    ctx.finish_param_gather()  # --overlap-param-gather: the updated weights, not the previous step's shards
     rank = dist.get_rank()
     tmp = iter_dir(root, step) + ".tmp"
     if rank == 0:
