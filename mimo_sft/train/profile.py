@@ -12,7 +12,8 @@ The step's phases are named ranges (``torch.profiler.record_function``) on the t
 range                  where it is opened
 =====================  ===========================================================================
 ``data wait``          ``train.feed.Feed.__next__``: the schedule waiting for its next micro-batch
-``reorder wait``       inside it, ``data.reorder.buffer``: waiting for the reorder plan / exchange
+``reorder wait``       inside it, ``data.reorder.buffer``: waiting for the reorder exchange
+                       (``--reorder-mode exchange``; the index mode plans in the data loader: data wait)
 ``encoder forward``    the vision module's forward (module hooks below)
 ``encoder backward``   from the gradient of its output; ends where the next phase starts (its input,
                        pixels, has no gradient to mark the end)
