@@ -24,6 +24,7 @@ from mimo_sft.config import checks_family, checks_memory, families
 from mimo_sft.config.checks_checkpoint import c24_checkpoint_writing
 from mimo_sft.config.checks_data_scale import c25_data_scale
 from mimo_sft.config.checks_eval import c28_validation
+from mimo_sft.config.checks_overlap import c33_overlap_and_profiler
 from mimo_sft.config.checks_paths import c26_run_folders, c27_extra_folders
 from mimo_sft.config.families import FamilySpec
 from mimo_sft.config.checks_forecast import c23_memory
@@ -403,6 +404,7 @@ CHECKS: tuple[tuple[int, str, Callable], ...] = (
     (28, "validation settings", c28_validation),
     (29, "learning rates and experiment trackers", c29_learning_rates_and_trackers),
     (30, "model family matches the checkpoint", checks_family.c30_model_family),
+    (33, "overlapped reduction and profiler settings", c33_overlap_and_profiler),
 )
 
 

@@ -137,6 +137,9 @@ class OptimizerConfig:
     adam_eps: float = opt(1e-8, "--adam-eps", "Adam epsilon")
     clip_grad: float = opt(1.0, "--clip-grad", "global gradient-norm clip (0 disables)")
     use_distributed_optimizer: bool = opt(True, "--use-distributed-optimizer", "shard optimizer state (Adam moments, fp32 main weights) across DP ranks; on by default (LoRA runs use the plain optimizer)", negatable=True)
+    overlap_grad_reduce: bool = opt(True, "--overlap-grad-reduce", "reduce each gradient bucket over DP as soon as the last micro-batch's backward has produced it, overlapped with the rest of backward (megatron DDP); exact, so on by default (--no-overlap-grad-reduce: one reduction after backward)")
+    overlap_param_gather: Optional[bool] = opt(None, "--overlap-param-gather", "distributed optimizer: all-gather the updated weights bucket by bucket during the next forward instead of right after the optimizer step (default: on where the distributed optimizer is in use and --overlap-grad-reduce is on)", negatable=True)
+    ddp_bucket_size: Optional[int] = opt(None, "--ddp-bucket-size", "parameters per gradient-reduction bucket with --overlap-grad-reduce (default: megatron's, max(40M, 1M x DP size); smaller buckets start reducing earlier, at more collectives per step)")
 
 
 @dataclass
@@ -163,6 +166,9 @@ class LoggingConfig:
     wandb_save_dir: Optional[str] = opt(None, "--wandb-save-dir", "folder for W&B's local files (default: OUTPUT_DIR/wandb)")
     mlflow_tracking_uri: Optional[str] = opt(None, "--mlflow-tracking-uri", "log the config and every metric to this MLflow tracking server or store (a local folder or file: URI works offline; needs: pip install mlflow-skinny)")
     mlflow_experiment: Optional[str] = opt(None, "--mlflow-experiment", "MLflow experiment name (default: mimo-sft); alone, it logs to the MLFLOW_TRACKING_URI environment variable's store, else OUTPUT_DIR/mlruns")
+    profile_steps: Optional[str] = opt(None, "--profile-steps", "record a torch.profiler trace of steps A through B (1-based, e.g. 3:4) on each rank of --profile-ranks, with the step's phases as named ranges; written per rank under --profile-dir (Perfetto: the .pt.trace.json file; TensorBoard: its profiler plugin on the folder)")
+    profile_ranks: Optional[str] = opt(None, "--profile-ranks", "comma-separated ranks that record --profile-steps (default: every rank)")
+    profile_dir: Optional[str] = opt(None, "--profile-dir", "folder of the --profile-steps traces (default: OUTPUT_DIR/profile)")
     save_grads: Optional[str] = opt(None, "--save-grads", "debugging: write each step's reduced gradients (before clipping) as a layout-free checkpoint under DIR/iter_N")
 
 

@@ -34,6 +34,7 @@ from typing import NamedTuple, Sequence
 import torch
 
 from mimo_sft.data.colocated import colocated_read_plan, image_tokens_per_sample
+from mimo_sft.train.profile import phase
 
 
 class BridgePlan(NamedTuple):
@@ -103,7 +104,8 @@ class PaddedBridge:
         plan, self._plan = self._plan, None
         if plan is None:
             raise RuntimeError("PaddedBridge.communicate without prepare() for this micro-batch")
-        return strip_blocks(self.comm.communicate(pad_blocks(x, plan)), plan)
+        with phase("bridge"):
+            return strip_blocks(self.comm.communicate(pad_blocks(x, plan)), plan)
 
     def destroy(self) -> None:
         self.comm.destroy()

@@ -66,6 +66,7 @@ def save_checkpoint(root: str, *, step: int, consumed_samples: int, ctx, extra_m
         keep_last = ctx.cfg.checkpoint.keep_last_checkpoints
     if pending is not None:
         pending.wait()  # one save in flight at a time
+    ctx.finish_param_gather()  # --overlap-param-gather: the updated weights, not the previous step's shards
     rank = dist.get_rank()
     tmp = iter_dir(root, step) + ".tmp"
     if rank == 0:
@@ -85,7 +86,7 @@ def save_checkpoint(root: str, *, step: int, consumed_samples: int, ctx, extra_m
     meta = {"step": step, "consumed_samples": consumed_samples, "world_size": dist.get_world_size(),
             "layout": layout_signature(ctx.layout), "hf_model": ctx.cfg.model.hf_model, **_optimizer_kind(ctx),
             **({"distributed_optimizer_format": save_format(ctx.cfg)} if save_format(ctx.cfg) else {}),
-            **lora_meta(ctx.cfg.model), **(extra_meta or {})}
+            **bucket_meta(ctx), **lora_meta(ctx.cfg.model), **(extra_meta or {})}
     box = [None]
 
     def publish_when_written():  # every rank, once every rank's parts are on disk
@@ -246,6 +247,14 @@ def load_checkpoint(path: str, ctx) -> tuple[int, int]:
               f"step {meta['step']} and data position ({meta['consumed_samples']} samples) are restored "
               f"(saved with {_fmt_layout(saved_layout or [])})", flush=True)
     return int(meta["step"]), int(meta["consumed_samples"])
+
+
+def bucket_meta(ctx) -> dict:
+    """The language model's DDP bucket size as built (``train.buckets``: a DP-reshardable optimizer
+    state resumes only into the same buckets); the same on every rank, so rank 0 can write it."""
+    from mimo_sft.train.buckets import META_KEY
+
+    return {META_KEY: ctx.language_bucket_size}
 
 
 def _optimizer_kind(ctx) -> dict:

@@ -22,6 +22,7 @@ from mimo_sft.data.reorder import ReorderingBuffer, make_cost_fn, make_patch_cou
 from mimo_sft.parallel.layout import LANGUAGE
 from mimo_sft.train.metrics import ModelFlopsCounter
 from mimo_sft.train.packing import computed_positions
+from mimo_sft.train.profile import phase
 
 
 @dataclass
@@ -72,7 +73,8 @@ class Feed:
 
     def __next__(self) -> dict:
         t0 = time.perf_counter()
-        batch = next(self._src)
+        with phase("data wait"):
+            batch = next(self._src)
         self.counters.data_wait_s += time.perf_counter() - t0
         if self.reorder is not None:
             stats = self.reorder.last_stats

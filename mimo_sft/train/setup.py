@@ -13,17 +13,19 @@ by ``train.checkpoint.restore`` (the trainer's ``resume``). This file only wires
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
 from mimo_sft.config.schema import ExperimentConfig
+from mimo_sft.config.checks_overlap import overlap_param_gather_in_use
 from mimo_sft.config.lora import LoraSpec, distributed_optimizer_in_use
 from mimo_sft.parallel import runtime  # first: importing mimo_sft.parallel makes megatron importable
 from mimo_sft.parallel.groups import ParallelState, build_parallel_state
 from mimo_sft.parallel.layout import LANGUAGE, Layout
 from mimo_sft.model.lora import apply_lora
 from mimo_sft.train.bridge import install_padded_bridges
+from mimo_sft.train.buckets import check_bucket_shards, language_bucket_size
 
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig  # noqa: E402
 from megatron.core.enums import ModelType  # noqa: E402
@@ -42,6 +44,18 @@ class TrainContext:
     modules: dict
     optimizer: Any
     rank: int
+    #: parameters per gradient bucket of the language model (``train.buckets``; None: one bucket)
+    language_bucket_size: Optional[int] = None
+
+    def finish_param_gather(self) -> None:
+        """Every DP replica holds the updated weights on return. With ``--overlap-param-gather`` the
+        optimizer step leaves the all-gather of the other ranks' shards to the next forward's
+        pre-hooks; whoever reads the weights before it (a checkpoint save) calls this first.
+        Collective over each overlapping module's DP group; megatron's next forward then finds the
+        gather done and issues none."""
+        for module in self.modules.values():
+            if module.ddp_config.overlap_param_gather:
+                module.start_param_sync(force_sync=True)
 
     @property
     def is_metrics_rank(self) -> bool:
@@ -81,34 +95,61 @@ def build_model_and_optimizer(cfg: ExperimentConfig, layout: Layout, pstate: Par
     if layout.colocated:  # fan-in / fan-out bridges cut encoder output on sample boundaries
         install_padded_bridges(model, layout, micro_batch_size=cfg.train.micro_batch_size,
                                image_token_id=info.image_token_id)
-    ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-        use_distributed_optimizer=distributed_optimizer_in_use(cfg),
-        check_for_nan_in_grad=True, bucket_size=None)
     modules = {}
+    bucket_size = language_bucket_size(cfg, announce=rank == 0)  # every rank: rank 0 writes it to meta.json
     if model.language_model is not None:
         model.language_model = DistributedDataParallel(
-            config=info.language_config, ddp_config=ddp_config, module=model.language_model,
-            pg_collection=pstate.modules[LANGUAGE].pg_collection)
+            config=info.language_config, ddp_config=ddp_config_for(cfg, language=True, bucket_size=bucket_size),
+            module=model.language_model, pg_collection=pstate.modules[LANGUAGE].pg_collection)
+        check_bucket_shards(model.language_model, bucket_size)
         modules[LANGUAGE] = model.language_model
     for name in list(model.modality_submodules.keys()):
         sub = model.modality_submodules[name]
         if sub is None:
             continue
-        wrapped = DistributedDataParallel(config=info.vision_config, ddp_config=ddp_config, module=sub,
+        wrapped = DistributedDataParallel(config=info.vision_config, ddp_config=ddp_config_for(cfg, language=False), module=sub,
                                           pg_collection=pstate.modules[name].pg_collection)
         model.modality_submodules[name] = wrapped
         modules[name] = wrapped
     if not with_optimizer:
-        return TrainContext(cfg, layout, pstate, model, info, modules, None, rank)
+        return TrainContext(cfg, layout, pstate, model, info, modules, None, rank, bucket_size)
     o = cfg.optimizer
     opt_cfg = OptimizerConfig(
         optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay, adam_beta1=o.adam_beta1,
         adam_beta2=o.adam_beta2, adam_eps=o.adam_eps, clip_grad=o.clip_grad, bf16=bf16, fp16=False,
         params_dtype=torch.bfloat16 if bf16 else torch.float32,
-        use_distributed_optimizer=distributed_optimizer_in_use(cfg))
+        use_distributed_optimizer=distributed_optimizer_in_use(cfg),
+        overlap_param_gather=overlap_param_gather_in_use(cfg))  # megatron: "the same value as" DDP's
     optimizer = _without_empty_optimizers(build_mimo_optimizer(model, opt_cfg, _lr_overrides(o)), modules)
-    return TrainContext(cfg, layout, pstate, model, info, modules, optimizer, rank)
+    return TrainContext(cfg, layout, pstate, model, info, modules, optimizer, rank, bucket_size)
+
+
+def ddp_config_for(cfg: ExperimentConfig, *, language: bool, bucket_size: Optional[int] = None) -> DistributedDataParallelConfig:
+    """megatron DDP's settings for one module (a fresh object each: megatron's DDP writes its resolved
+    bucket size into the config it is given); fp32 gradient buffers.
+
+    The language model overlaps: ``--overlap-grad-reduce`` starts each bucket's reduce-scatter /
+    all-reduce from the backward hook of its last parameter in the step's last micro-batch (megatron's
+    schedules bracket the others in ``train.step``'s ``no_sync``), and ``--overlap-param-gather``
+    (distributed optimizer) all-gathers the updated weights bucket by bucket from forward pre-hooks of
+    the next forward instead of right after the optimizer step (``TrainContext.finish_param_gather``
+    completes them where weights are read otherwise: a checkpoint save). Both are exact there because
+    every language rank computes every parameter in every micro-batch, so all DP ranks issue the same
+    collectives in the same order. ``bucket_size``: parameters per bucket (``train.buckets``; None:
+    one bucket).
+
+    The vision modules do not: a vision rank whose micro-batch has no image skips the encoder, so its
+    buckets would become ready (and its forward pre-hooks fire) at other times than its DP peers' --
+    megatron would wait for a reduction never started, or pair different buckets' collectives. They
+    reduce after backward and gather right after the optimizer step, as without the flags; their
+    backward of the last micro-batch ends the step on their ranks in both schedules, so a reduction
+    started early would have little compute left to hide behind."""
+    o = cfg.optimizer
+    return DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, overlap_grad_reduce=bool(o.overlap_grad_reduce) and language,
+        overlap_param_gather=overlap_param_gather_in_use(cfg) and language,
+        use_distributed_optimizer=distributed_optimizer_in_use(cfg),
+        check_for_nan_in_grad=True, bucket_size=bucket_size if language else None)
 
 
 #: parameter attributes that route a vision-module parameter to its learning rate (set below, read by

@@ -31,6 +31,7 @@ import torch.distributed as dist
 from mimo_sft.parallel import runtime  # first: importing mimo_sft.parallel makes megatron importable
 from mimo_sft.train.bridge import padded_bridges
 from mimo_sft.train.packing import pack_micro_batch
+from mimo_sft.train.profile import phase
 
 from megatron.core.distributed.finalize_model_grads import finalize_model_grads  # noqa: E402
 from megatron.core.models.mimo.config.role import MIMO_LANGUAGE_MODULE_KEY  # noqa: E402
@@ -76,6 +77,35 @@ def _language_loss(loss_mask: torch.Tensor, output: torch.Tensor):
     return loss_sum, count.to(torch.int), {"loss_sum_and_tokens": report}
 
 
+class _BridgeRanges(MultiModulePipelineCommunicator):
+    """megatron's multi-module pipeline communicator, each send and receive a ``bridge`` range in
+    ``--profile-steps`` traces (encoder -> language and between language pipeline stages)."""
+
+    def recv_forward(self, *args, **kwargs):
+        with phase("bridge"):
+            return super().recv_forward(*args, **kwargs)
+
+    def send_forward(self, *args, **kwargs):
+        with phase("bridge"):
+            return super().send_forward(*args, **kwargs)
+
+    def send_forward_recv_backward(self, *args, **kwargs):
+        with phase("bridge"):
+            return super().send_forward_recv_backward(*args, **kwargs)
+
+    def send_backward_recv_forward(self, *args, **kwargs):
+        with phase("bridge"):
+            return super().send_backward_recv_forward(*args, **kwargs)
+
+    def recv_backward(self, *args, **kwargs):
+        with phase("bridge"):
+            return super().recv_backward(*args, **kwargs)
+
+    def send_backward(self, *args, **kwargs):
+        with phase("bridge"):
+            return super().send_backward(*args, **kwargs)
+
+
 class StepRunner:
     """Owns the schedule wiring for one run (built once, called every step)."""
 
@@ -103,7 +133,7 @@ class StepRunner:
             self.communicator = None
             self.pg_collection = pstate.modules[LANGUAGE].pg_collection
         else:
-            self.communicator = MultiModulePipelineCommunicator(
+            self.communicator = _BridgeRanges(
                 pstate.grids,
                 {**{s.name: [LANGUAGE] for s in layout.encoders}, LANGUAGE: []},
                 cfg,
@@ -124,11 +154,14 @@ class StepRunner:
             yield
 
     def _finalize(self, model_list, num_tokens=None, pg_collection=None, force_all_reduce=False):
-        total = self.global_tokens()
-        for name, module in self.modules.items():
-            finalize_model_grads([module], num_tokens=None, pg_collection=self.pstate.modules[name].pg_collection,
-                                 force_all_reduce=force_all_reduce)
-            module.scale_gradients(1.0 / max(total, 1.0))
+        """megatron's gradient finalize per module (with ``--overlap-grad-reduce`` it waits for the
+        buckets' reductions started during backward), then the global token scale."""
+        with phase("gradient finalize"):
+            total = self.global_tokens()
+            for name, module in self.modules.items():
+                finalize_model_grads([module], num_tokens=None, pg_collection=self.pstate.modules[name].pg_collection,
+                                     force_all_reduce=force_all_reduce)
+                module.scale_gradients(1.0 / max(total, 1.0))
 
     def global_tokens(self) -> float:
         """Supervised tokens in the whole global batch of this step (identical on every rank)."""

@@ -52,6 +52,7 @@ from mimo_sft.train.feed import Feed, build_feed, checked_source
 from mimo_sft.train.flops import peak_tflops_for
 from mimo_sft.train.lr import apply_schedule, lr_at
 from mimo_sft.train.metrics import AnswerTally, MetricsLogger, StepMetrics, peak_memory_by_module, step_model_flops, throughput
+from mimo_sft.train.profile import StepProfiler, phase
 from mimo_sft.train.setup import TrainContext, build_model_and_optimizer, build_state
 from mimo_sft.train.step import StepOutput, StepRunner
 from mimo_sft.train.stopping import REASONS, StopPolicy, agree, resume_command
@@ -89,6 +90,7 @@ class Trainer:
     best_loss: Optional[float]  # --save-best: the lowest valid_loss of a saved checkpoint so far
     peak_tflops: Optional[float]
     stop: StopPolicy
+    profiler: StepProfiler  # --profile-steps (inactive without it)
 
     def __init__(self, cfg: ExperimentConfig, layout: Layout):
         self.cfg = cfg
@@ -171,8 +173,16 @@ class Trainer:
                           Evaluator(cfg, layout, self.pstate, self.ctx, self.runner, valid_source, flag=valid_flag(cfg.data)))
         best = latest_name(self.save_dir, BEST) if cfg.checkpoint.save_best else None
         self.best_loss = read_meta(os.path.join(self.save_dir, best)).get("valid_loss") if best else None
+        self.profiler = StepProfiler.from_config(cfg, rank=self.rank, world_size=layout.world_size,
+                                                 modules=self._profiled_modules())
         self.peak_tflops = cfg.logging.peak_tflops or (peak_tflops_for(runtime.device_name()) if runtime.on_gpu() else None)
         self._announce()
+
+    def _profiled_modules(self) -> dict:
+        """The modules whose forward and backward are ranges in a ``--profile-steps`` trace (the
+        modules megatron's DDP wraps, on this rank)."""
+        return {("language" if name == LANGUAGE else "encoder"): module.module
+                for name, module in self.ctx.modules.items()}
 
     def resume(self) -> None:
         """Load what the run starts from (``--load-checkpoint``: everything; ``--pretrained-checkpoint``:
@@ -217,7 +227,9 @@ class Trainer:
         if self.evaluator is not None and self.cfg.train.eval_at_start:
             self.logger.log_validation(self.evaluator.evaluate(self.step))
         while self.step < self.cfg.train.train_iters:
+            self.profiler.begin_step(self.step + 1)
             result = self.train_step()
+            self.profiler.end_step(self.step)
             self.log_step(result)
             saved = self.maybe_save(self.maybe_evaluate())
             if self.step < self.cfg.train.train_iters and self.stopping(result.step_time_s):
@@ -258,7 +270,8 @@ class Trainer:
                             f"dataset's roles (user/assistant) and --seq-length")
         if self.cfg.logging.save_grads:
             save_gradients(os.path.join(self.cfg.logging.save_grads, f"iter_{self.step + 1:07d}"), self.ctx)
-        ok, grad_norm, _ = self.ctx.optimizer.step()
+        with phase("optimizer"):
+            ok, grad_norm, _ = self.ctx.optimizer.step()
         self.step += 1
         self.consumed += self.global_batch_size
         return StepResult(lr=lr, output=out, grad_norm=float(grad_norm) if grad_norm is not None else None,
@@ -370,7 +383,10 @@ class Trainer:
 
     # ---- the end ------------------------------------------------------------------------------------
     def close(self) -> None:
-        """Stop the feed's reorder thread and close the metrics files (also after an error)."""
+        """Stop the feed's reorder thread and close the metrics files (also after an error); a
+        profile of steps the run did not reach is written with what it has."""
+        if getattr(self, "profiler", None) is not None:
+            self.profiler.finish()
         if getattr(self, "feed", None) is not None:
             self.feed.close()
         if getattr(self, "logger", None) is not None:
