@@ -131,7 +131,11 @@ class FamilyAdapter:
         raise NotImplementedError
 
     def export(self, language_sd: dict, encoder_sd: dict, hf_cfg, *, prefix_style: str) -> dict:
-        """Full TP=1 megatron states (no prefixes) -> HF tensors named in ``prefix_style``."""
+        """TP=1 megatron states (no prefixes) -> HF tensors named in ``prefix_style``.
+
+        Called on the whole state and, by the streamed export (``model.export``), on one group at a
+        time: a decoder layer or vision block (every tensor under ``...layers.N.`` / ``blocks.N.``),
+        or one other tensor alone; each part must convert on its own (shapes may be meta tensors)."""
         raise NotImplementedError
 
     def projector_param(self, name: str) -> bool:

@@ -217,7 +217,8 @@ class Qwen25VLAdapter(FamilyAdapter):
         return {k[len(prefix):]: ckpt.read(k) for k in ckpt.keys() if k.startswith(prefix)}
 
     def export(self, language_sd, encoder_sd, hf_cfg, *, prefix_style: str) -> dict:
-        padded = language_sd["embedding.word_embeddings.weight"].shape[0]
+        # any part made of whole layers / single tensors converts on its own (the streamed export's groups)
+        padded = language_sd.get("embedding.word_embeddings.weight", torch.empty(0)).shape[0]
         out = export_decoder(language_sd, self._names(prefix_style), self._shape(hf_cfg, padded))
         vp = self._vision_prefix(prefix_style)
         out.update({vp + k: v.contiguous() for k, v in encoder_sd.items()})
