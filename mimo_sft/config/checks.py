@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from mimo_sft.config import checks_memory, families
-from mimo_sft.config.checks_checkpoint import c24_checkpoint_writing
+from mimo_sft.config.checks_checkpoint import c24_checkpoint_writing, c34_export_shards
 from mimo_sft.config.checks_data_scale import c25_data_scale
 from mimo_sft.config.checks_eval import c28_validation
 from mimo_sft.config.checks_paths import c26_run_folders, c27_extra_folders
@@ -402,6 +402,7 @@ CHECKS: tuple[tuple[int, str, Callable], ...] = (
     (27, "export and debugging folders are usable", c27_extra_folders),
     (28, "validation settings", c28_validation),
     (29, "learning rates and experiment trackers", c29_learning_rates_and_trackers),
+    (34, "export shard size", c34_export_shards),
 )
 
 

@@ -21,26 +21,24 @@ import os
 
 import torch
 
+from mimo_sft.config.schema import CheckpointConfig
 from mimo_sft.errors import UserError
 from mimo_sft.model.hf_checkpoint import SAFE_INDEX, SAFE_SINGLE
 
-#: ``--export-shard-size``'s default: the shard size of the Qwen-VL checkpoints on the Hub (and of
-#: transformers 4's ``save_pretrained``; transformers 5 writes 50GB shards unless told otherwise)
-DEFAULT_SHARD_SIZE = "5GB"
+#: ``--export-shard-size``'s default (the schema's): the shard size of the Qwen-VL checkpoints on the
+#: Hub and of transformers 4's ``save_pretrained`` (transformers 5 writes 50GB unless told otherwise)
+DEFAULT_SHARD_SIZE = CheckpointConfig.export_shard_size
 _FILENAME_PATTERN = SAFE_SINGLE.replace(".safetensors", "{suffix}.safetensors")
 
 
 def shard_size_bytes(size) -> int:
-    """``--export-shard-size`` (bytes, or a size such as ``5GB``/``500MB`` as transformers takes it) -> bytes."""
-    from huggingface_hub.serialization._base import parse_size_to_int
+    """``--export-shard-size`` -> bytes (the rule is check 34's, ``config.checks_checkpoint``); UserError when bad."""
+    from mimo_sft.config.checks_checkpoint import shard_size_bytes as parse
 
     try:
-        n = size if isinstance(size, int) else (int(size) if str(size).strip().isdigit() else parse_size_to_int(str(size)))
-    except ValueError:
-        n = 0
-    if n <= 0:
-        raise UserError(f"--export-shard-size {size}: give a positive size such as 5GB, 500MB or a byte count")
-    return n
+        return parse(size)
+    except ValueError as err:
+        raise UserError(str(err)) from None
 
 
 def transformers_save_order(hf_cfg) -> list[str]:
