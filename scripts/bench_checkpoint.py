@@ -4,12 +4,20 @@ Hugging Face weights.
 
     .venv/bin/python scripts/bench_checkpoint.py [--text-hidden 1024] [--text-layers 12] [--nproc 2]
     .venv/bin/python scripts/bench_checkpoint.py --suite load
+    .venv/bin/python scripts/bench_checkpoint.py --suite export [--before GIT_REV]
 
 ``--suite load``: 2 colocated ranks, language tp 2 + images dp 2, the same model with its
 safetensors weights. Each rank's peak extra RSS while its language weights are copied into the built
 model (reading included) -- all of it, and the anonymous part (RssAnon: without the safetensors
 file pages the reader maps, which are page cache the kernel can drop) -- streamed one decoder layer at a time (now) and with the rank's whole
 stage read first (before; the same reader, its groups merged into one dict).
+
+``--suite export``: one CPU rank fine-tunes the same model for one step (fp32) and saves; then
+``mimo-sft export``'s function writes that checkpoint as a Hugging Face folder (fp32 and bf16, 200MB
+shards) in a fresh process per row, sampled as above (peak extra RSS over the process's RSS before
+the export, its anonymous part, and the time). ``--before GIT_REV`` (default ``9b562d4``, main before
+the streamed export) runs the same call on that revision's code (a ``git archive`` copy): the export
+that built the whole model in host memory.
 
 Writes a Qwen2.5-VL whose language model is real-width (``make_tiny_qwen_vl.py --text-hidden 1024
 --text-layers 12 --intermediate 4096``: about 0.19B language parameters; the vision tower stays
@@ -232,6 +240,57 @@ def load_suite(a, py, env, work, model, data) -> None:
         print("\n".join(ln for ln in open(log).read().splitlines() if ln.startswith(f"| {mode} |")))
 
 
+EXPORT_WORKER = """
+import sys, time
+sys.path.insert(0, {tree!r})
+import mimo_sft  # this revision's package, imported before the bench script puts its own first
+sys.path.insert(0, {scripts!r})
+import bench_checkpoint as bench
+bench.export_worker({ckpt!r}, {out!r}, {label!r}, {dtype!r})
+"""
+
+
+def export_worker(ckpt: str, out: str, label: str, dtype: str) -> None:
+    import inspect
+
+    from mimo_sft.export import export_checkpoint
+    from mimo_sft.quiet import quiet_libraries
+
+    quiet_libraries()
+    kw = {"shard_size": "200MB"} if "shard_size" in inspect.signature(export_checkpoint).parameters else {}
+    mem = PeakMemory()
+    t0 = time.perf_counter()
+    export_checkpoint(ckpt, out, dtype=dtype, **kw)
+    seconds = time.perf_counter() - t0
+    rss, _ = mem.stop()
+    files = sorted(n for n in os.listdir(out) if n.endswith(".safetensors"))
+    print(f"| {label} | {dtype} | {len(files)} | {rss / 2 ** 20:.0f} | {(mem.anon_peak - mem.anon_base) / 2 ** 20:.0f} "
+          f"| {seconds:.1f} |", flush=True)
+
+
+def export_suite(a, py, env, work, model, data) -> None:
+    args = ["--hf-model", model, "--dataset-path", data, "--seq-length", str(a.seq_length), "--micro-batch-size", "1",
+            "--global-batch-size", "1", "--train-iters", "1", "--no-tensorboard", "--component", "language=dp=1",
+            "--component", "images=dp=1", "--output-dir", os.path.join(work, "run")]
+    torchrun = os.path.join(os.path.dirname(py), "torchrun")
+    run_session([torchrun, "--nproc-per-node", "1", "-m", "mimo_sft", "finetune", *args], cwd=ROOT, env=env,
+                log=os.path.join(work, "finetune.log"))
+    ckpt = os.path.join(work, "run", "checkpoints")
+    before = os.path.join(work, "before")
+    os.makedirs(before)
+    subprocess.run(f"git archive {a.before} mimo_sft | tar -x -C {before}", shell=True, check=True, cwd=ROOT)
+    print("| export | dtype | safetensors files | peak extra RSS MB | of it anonymous (RssAnon) MB | s |")
+    print("|---|---|---|---|---|---|")
+    for label, tree in ((f"whole model in host memory (before, {a.before})", before), ("streamed, 200MB shards", ROOT)):
+        for dtype in ("fp32", "bf16"):
+            out = os.path.join(work, f"hf_{os.path.basename(tree)}_{dtype}")
+            code = EXPORT_WORKER.format(tree=tree, scripts=os.path.join(ROOT, "scripts"), ckpt=ckpt, out=out,
+                                        label=label, dtype=dtype)
+            log = os.path.join(work, f"export_{os.path.basename(tree)}_{dtype}.log")
+            run_session([py, "-c", code], cwd=work, env=env, log=log)
+            print("\n".join(ln for ln in open(log).read().splitlines() if ln.startswith(f"| {label} |")))
+
+
 def _print_table(gathered) -> None:
     mb = 2 ** 20
     print("| save | rank | rank's own state MB | peak extra RSS MB | writer peak USS MB | blocked s | until published s |")
@@ -254,7 +313,8 @@ def main() -> int:
     p.add_argument("--text-layers", type=int, default=12)
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--seq-length", type=int, default=128)
-    p.add_argument("--suite", choices=("save", "load"), default="save")
+    p.add_argument("--suite", choices=("save", "load", "export"), default="save")
+    p.add_argument("--before", default="9b562d4", help="--suite export: the git revision measured as 'before'")
     p.add_argument("--worker", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     p.add_argument("--load-worker", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     a = p.parse_args()
@@ -273,6 +333,9 @@ def main() -> int:
     subprocess.run([py, "scripts/make_demo_data.py", data], check=True, cwd=ROOT, env=env, stdout=subprocess.DEVNULL)
     if a.suite == "load":
         load_suite(a, py, env, work, model, data)
+        return 0
+    if a.suite == "export":
+        export_suite(a, py, env, work, model, data)
         return 0
     n = a.nproc
     args = ["--hf-model", model, "--dataset-path", data, "--seq-length", str(a.seq_length), "--micro-batch-size", str(n),
