@@ -11,6 +11,7 @@ them with a message, and export and check-model build a fixed 1-rank layout with
 
 from __future__ import annotations
 
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Optional
 
@@ -161,7 +162,30 @@ def _assemble(src: _BuildInputs, info, parallel_state, modality_specs: dict, *, 
     # the TP group of megatron's MIMO sequence-parallel scatter (PartitionAdapter); megatron's global
     # groups are never initialised here
     groups = {"tp_group": lang_groups.pg_collection.tp, "cp_group": lang_groups.pg_collection.cp} if lang_groups.member else {}
-    return MimoModel(mimo_cfg, **groups)
+    with _built_in(src.dtype, skip_init=src.ckpt is not None):
+        return MimoModel(mimo_cfg, **groups)
+
+
+@contextmanager
+def _built_in(dtype: torch.dtype, *, skip_init: bool):
+    """Modules made while MimoModel builds get their parameters in ``dtype`` (torch's default dtype
+    for the duration: megatron passes its ``params_dtype`` itself, transformers' vision tower takes
+    the default), and with ``skip_init`` (every weight comes from the checkpoint; ``copy_into``
+    asserts it) transformers' and torch's initialisers do nothing.
+
+    Why: the tower is then allocated once, in its training dtype, and its pages are first written
+    by the weight copy -- not built in fp32, initialised, and cast into a second copy. Buffers made
+    with an explicit dtype (rotary ``inv_freq``, fp32) keep it.
+    """
+    from transformers.initialization import no_init_weights
+
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with no_init_weights() if skip_init else nullcontext():
+            yield
+    finally:
+        torch.set_default_dtype(previous)
 
 
 def _load_weights(model, src: _BuildInputs, info, parallel_state, hf_dir: str) -> None:

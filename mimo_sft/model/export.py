@@ -22,7 +22,7 @@ import json
 import os
 import re
 import shutil
-from typing import Callable, Iterable, Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -31,7 +31,7 @@ from mimo_sft.model.registry import get_family
 from mimo_sft.parallel.layout import IMAGES
 from mimo_sft.model.export_shards import (DEFAULT_SHARD_SIZE, ShardWriter, order_like_transformers, plan_shards,
                                          shard_size_bytes)
-from mimo_sft.model.hf_checkpoint import SAFE_INDEX, HFCheckpoint, read_config_json
+from mimo_sft.model.hf_checkpoint import SAFE_INDEX, HFCheckpoint, group_by_block, read_config_json
 
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack")
 _WEIGHT_INDEXES = (SAFE_INDEX, "pytorch_model.bin.index.json")
@@ -175,17 +175,6 @@ def export_model(model, src_hf_dir: str, out_dir: str, **kw) -> dict:
     return export_hf(model.state_dict(), src_hf_dir, out_dir, **kw)
 
 
-def weight_groups(state_keys: Iterable[str]) -> list[list[str]]:
-    """The streamed export's reading units: every key under the same ``...layers.N.`` / ``blocks.N.``
-    (the path up to its first number) together, every other key alone."""
-    groups: dict[str, list[str]] = {}
-    for key in state_keys:
-        parts = key.split(".")
-        cut = next((i for i, part in enumerate(parts) if part.isdigit()), None)
-        groups.setdefault(".".join(parts[: cut + 1]) if cut is not None else key, []).append(key)
-    return list(groups.values())
-
-
 def _meta_model(src_hf_dir: str):
     """The 1-rank TP=1 model of ``src_hf_dir`` on the meta device: its state names and shapes, and its
     ``sharded_state_dict`` (the checkpoint's keys), for no memory."""
@@ -212,7 +201,7 @@ def export_weights(read_weights: Callable[[torch.nn.Module, list], dict], src_hf
     adapter, hf_cfg, style, copied = _prepare_out_dir(src_hf_dir, out_dir, dtype)
     model = _meta_model(src_hf_dir)
     state = {k: v for k, v in model.state_dict().items() if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")}
-    planned = [(keys, _to_hf(adapter, hf_cfg, style, {k: state[k] for k in keys}, dtype)) for keys in weight_groups(state)]
+    planned = [(keys, _to_hf(adapter, hf_cfg, style, {k: state[k] for k in keys}, dtype)) for keys in group_by_block(state)]
     planned = [(keys, hf) for keys, hf in planned if hf]
     writer = _start_writer(out_dir, hf_cfg, {n: t for _, hf in planned for n, t in hf.items()}, limit)
     position = {name: i for i, name in enumerate(writer.meta)}

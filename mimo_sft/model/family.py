@@ -127,7 +127,9 @@ class FamilyAdapter:
         one decoder layer at a time: ``copy_into`` copies each before the next is read)."""
         raise NotImplementedError
 
-    def load_encoder(self, ckpt, hf_cfg) -> dict:
+    def load_encoder(self, ckpt, hf_cfg):
+        """The encoder's weights (HF names without the tower's prefix): a dict, or groups read one
+        after another like ``load_language``'s (``hf_checkpoint.iter_blocks``)."""
         raise NotImplementedError
 
     def export(self, language_sd: dict, encoder_sd: dict, hf_cfg, *, prefix_style: str) -> dict:

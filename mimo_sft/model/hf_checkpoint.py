@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
-from typing import Iterable, Optional, Sequence
+from typing import Iterable, Iterator, Optional, Sequence
 
 import torch
 
@@ -148,3 +148,22 @@ class HFCheckpoint:
 
     def shard_files(self) -> list[str]:
         return sorted({e.file for e in self._entries.values()})
+
+
+def group_by_block(keys: Iterable[str]) -> list[list[str]]:
+    """Keys grouped into reading units: every key under the same ``...layers.N.`` / ``blocks.N.`` (its
+    path up to its first number) together, every other key alone. The streamed load and export read
+    one such group at a time."""
+    groups: dict[str, list[str]] = {}
+    for key in keys:
+        parts = key.split(".")
+        cut = next((i for i, part in enumerate(parts) if part.isdigit()), None)
+        groups.setdefault(".".join(parts[: cut + 1]) if cut is not None else key, []).append(key)
+    return list(groups.values())
+
+
+def iter_blocks(ckpt: HFCheckpoint, prefix: str) -> Iterator[dict[str, torch.Tensor]]:
+    """The tensors under ``prefix`` (names without it), read one block at a time (:func:`group_by_block`),
+    for ``decoder_weights.copy_into``: host memory holds one block, not the tower."""
+    for group in group_by_block(k for k in ckpt.keys() if k.startswith(prefix)):
+        yield {k[len(prefix):]: ckpt.read(k) for k in group}

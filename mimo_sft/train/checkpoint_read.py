@@ -63,21 +63,31 @@ def _region_planner(regions: dict):
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
     from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-    class RegionPlanner(DefaultLoadPlanner):
-        def create_local_plan(self) -> LoadPlan:
-            items = []
-            for key, parts in regions.items():
-                stored = self.metadata.state_dict_metadata.get(key)
-                if stored is None:
-                    raise KeyError(f"tensor {key} is not in the checkpoint")
-                chunks = [ChunkStorageMetadata(offsets=torch.Size(off), sizes=buf.shape) for off, buf in parts]
-                items += create_read_items_for_chunk_list(key, stored, chunks)
-            return LoadPlan(items)
+    global _RegionPlanner
+    if _RegionPlanner is None:
+        # one class for the process (held as an instance attribute, the buffers are freed with the
+        # planner; a class made per call is cyclic garbage that keeps a layer alive until a full GC)
+        class RegionPlanner(DefaultLoadPlanner):
+            def create_local_plan(self) -> LoadPlan:
+                items = []
+                for key, parts in self.regions.items():
+                    stored = self.metadata.state_dict_metadata.get(key)
+                    if stored is None:
+                        raise KeyError(f"tensor {key} is not in the checkpoint")
+                    chunks = [ChunkStorageMetadata(offsets=torch.Size(off), sizes=buf.shape) for off, buf in parts]
+                    items += create_read_items_for_chunk_list(key, stored, chunks)
+                return LoadPlan(items)
 
-        def lookup_tensor(self, index):
-            return next(buf for off, buf in regions[index.fqn] if off == tuple(index.offset))
+            def lookup_tensor(self, index):
+                return next(buf for off, buf in self.regions[index.fqn] if off == tuple(index.offset))
 
-    return RegionPlanner()
+        _RegionPlanner = RegionPlanner
+    planner = _RegionPlanner()
+    planner.regions = regions
+    return planner
+
+
+_RegionPlanner = None
 
 
 def read_model_part(part: dict, folder: str) -> dict:
