@@ -130,6 +130,16 @@ def _own_state_bytes(ctx) -> int:
     return total
 
 
+def _timed_step(trainer) -> tuple[float, int, float]:
+    """One training step: (wall seconds, minor page faults of this process, its CPU seconds)."""
+    import resource
+
+    r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+    trainer.train_step()
+    r1 = resource.getrusage(resource.RUSAGE_SELF)
+    return time.perf_counter() - t0, r1.ru_minflt - r0.ru_minflt, (r1.ru_utime + r1.ru_stime) - (r0.ru_utime + r0.ru_stime)
+
+
 def worker(args: list[str], out_dir: str) -> int:
     import torch.distributed as dist
 
@@ -147,9 +157,9 @@ def worker(args: list[str], out_dir: str) -> int:
     trainer.train_step()
     ctx, rank = trainer.ctx, dist.get_rank()
     rows = []
-    for name, reshardable, background in (("fully_reshardable (before)", True, False),
-                                          ("dp_reshardable", False, False),
-                                          ("dp_reshardable, --async-save", False, True)):
+    saves = (("fully_reshardable (before)", True, False), ("dp_reshardable", False, False),
+             ("dp_reshardable, --async-save", False, True))
+    for name, reshardable, background in saves[-1:] if os.environ.get("BENCH_ASYNC_ONLY") else saves:
         cfg.checkpoint.save_reshardable = reshardable
         dist.barrier()
         pending = PendingSaves() if background else None
@@ -162,19 +172,13 @@ def worker(args: list[str], out_dir: str) -> int:
         during = []
         if background:
             while not published or len(during) < 2:
-                t1 = time.perf_counter()
-                trainer.train_step()
-                during.append(time.perf_counter() - t1)
+                during.append(_timed_step(trainer))
                 pending.poll()
             pending.wait()
         total = time.perf_counter() - t0
         extra, child = mem.stop()
         rows.append((name, extra, child, blocked, total, during))
-    normal = []
-    for _ in range(2):
-        t1 = time.perf_counter()
-        trainer.train_step()
-        normal.append(time.perf_counter() - t1)
+    normal = [_timed_step(trainer) for _ in range(3)]
     own = _own_state_bytes(ctx)
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, (rank, own, rows, normal), group=trainer.pstate.world_gloo)
@@ -319,8 +323,17 @@ def _print_table(gathered) -> None:
     print("|---|---|---|---|")
     for rank, _own, rows, normal in sorted(gathered):
         during = rows[-1][-1]
-        a, b = statistics.median(normal), statistics.median(during) if during else float("nan")
+        a = statistics.median(t for t, _, _ in normal)
+        b = statistics.median(t for t, _, _ in during) if during else float("nan")
         print(f"| {rank} | {a:.2f} | {b:.2f} ({len(during)} steps) | {b / a:.2f} |")
+    print()
+    print("| rank | step | async save in flight | wall s | CPU s of the training process | minor page faults |")
+    print("|---|---|---|---|---|---|")
+    for rank, _own, rows, normal in sorted(gathered):
+        for i, (t, faults, cpu) in enumerate(rows[-1][-1]):
+            print(f"| {rank} | {i + 1} after the save started | yes | {t:.2f} | {cpu:.2f} | {faults:,} |")
+        for i, (t, faults, cpu) in enumerate(normal):
+            print(f"| {rank} | {i + 1} after it was published | no | {t:.2f} | {cpu:.2f} | {faults:,} |")
 
 
 def main() -> int:
@@ -330,6 +343,7 @@ def main() -> int:
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--seq-length", type=int, default=128)
     p.add_argument("--suite", choices=("save", "load", "export"), default="save")
+    p.add_argument("--async-only", action="store_true", help="--suite save: only the --async-save row and the step times")
     p.add_argument("--before", default="9b562d4", help="--suite export/load: the git revision measured as 'before'")
     p.add_argument("--worker", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     p.add_argument("--load-worker", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
@@ -341,6 +355,8 @@ def main() -> int:
         mode, *args = a.load_worker
         return load_worker(args, mode)
     py, env = sys.executable, bench_env()
+    if a.async_only:
+        env["BENCH_ASYNC_ONLY"] = "1"
     work = tempfile.mkdtemp(prefix="bench_checkpoint_")
     model, data = os.path.join(work, "model"), os.path.join(work, "data")
     vision = ["--vision-hidden", "1280", "--vision-heads", "16", "--vision-depth", "8"] if a.suite == "load" else []

@@ -193,6 +193,7 @@ def _load_weights(model, src: _BuildInputs, info, parallel_state, hf_dir: str) -
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
     from mimo_sft.model.decoder_weights import copy_into
+    from mimo_sft.model.hf_checkpoint import one_group_mapped
 
     if model.language_model is not None:
         model.language_model.to(src.dtype)
@@ -204,14 +205,16 @@ def _load_weights(model, src: _BuildInputs, info, parallel_state, hf_dir: str) -
                 layer_offset=get_transformer_layer_offset(info.language_config, None, pp_rank),
                 num_local_layers=len(model.language_model.decoder.layers), pre_process=pre, post_process=post,
                 padded_vocab=info.padded_vocab_size)
-            copy_into(model.language_model, tensors, where=f"{hf_dir} language")
+            copy_into(model.language_model, one_group_mapped(src.ckpt, tensors), where=f"{hf_dir} language")
     from mimo_sft.model.pixels import pixel_norm_from
 
     for enc in _encoders(model):
         _cast_keeping_fp32_buffers(enc, src.dtype)
         enc.pixel_norm = pixel_norm_from(hf_dir)  # uint8 patches are normalised on the device
         if src.ckpt is not None:
-            copy_into(enc, src.adapter.load_encoder(src.ckpt, src.hf_cfg), where=f"{hf_dir} vision")
+            weights = src.adapter.load_encoder(src.ckpt, src.hf_cfg)
+            copy_into(enc, one_group_mapped(src.ckpt, [weights] if isinstance(weights, dict) else weights),
+                      where=f"{hf_dir} vision")
 
 
 def _encoders(model) -> list:
