@@ -111,22 +111,6 @@ def run_now(request, *, tmp: str, root: str, step: int) -> None:
         request.execute_sync()
 
 
-def _return_free_heap() -> None:
-    """Give the allocator's free heap pages back to the system just before the writer is forked.
-
-    Why: the fork shares every mapped page copy-on-write, freed-but-mapped heap included; each one
-    the training process reuses for a later step's activations is then copied page by page while the
-    writer lives (measured: ``scripts/bench_checkpoint.py --async-only``). Returned pages come back
-    as fresh zero pages instead, as they do in any step. glibc's ``malloc_trim``; a no-op where the
-    C library has none.
-    """
-    import ctypes
-
-    trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
-    if trim is not None:
-        trim(0)
-
-
 class PendingSaves:
     """The run's background saves (``--async-save``): at most one in flight."""
 
@@ -143,7 +127,6 @@ class PendingSaves:
     def start(self, request, *, tmp: str, root: str, step: int) -> None:
         """Start ``request``'s writes in the background (every rank); a previous save is finished first."""
         self.wait()
-        _return_free_heap()
         self._queue.schedule_async_request(request)
         self._current = {"tmp": tmp, "root": root, "step": step}
 
