@@ -34,8 +34,14 @@ def export_checkpoint(checkpoint: str, out_dir: str, *, hf_model: str | None = N
     fine-tuning checkpoint is exported streamed, one decoder layer at a time (``model.export``).
     Returns ``out_dir``.
     """
+    from mimo_sft.config.checks_checkpoint import shard_size_bytes
+    from mimo_sft.config.schema import CheckpointConfig
+
+    try:  # before torch is imported: a bad flag answers at once
+        max_shard = shard_size_bytes(shard_size if shard_size is not None else CheckpointConfig.export_shard_size)
+    except ValueError as err:
+        raise UserError(str(err)) from None
     from mimo_sft.model.export import EXPORT_DTYPES, export_weights
-    from mimo_sft.model.export_shards import DEFAULT_SHARD_SIZE, shard_size_bytes
     from mimo_sft.train.checkpoint import load_model_weights, model_weight_reader, read_meta, resolve_checkpoint
 
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
@@ -51,7 +57,6 @@ def export_checkpoint(checkpoint: str, out_dir: str, *, hf_model: str | None = N
     if dtype not in EXPORT_DTYPES:
         raise UserError(f"--dtype {dtype}: choose one of {', '.join(EXPORT_DTYPES)}")
     torch_dtype = EXPORT_DTYPES[dtype][0]
-    max_shard = shard_size_bytes(shard_size if shard_size is not None else DEFAULT_SHARD_SIZE)
     if meta.get("lora"):
         from mimo_sft.model.lora_export import export_lora
 

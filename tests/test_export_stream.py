@@ -128,3 +128,14 @@ def test_check_34_export_shard_size(size, ok):
     assert (found == []) == ok, found
     if not ok:
         assert found[0].startswith("check 34") or "34" in found[0], found
+
+
+def test_export_command_refuses_a_bad_shard_size_in_one_line(tmp_path):
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "mimo_sft", "export", "--checkpoint", str(tmp_path), "--out",
+                           str(tmp_path / "out"), "--export-shard-size", "5 parsecs"], capture_output=True, text=True)
+    assert proc.returncode == 2, proc.stderr
+    lines = [ln for ln in (proc.stdout + proc.stderr).splitlines() if ln.strip()]
+    assert len(lines) == 1 and "--export-shard-size 5 parsecs" in lines[0], lines
