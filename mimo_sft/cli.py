@@ -8,6 +8,7 @@ traceback.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -17,6 +18,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from mimo_sft.config.schema import CheckpointConfig
 from mimo_sft.errors import UserError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -163,6 +165,10 @@ def check_model(
         raise typer.Exit(1)
 
 
+#: ``--export-shard-size`` as the schema declares it (finetune --export-hf takes the same flag)
+_SHARD_SIZE = next(f for f in dataclasses.fields(CheckpointConfig) if f.name == "export_shard_size")
+
+
 @app.command()
 def export(
     checkpoint: str = typer.Option(..., "--checkpoint", help="a mimo-sft checkpoint folder (or its parent with 'latest')"),
@@ -170,6 +176,7 @@ def export(
     hf_model: Optional[str] = typer.Option(None, "--hf-model", help="source HF folder (default: the one recorded in the checkpoint)"),
     adapter_only: bool = typer.Option(False, "--adapter-only", help="LoRA checkpoint: write a PEFT adapter folder (adapter_config.json + adapter_model.safetensors) instead of merged weights"),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="fp32 or bf16: the dtype of the written weights (default: the run's training --dtype)"),
+    shard_size: str = typer.Option(_SHARD_SIZE.default, "--export-shard-size", help=_SHARD_SIZE.metadata["help"]),
 ) -> None:
     """Write a fine-tuned checkpoint as a Hugging Face folder that transformers loads (LoRA: merged, or a PEFT adapter)."""
     from mimo_sft.quiet import quiet_libraries
@@ -178,7 +185,8 @@ def export(
     from mimo_sft.export import export_checkpoint
 
     try:
-        path = export_checkpoint(checkpoint, out, hf_model=hf_model, adapter_only=adapter_only, dtype=dtype)
+        path = export_checkpoint(checkpoint, out, hf_model=hf_model, adapter_only=adapter_only, dtype=dtype,
+                                 shard_size=shard_size)
     except UserError as e:
         _fail(e)
     Console().print(f"wrote {'PEFT adapter' if adapter_only else 'Hugging Face checkpoint'} to {path}")

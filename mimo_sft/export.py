@@ -1,9 +1,11 @@
 """``mimo-sft export`` and ``finetune --export-hf``: a training checkpoint -> a Hugging Face folder.
 
 The checkpoint's model weights are a megatron dist-checkpoint (layout-free), so export builds the
-model once in this process at TP=1 with both modules, loads the weights into it (megatron reshards
-whatever layout the run used) and converts them back to Hugging Face names and layouts
-(``model.export.export_weights``: host memory, no initialisation, one copy of the model, no GPU).
+model once in this process at TP=1 with both modules on the meta device (names and shapes only),
+reads its weights one decoder layer / vision block at a time (megatron reshards whatever layout the
+run used) and converts each group back to Hugging Face names and layouts into shards planned as
+transformers plans them (``model.export.export_weights``: host memory of about one layer plus one
+shard, no GPU). A LoRA checkpoint is merged on a whole host-memory model (``model.lora_export``).
 ``finetune --export-hf`` calls the same function in rank 0's process once training has ended.
 
 Why this module sits at the top of the package, beside ``cli.py``: it joins two layers that must not
@@ -20,17 +22,27 @@ from mimo_sft.errors import UserError
 
 
 def export_checkpoint(checkpoint: str, out_dir: str, *, hf_model: str | None = None, adapter_only: bool = False,
-                      dtype: str | None = None) -> str:
+                      dtype: str | None = None, shard_size: int | str | None = None) -> str:
     """Write the checkpoint ``checkpoint`` (a folder, or its parent with ``latest``) to ``out_dir``.
 
     ``hf_model``: the source Hugging Face folder (config and processor files are copied from it);
     default: the one the checkpoint records. A LoRA checkpoint (meta.json ``"lora"``) is built on the
     base weights of that folder with its adapters merged (``model.lora_export``), or written as a PEFT
     adapter folder with ``adapter_only``. ``dtype`` (``fp32``/``bf16``): the weights' dtype on disk;
-    default: the run's ``--dtype`` as meta.json records it. Returns ``out_dir``.
+    default: the run's ``--dtype`` as meta.json records it. ``shard_size`` (``--export-shard-size``):
+    the largest safetensors shard, as transformers' ``max_shard_size`` (default 5GB). A full
+    fine-tuning checkpoint is exported streamed, one decoder layer at a time (``model.export``).
+    Returns ``out_dir``.
     """
+    from mimo_sft.config.checks_checkpoint import shard_size_bytes
+    from mimo_sft.config.schema import CheckpointConfig
+
+    try:  # before torch is imported: a bad flag answers at once
+        max_shard = shard_size_bytes(shard_size if shard_size is not None else CheckpointConfig.export_shard_size)
+    except ValueError as err:
+        raise UserError(str(err)) from None
     from mimo_sft.model.export import EXPORT_DTYPES, export_weights
-    from mimo_sft.train.checkpoint import load_model_weights, read_meta, resolve_checkpoint
+    from mimo_sft.train.checkpoint import load_model_weights, model_weight_reader, read_meta, resolve_checkpoint
 
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise UserError(f"--out {out_dir} is a file; choose a folder to write the Hugging Face checkpoint into")
@@ -49,9 +61,9 @@ def export_checkpoint(checkpoint: str, out_dir: str, *, hf_model: str | None = N
         from mimo_sft.model.lora_export import export_lora
 
         export_lora(lambda model: load_model_weights(model, ckpt), src, out_dir, meta["lora"], adapter_only=adapter_only,
-                    dtype=torch_dtype)
+                    dtype=torch_dtype, max_shard_bytes=max_shard)
         return out_dir
     if adapter_only:
         raise UserError(f"--adapter-only: {ckpt} is a full fine-tuning checkpoint (no LoRA adapters); export it without --adapter-only")
-    export_weights(lambda model: load_model_weights(model, ckpt), src, out_dir, dtype=torch_dtype)
+    export_weights(model_weight_reader(ckpt), src, out_dir, dtype=torch_dtype, max_shard_bytes=max_shard)
     return out_dir

@@ -4,12 +4,20 @@ Hugging Face weights.
 
     .venv/bin/python scripts/bench_checkpoint.py [--text-hidden 1024] [--text-layers 12] [--nproc 2]
     .venv/bin/python scripts/bench_checkpoint.py --suite load
+    .venv/bin/python scripts/bench_checkpoint.py --suite export [--before GIT_REV]
 
 ``--suite load``: 2 colocated ranks, language tp 2 + images dp 2, the same model with its
 safetensors weights. Each rank's peak extra RSS while its language weights are copied into the built
 model (reading included) -- all of it, and the anonymous part (RssAnon: without the safetensors
 file pages the reader maps, which are page cache the kernel can drop) -- streamed one decoder layer at a time (now) and with the rank's whole
 stage read first (before; the same reader, its groups merged into one dict).
+
+``--suite export``: one CPU rank fine-tunes the same model for one step (fp32) and saves; then
+``mimo-sft export``'s function writes that checkpoint as a Hugging Face folder (fp32 and bf16, 200MB
+shards, and bf16 in 50MB shards) in a fresh process per row, sampled as above (peak extra RSS over the process's RSS before
+the export, its anonymous part, and the time). ``--before GIT_REV`` (default ``9b562d4``, main before
+the streamed export) runs the same call on that revision's code (a ``git archive`` copy): the export
+that built the whole model in host memory.
 
 Writes a Qwen2.5-VL whose language model is real-width (``make_tiny_qwen_vl.py --text-hidden 1024
 --text-layers 12 --intermediate 4096``: about 0.19B language parameters; the vision tower stays
@@ -44,7 +52,8 @@ import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+#: the mimo_sft code measured: this checkout, or (``--before``'s rows) a ``git archive`` of an older revision
+sys.path.insert(0, os.environ.get("BENCH_MIMO_TREE") or ROOT)
 from mimo_sft.testing.bench_runs import bench_env, run_session  # noqa: E402
 
 
@@ -121,6 +130,16 @@ def _own_state_bytes(ctx) -> int:
     return total
 
 
+def _timed_step(trainer) -> tuple[float, int, float]:
+    """One training step: (wall seconds, minor page faults of this process, its CPU seconds)."""
+    import resource
+
+    r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+    trainer.train_step()
+    r1 = resource.getrusage(resource.RUSAGE_SELF)
+    return time.perf_counter() - t0, r1.ru_minflt - r0.ru_minflt, (r1.ru_utime + r1.ru_stime) - (r0.ru_utime + r0.ru_stime)
+
+
 def worker(args: list[str], out_dir: str) -> int:
     import torch.distributed as dist
 
@@ -138,9 +157,9 @@ def worker(args: list[str], out_dir: str) -> int:
     trainer.train_step()
     ctx, rank = trainer.ctx, dist.get_rank()
     rows = []
-    for name, reshardable, background in (("fully_reshardable (before)", True, False),
-                                          ("dp_reshardable", False, False),
-                                          ("dp_reshardable, --async-save", False, True)):
+    saves = (("fully_reshardable (before)", True, False), ("dp_reshardable", False, False),
+             ("dp_reshardable, --async-save", False, True))
+    for name, reshardable, background in saves[-1:] if os.environ.get("BENCH_ASYNC_ONLY") else saves:
         cfg.checkpoint.save_reshardable = reshardable
         dist.barrier()
         pending = PendingSaves() if background else None
@@ -153,19 +172,13 @@ def worker(args: list[str], out_dir: str) -> int:
         during = []
         if background:
             while not published or len(during) < 2:
-                t1 = time.perf_counter()
-                trainer.train_step()
-                during.append(time.perf_counter() - t1)
+                during.append(_timed_step(trainer))
                 pending.poll()
             pending.wait()
         total = time.perf_counter() - t0
         extra, child = mem.stop()
         rows.append((name, extra, child, blocked, total, during))
-    normal = []
-    for _ in range(2):
-        t1 = time.perf_counter()
-        trainer.train_step()
-        normal.append(time.perf_counter() - t1)
+    normal = [_timed_step(trainer) for _ in range(3)]
     own = _own_state_bytes(ctx)
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, (rank, own, rows, normal), group=trainer.pstate.world_gloo)
@@ -176,42 +189,39 @@ def worker(args: list[str], out_dir: str) -> int:
     return 0
 
 
-def load_worker(args: list[str], mode: str) -> int:
+def load_worker(args: list[str], label: str) -> int:
+    """Peak extra RSS of this rank while ``build_mimo_model`` allocates the model and reads its weights,
+    over the RSS just before; what stays after it (the model); its parameters' bytes."""
     import torch.distributed as dist
 
-    import mimo_sft.model.decoder_weights as dw
+    import mimo_sft.model.builder as builder
     from mimo_sft.config.checks import require_valid
     from mimo_sft.config.loader import load_config
     from mimo_sft.quiet import quiet_libraries
     from mimo_sft.train.trainer import Trainer
 
     quiet_libraries()
-    copy_into, peaks = dw.copy_into, []
+    build, seen = builder.build_mimo_model, []
 
-    def measured(module, tensors, *, where, **kw):
-        if "language" not in where:
-            return copy_into(module, tensors, where=where, **kw)
+    def measured(*a, **kw):
         mem = PeakMemory()
-        if mode == "whole stage":
-            merged = {}
-            for group in tensors:
-                merged.update(group)
-            tensors = merged
-        copy_into(module, tensors, where=where, **kw)
-        del tensors
+        model, info = build(*a, **kw)
+        after = mem.proc.memory_info().rss - mem.base
         rss, _ = mem.stop()
-        peaks.append((rss, mem.anon_peak - mem.anon_base))
+        seen.append((rss, after, mem.anon_peak - mem.anon_base, sum(p.numel() * p.element_size() for p in model.parameters())))
+        return model, info
 
-    dw.copy_into = measured
+    builder.build_mimo_model = measured
     cfg = load_config(args)
     trainer = Trainer(cfg, require_valid(cfg, for_run=True).layout)
     trainer.setup()
-    own = sum(p.numel() * p.element_size() for p in trainer.ctx.model.language_model.parameters())
     gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (dist.get_rank(), own, peaks[0]), group=trainer.pstate.world_gloo)
+    dist.all_gather_object(gathered, (dist.get_rank(), seen[0]), group=trainer.pstate.world_gloo)
     if dist.get_rank() == 0:
-        for rank, own_bytes, (rss, anon) in sorted(gathered):
-            print(f"| {mode} | {rank} | {own_bytes / 2 ** 20:.0f} | {rss / 2 ** 20:.0f} | {anon / 2 ** 20:.0f} |")
+        mb = 2 ** 20
+        for rank, (rss, after, anon, params) in sorted(gathered):
+            print(f"| {label} | {rank} | {params / mb:.0f} | {rss / mb:.0f} | {anon / mb:.0f} | {after / mb:.0f} "
+                  f"| {(rss - after) / mb:.0f} |")
     trainer.close()
     trainer.shutdown()
     return 0
@@ -220,16 +230,85 @@ def load_worker(args: list[str], mode: str) -> int:
 def load_suite(a, py, env, work, model, data) -> None:
     args = ["--hf-model", model, "--dataset-path", data, "--seq-length", str(a.seq_length), "--micro-batch-size", "2",
             "--global-batch-size", "2", "--train-iters", "1", "--no-tensorboard", "--component", "language=tp=2,dp=1",
-            "--component", "images=dp=2"]
+            "--component", "images=dp=2", "--dtype", "bf16"]
     torchrun = os.path.join(os.path.dirname(py), "torchrun")
-    print("| language weights | rank | rank's language parameters MB | peak extra RSS while loading MB "
-          "| of it anonymous (RssAnon) MB |")
-    print("|---|---|---|---|---|")
-    for mode in ("whole stage", "streamed"):
-        log = os.path.join(work, f"load_{mode.split()[0]}.log")
-        run_session([torchrun, "--nproc-per-node", "2", "scripts/bench_checkpoint.py", "--load-worker", mode, *args,
-                     "--output-dir", os.path.join(work, f"run_{mode.split()[0]}")], cwd=ROOT, env=env, log=log)
-        print("\n".join(ln for ln in open(log).read().splitlines() if ln.startswith(f"| {mode} |")))
+    before = _archive(a.before, work)
+    print("| weights load | rank | rank's parameters MB (bf16) | peak extra RSS while building + loading MB "
+          "| of it anonymous (RssAnon) MB | extra RSS after MB | transient (peak - after) MB |")
+    print("|---|---|---|---|---|---|---|")
+    for label, tree in ((f"before ({a.before})", before), ("now", ROOT)):
+        log = os.path.join(work, f"load_{os.path.basename(tree)}.log")
+        run_session([torchrun, "--nproc-per-node", "2", "scripts/bench_checkpoint.py", "--load-worker", label, *args,
+                     "--output-dir", os.path.join(work, f"run_{os.path.basename(tree)}")], cwd=ROOT,
+                    env=dict(env, BENCH_MIMO_TREE=tree), log=log)
+        print("\n".join(ln for ln in open(log).read().splitlines() if ln.startswith(f"| {label} |")))
+
+
+def _archive(rev: str, work: str) -> str:
+    """``rev``'s mimo_sft package, unpacked under ``work`` (the 'before' rows run it)."""
+    out = os.path.join(work, "before")
+    if not os.path.isdir(out):
+        os.makedirs(out)
+        subprocess.run(f"git archive {rev} mimo_sft | tar -x -C {out}", shell=True, check=True, cwd=ROOT)
+    return out
+
+
+EXPORT_WORKER = """
+import sys, time
+sys.path.insert(0, {tree!r})
+import mimo_sft  # this revision's package, imported before the bench script puts its own first
+sys.path.insert(0, {scripts!r})
+import bench_checkpoint as bench
+bench.export_worker({ckpt!r}, {out!r}, {label!r}, {dtype!r}, {shard!r})
+"""
+
+
+def export_worker(ckpt: str, out: str, label: str, dtype: str, shard_size: str = "200MB") -> None:
+    import inspect
+
+    from mimo_sft.export import export_checkpoint
+    from mimo_sft.quiet import quiet_libraries
+
+    quiet_libraries()
+    import mimo_sft.parallel  # noqa: F401  (megatron imports through its triton stand-in)
+    import megatron.core  # noqa: F401  the libraries' own memory is in the baseline, not in the export's figure
+    import mimo_sft.model.builder  # noqa: F401
+    import mimo_sft.train.checkpoint  # noqa: F401
+    from transformers import AutoModelForImageTextToText  # noqa: F401
+
+    kw = {"shard_size": shard_size} if "shard_size" in inspect.signature(export_checkpoint).parameters else {}
+    mem = PeakMemory()
+    t0 = time.perf_counter()
+    export_checkpoint(ckpt, out, dtype=dtype, **kw)
+    seconds = time.perf_counter() - t0
+    rss, _ = mem.stop()
+    files = sorted(n for n in os.listdir(out) if n.endswith(".safetensors"))
+    print(f"| {label} | {dtype} | {len(files)} | {rss / 2 ** 20:.0f} | {(mem.anon_peak - mem.anon_base) / 2 ** 20:.0f} "
+          f"| {seconds:.1f} |", flush=True)
+
+
+def export_suite(a, py, env, work, model, data) -> None:
+    args = ["--hf-model", model, "--dataset-path", data, "--seq-length", str(a.seq_length), "--micro-batch-size", "1",
+            "--global-batch-size", "1", "--train-iters", "1", "--no-tensorboard", "--component", "language=dp=1",
+            "--component", "images=dp=1", "--output-dir", os.path.join(work, "run")]
+    torchrun = os.path.join(os.path.dirname(py), "torchrun")
+    run_session([torchrun, "--nproc-per-node", "1", "-m", "mimo_sft", "finetune", *args], cwd=ROOT, env=env,
+                log=os.path.join(work, "finetune.log"))
+    ckpt = os.path.join(work, "run", "checkpoints")
+    before = _archive(a.before, work)
+    print("| export | dtype | safetensors files | peak extra RSS MB | of it anonymous (RssAnon) MB | s |")
+    print("|---|---|---|---|---|---|")
+    rows = [(f"whole model in host memory (before, {a.before})", before, "fp32", "-"),
+            (f"whole model in host memory (before, {a.before})", before, "bf16", "-"),
+            ("streamed, 200MB shards", ROOT, "fp32", "200MB"), ("streamed, 200MB shards", ROOT, "bf16", "200MB"),
+            ("streamed, 50MB shards", ROOT, "bf16", "50MB")]
+    for i, (label, tree, dtype, shard) in enumerate(rows):
+        out = os.path.join(work, f"hf_{i}")
+        code = EXPORT_WORKER.format(tree=tree, scripts=os.path.join(ROOT, "scripts"), ckpt=ckpt, out=out, label=label,
+                                    dtype=dtype, shard=shard)
+        log = os.path.join(work, f"export_{i}.log")
+        run_session([py, "-c", code], cwd=work, env=env, log=log)
+        print("\n".join(ln for ln in open(log).read().splitlines() if ln.startswith(f"| {label} |")), flush=True)
 
 
 def _print_table(gathered) -> None:
@@ -244,8 +323,17 @@ def _print_table(gathered) -> None:
     print("|---|---|---|---|")
     for rank, _own, rows, normal in sorted(gathered):
         during = rows[-1][-1]
-        a, b = statistics.median(normal), statistics.median(during) if during else float("nan")
+        a = statistics.median(t for t, _, _ in normal)
+        b = statistics.median(t for t, _, _ in during) if during else float("nan")
         print(f"| {rank} | {a:.2f} | {b:.2f} ({len(during)} steps) | {b / a:.2f} |")
+    print()
+    print("| rank | step | async save in flight | wall s | CPU s of the training process | minor page faults |")
+    print("|---|---|---|---|---|---|")
+    for rank, _own, rows, normal in sorted(gathered):
+        for i, (t, faults, cpu) in enumerate(rows[-1][-1]):
+            print(f"| {rank} | {i + 1} after the save started | yes | {t:.2f} | {cpu:.2f} | {faults:,} |")
+        for i, (t, faults, cpu) in enumerate(normal):
+            print(f"| {rank} | {i + 1} after it was published | no | {t:.2f} | {cpu:.2f} | {faults:,} |")
 
 
 def main() -> int:
@@ -254,7 +342,9 @@ def main() -> int:
     p.add_argument("--text-layers", type=int, default=12)
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--seq-length", type=int, default=128)
-    p.add_argument("--suite", choices=("save", "load"), default="save")
+    p.add_argument("--suite", choices=("save", "load", "export"), default="save")
+    p.add_argument("--async-only", action="store_true", help="--suite save: only the --async-save row and the step times")
+    p.add_argument("--before", default="9b562d4", help="--suite export/load: the git revision measured as 'before'")
     p.add_argument("--worker", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     p.add_argument("--load-worker", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     a = p.parse_args()
@@ -265,14 +355,21 @@ def main() -> int:
         mode, *args = a.load_worker
         return load_worker(args, mode)
     py, env = sys.executable, bench_env()
+    if a.async_only:
+        env["BENCH_ASYNC_ONLY"] = "1"
     work = tempfile.mkdtemp(prefix="bench_checkpoint_")
     model, data = os.path.join(work, "model"), os.path.join(work, "data")
+    vision = ["--vision-hidden", "1280", "--vision-heads", "16", "--vision-depth", "8"] if a.suite == "load" else []
     subprocess.run([py, "scripts/make_tiny_qwen_vl.py", model, "--text-hidden", str(a.text_hidden), "--heads", "16",
-                    "--kv-heads", "8", "--text-layers", str(a.text_layers), "--intermediate", str(4 * a.text_hidden)],
+                    "--kv-heads", "8", "--text-layers", str(a.text_layers), "--intermediate", str(4 * a.text_hidden),
+                    *vision],
                    check=True, cwd=ROOT, env=env, stdout=subprocess.DEVNULL)
     subprocess.run([py, "scripts/make_demo_data.py", data], check=True, cwd=ROOT, env=env, stdout=subprocess.DEVNULL)
     if a.suite == "load":
         load_suite(a, py, env, work, model, data)
+        return 0
+    if a.suite == "export":
+        export_suite(a, py, env, work, model, data)
         return 0
     n = a.nproc
     args = ["--hf-model", model, "--dataset-path", data, "--seq-length", str(a.seq_length), "--micro-batch-size", str(n),

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from mimo_sft.config import checks_family, checks_memory, families
-from mimo_sft.config.checks_checkpoint import c24_checkpoint_writing
+from mimo_sft.config.checks_checkpoint import c24_checkpoint_writing, c34_export_shards
 from mimo_sft.config.checks_data_scale import c25_data_scale
 from mimo_sft.config.checks_eval import c28_validation
 from mimo_sft.config.checks_overlap import c33_overlap_and_profiler
@@ -405,6 +405,7 @@ CHECKS: tuple[tuple[int, str, Callable], ...] = (
     (29, "learning rates and experiment trackers", c29_learning_rates_and_trackers),
     (30, "model family matches the checkpoint", checks_family.c30_model_family),
     (33, "overlapped reduction and profiler settings", c33_overlap_and_profiler),
+    (34, "export shard size", c34_export_shards),
 )
 
 

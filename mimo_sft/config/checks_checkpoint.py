@@ -1,4 +1,5 @@
-"""Check 24: checkpoint-writing settings, and whether ``--load-checkpoint`` can resume on this layout.
+"""Checks 24 and 34: checkpoint-writing settings, whether ``--load-checkpoint`` can resume on this
+layout, and the export's shard size.
 
 The resharding rule lives here, pure (a checkpoint's ``meta.json`` against a layout), so that
 ``validate``, ``finetune`` (before any tensor is read) and ``mimo-sft checkpoint info --component``
@@ -67,3 +68,25 @@ def c24_checkpoint_writing(ctx):
         problem = reshard_problem(meta, ctx.specs) if meta else None
         if problem:
             yield f"--load-checkpoint {c.load_checkpoint}: {problem}"
+
+
+def shard_size_bytes(size) -> int:
+    """``--export-shard-size`` (bytes, or a size such as ``5GB``/``500MB`` as transformers' ``max_shard_size``
+    takes it, parsed by huggingface_hub) -> bytes; ValueError naming the flag when it is not a positive size."""
+    from huggingface_hub.serialization._base import parse_size_to_int
+
+    text = str(size).strip()
+    try:
+        n = int(text) if text.isdigit() else parse_size_to_int(text)
+    except ValueError:
+        n = 0
+    if n <= 0:
+        raise ValueError(f"--export-shard-size {size}: give a positive size such as 5GB, 500MB or a byte count")
+    return n
+
+
+def c34_export_shards(ctx):
+    try:
+        shard_size_bytes(ctx.cfg.checkpoint.export_shard_size)
+    except ValueError as err:
+        yield str(err)

@@ -149,6 +149,7 @@ class CheckpointConfig:
     no_save: bool = opt(False, "--no-save", "keep no weights: write no checkpoint at all, not even the final one (refused with --save, --save-interval, --export-hf and the --exit-* flags, which need one)")
     load_checkpoint: Optional[str] = opt(None, "--load-checkpoint", "resume model, optimizer, scheduler, RNG and data position from this folder")
     export_hf: Optional[str] = opt(None, "--export-hf", "write the final weights as a Hugging Face folder here")
+    export_shard_size: str = opt("5GB", "--export-shard-size", "largest safetensors shard of a Hugging Face export (transformers' max_shard_size: 5GB, 500MB or bytes); the export streams one layer at a time into shards of this size")
     keep_last_checkpoints: Optional[int] = opt(None, "--keep-last-checkpoints", "after each save, remove all but the newest N checkpoints (default: keep all)")
     async_save: bool = opt(False, "--async-save", "write periodic checkpoints in the background while training goes on (published once every rank's bytes are on disk; a run waits for its last one)")
     save_reshardable: bool = opt(False, "--save-reshardable", "distributed optimizer: save its state in the form that resumes on any TP/PP (gathers each module's state over its DP group while saving); the default form resumes on any DP size with TP and PP as saved")

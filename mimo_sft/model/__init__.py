@@ -6,7 +6,8 @@ Public API (what train/ and cli.py call):
 * ``build_single_process_model(hf_dir, *, random_init=False, ...)`` (1-rank colocated, TP=1)
 * ``modality_inputs_from_batch(batch, encoder_name)`` / ``ModelInfo.modality_inputs(batch)``
 * ``export_hf(state_dict_tp1, src_hf_dir, out_dir)`` / ``export_model(model, src_hf_dir, out_dir)``
-* ``export_weights(load_weights, src_hf_dir, out_dir)`` (host-memory 1-rank model filled by ``load_weights``)
+* ``export_weights(read_weights, src_hf_dir, out_dir)`` (streamed: a meta-device 1-rank model, ``read_weights(model, keys)``
+  one layer at a time, shards as transformers writes them)
 * ``check_model(hf_dir) -> dict``
 * ``supported_families()``
 

@@ -11,6 +11,7 @@ them with a message, and export and check-model build a fixed 1-rank layout with
 
 from __future__ import annotations
 
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Optional
 
@@ -164,7 +165,30 @@ def _assemble(src: _BuildInputs, info, parallel_state, modality_specs: dict, *, 
     # the TP group of megatron's MIMO sequence-parallel scatter (PartitionAdapter); megatron's global
     # groups are never initialised here
     groups = {"tp_group": lang_groups.pg_collection.tp, "cp_group": lang_groups.pg_collection.cp} if lang_groups.member else {}
-    return src.adapter.mimo_model_class(src.hf_cfg)(mimo_cfg, **groups)
+    with _built_in(src.dtype, skip_init=src.ckpt is not None):
+        return src.adapter.mimo_model_class(src.hf_cfg)(mimo_cfg, **groups)
+
+
+@contextmanager
+def _built_in(dtype: torch.dtype, *, skip_init: bool):
+    """Modules made while MimoModel builds get their parameters in ``dtype`` (torch's default dtype
+    for the duration: megatron passes its ``params_dtype`` itself, transformers' vision tower takes
+    the default), and with ``skip_init`` (every weight comes from the checkpoint; ``copy_into``
+    asserts it) transformers' and torch's initialisers do nothing.
+
+    Why: the tower is then allocated once, in its training dtype, and its pages are first written
+    by the weight copy -- not built in fp32, initialised, and cast into a second copy. Buffers made
+    with an explicit dtype (rotary ``inv_freq``, fp32) keep it.
+    """
+    from transformers.initialization import no_init_weights
+
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with no_init_weights() if skip_init else nullcontext():
+            yield
+    finally:
+        torch.set_default_dtype(previous)
 
 
 def _load_weights(model, src: _BuildInputs, info, parallel_state, hf_dir: str) -> None:
@@ -172,6 +196,7 @@ def _load_weights(model, src: _BuildInputs, info, parallel_state, hf_dir: str) -
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
     from mimo_sft.model.decoder_weights import copy_into
+    from mimo_sft.model.hf_checkpoint import one_group_mapped
 
     if model.language_model is not None:
         model.language_model.to(src.dtype)
@@ -183,14 +208,16 @@ def _load_weights(model, src: _BuildInputs, info, parallel_state, hf_dir: str) -
                 layer_offset=get_transformer_layer_offset(info.language_config, None, pp_rank),
                 num_local_layers=len(model.language_model.decoder.layers), pre_process=pre, post_process=post,
                 padded_vocab=info.padded_vocab_size)
-            copy_into(model.language_model, tensors, where=f"{hf_dir} language")
+            copy_into(model.language_model, one_group_mapped(src.ckpt, tensors), where=f"{hf_dir} language")
     from mimo_sft.model.pixels import pixel_norm_from
 
     for enc in _encoders(model):
         _cast_keeping_fp32_buffers(enc, src.dtype)
         enc.pixel_norm = pixel_norm_from(hf_dir)  # uint8 patches are normalised on the device
         if src.ckpt is not None:
-            copy_into(enc, src.adapter.load_encoder(src.ckpt, src.hf_cfg), where=f"{hf_dir} vision")
+            weights = src.adapter.load_encoder(src.ckpt, src.hf_cfg)
+            copy_into(enc, one_group_mapped(src.ckpt, [weights] if isinstance(weights, dict) else weights),
+                      where=f"{hf_dir} vision")
 
 
 def _encoders(model) -> list:

@@ -173,34 +173,48 @@ def iter_decoder_shard(ckpt: HFCheckpoint, names: DecoderNames, s: DecoderShape,
         yield out
 
 
-# ---- megatron (TP=1, all layers) -> HF ----------------------------------------------------------
+# ---- megatron (TP=1) -> HF ----------------------------------------------------------------------
 def export_decoder(sd: dict[str, torch.Tensor], names: DecoderNames, s: DecoderShape) -> dict[str, torch.Tensor]:
-    """A full TP=1 ``GPTModel`` state (no prefix) -> HF tensors (exact copies, vocab padding removed)."""
+    """TP=1 ``GPTModel`` tensors (no prefix) -> HF tensors (exact copies, vocab padding removed).
+
+    ``sd`` may be any part of the state made of whole decoder layers and single edge tensors
+    (embedding, final norm, output layer): the streamed export converts one such group at a time.
+    """
     p = names.prefix
-    hpg = s.heads // s.kv_heads
-    out = {f"{p}embed_tokens.weight": sd["embedding.word_embeddings.weight"][: s.vocab],
-           f"{p}norm.weight": sd["decoder.final_layernorm.weight"]}
-    if not s.tied:
+    out = {}
+    if "embedding.word_embeddings.weight" in sd:
+        out[f"{p}embed_tokens.weight"] = sd["embedding.word_embeddings.weight"][: s.vocab]
+    if "decoder.final_layernorm.weight" in sd:
+        out[f"{p}norm.weight"] = sd["decoder.final_layernorm.weight"]
+    if "output_layer.weight" in sd and not s.tied:
         out[names.lm_head] = sd["output_layer.weight"][: s.vocab]
-    for i in range(s.num_layers):
-        L = f"{p}layers.{i}."
-        M = f"decoder.layers.{i}."
-        q, k, v = split_qkv(sd[M + "self_attention.linear_qkv.weight"], s.kv_heads, s.head_dim, hpg)
-        out.update({L + "self_attn.q_proj.weight": q, L + "self_attn.k_proj.weight": k, L + "self_attn.v_proj.weight": v})
-        if names.qkv_bias:
-            qb, kb, vb = split_qkv(sd[M + "self_attention.linear_qkv.bias"], s.kv_heads, s.head_dim, hpg)
-            out.update({L + "self_attn.q_proj.bias": qb, L + "self_attn.k_proj.bias": kb, L + "self_attn.v_proj.bias": vb})
-        if names.qk_norm:
-            out[L + "self_attn.q_norm.weight"] = sd[M + "self_attention.q_layernorm.weight"]
-            out[L + "self_attn.k_norm.weight"] = sd[M + "self_attention.k_layernorm.weight"]
-        out[L + "self_attn.o_proj.weight"] = sd[M + "self_attention.linear_proj.weight"]
-        out[L + "input_layernorm.weight"] = sd[M + "input_layernorm.weight"]
-        out[L + "post_attention_layernorm.weight"] = sd[M + "pre_mlp_layernorm.weight"]
-        gate, up = torch.split(sd[M + "mlp.linear_fc1.weight"], [s.ffn, s.ffn], dim=0)
-        out[L + "mlp.gate_proj.weight"] = gate
-        out[L + "mlp.up_proj.weight"] = up
-        out[L + "mlp.down_proj.weight"] = sd[M + "mlp.linear_fc2.weight"]
+    layers = sorted({int(k.split(".")[2]) for k in sd if k.startswith("decoder.layers.")})
+    for i in layers:
+        out.update(_export_layer(sd, names, s, i))
     return {k: v.contiguous() for k, v in out.items()}
+
+
+def _export_layer(sd: dict[str, torch.Tensor], names: DecoderNames, s: DecoderShape, i: int) -> dict[str, torch.Tensor]:
+    L = f"{names.prefix}layers.{i}."
+    M = f"decoder.layers.{i}."
+    hpg = s.heads // s.kv_heads
+    out = {}
+    q, k, v = split_qkv(sd[M + "self_attention.linear_qkv.weight"], s.kv_heads, s.head_dim, hpg)
+    out.update({L + "self_attn.q_proj.weight": q, L + "self_attn.k_proj.weight": k, L + "self_attn.v_proj.weight": v})
+    if names.qkv_bias:
+        qb, kb, vb = split_qkv(sd[M + "self_attention.linear_qkv.bias"], s.kv_heads, s.head_dim, hpg)
+        out.update({L + "self_attn.q_proj.bias": qb, L + "self_attn.k_proj.bias": kb, L + "self_attn.v_proj.bias": vb})
+    if names.qk_norm:
+        out[L + "self_attn.q_norm.weight"] = sd[M + "self_attention.q_layernorm.weight"]
+        out[L + "self_attn.k_norm.weight"] = sd[M + "self_attention.k_layernorm.weight"]
+    out[L + "self_attn.o_proj.weight"] = sd[M + "self_attention.linear_proj.weight"]
+    out[L + "input_layernorm.weight"] = sd[M + "input_layernorm.weight"]
+    out[L + "post_attention_layernorm.weight"] = sd[M + "pre_mlp_layernorm.weight"]
+    gate, up = torch.split(sd[M + "mlp.linear_fc1.weight"], [s.ffn, s.ffn], dim=0)
+    out[L + "mlp.gate_proj.weight"] = gate
+    out[L + "mlp.up_proj.weight"] = up
+    out[L + "mlp.down_proj.weight"] = sd[M + "mlp.linear_fc2.weight"]
+    return out
 
 
 def copy_into(module: torch.nn.Module, tensors: Union[dict[str, torch.Tensor], Iterable[dict[str, torch.Tensor]]],

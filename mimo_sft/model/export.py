@@ -1,20 +1,26 @@
 """Export: a single-process TP=1 ``MimoModel`` state -> a Hugging Face checkpoint folder.
 
-The output holds the source folder's config.json and every non-weight file (tokenizer, chat
-template, processor configs) copied as they are, and safetensors written with the source's tensor
-names (``visual.*`` / ``model.layers.*`` or ``model.visual.*`` / ``model.language_model.*``), so
+The output holds the source folder's config.json (its dtype set to the written one) and every
+non-weight file (tokenizer, chat template, processor configs) copied as they are, and safetensors
+written with the source's tensor names (``visual.*`` / ``model.layers.*`` or ``model.visual.*`` /
+``model.language_model.*``) in shards planned as transformers' ``save_pretrained`` plans them, with
+its ``model.safetensors.index.json`` (``model.export_shards``), so
 ``AutoModelForImageTextToText.from_pretrained(out_dir)`` loads it and HF -> mimo -> HF is bit-exact.
 
-:func:`export_weights` is the model side of exporting a training checkpoint: it builds the 1-rank
-model in host memory without initialisation, lets the caller load the weights into it, and writes
-the folder. Reading the checkpoint is ``train.checkpoint``'s business; ``mimo_sft.export`` joins the
-two (model/ never imports train/).
+:func:`export_weights` is the model side of exporting a training checkpoint, streamed: it builds the
+1-rank model on the meta device (shapes and checkpoint keys, no memory), plans the shards from the
+converted shapes, then asks the caller for one group of weights at a time (a decoder layer, a vision
+block, an embedding), converts and casts it, and hands it to the shard writer, which writes each
+shard once complete. Host memory: about one group plus one shard, never the model. Reading the
+checkpoint is ``train.checkpoint``'s business; ``mimo_sft.export`` joins the two (model/ never imports
+train/).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from typing import Callable, Optional
 
@@ -23,11 +29,12 @@ import torch
 from mimo_sft.errors import UserError
 from mimo_sft.model.registry import get_family
 from mimo_sft.parallel.layout import IMAGES
-from mimo_sft.model.hf_checkpoint import SAFE_INDEX, SAFE_SINGLE, HFCheckpoint, read_config_json
+from mimo_sft.model.export_shards import (DEFAULT_SHARD_SIZE, ShardWriter, order_like_transformers, plan_shards,
+                                         shard_size_bytes)
+from mimo_sft.model.hf_checkpoint import SAFE_INDEX, HFCheckpoint, group_by_block, read_config_json
 
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack")
 _WEIGHT_INDEXES = (SAFE_INDEX, "pytorch_model.bin.index.json")
-DEFAULT_MAX_SHARD_BYTES = 4 * 1024 ** 3
 #: the training dtypes (``--dtype``) as torch dtypes and as config.json spells them
 EXPORT_DTYPES = {"fp32": (torch.float32, "float32"), "bf16": (torch.bfloat16, "bfloat16")}
 
@@ -52,43 +59,6 @@ def split_mimo_state(sd: dict) -> tuple[dict, dict]:
     return language, encoder
 
 
-def _shards(tensors: dict, max_bytes: int) -> list[dict]:
-    shards, cur, size = [], {}, 0
-    for name in sorted(tensors):
-        n = tensors[name].numel() * tensors[name].element_size()
-        if cur and size + n > max_bytes:
-            shards.append(cur)
-            cur, size = {}, 0
-        cur[name] = tensors[name]
-        size += n
-    if cur or not shards:
-        shards.append(cur)
-    return shards
-
-
-def write_safetensors(tensors: dict, out_dir: str, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> list[str]:
-    """Write ``tensors`` as ``model.safetensors`` or as shards plus ``model.safetensors.index.json``."""
-    from safetensors.torch import save_file
-
-    shards = _shards(tensors, max_shard_bytes)
-    if len(shards) == 1:
-        save_file({k: v.detach().clone().contiguous() for k, v in shards[0].items()},
-                  os.path.join(out_dir, SAFE_SINGLE), metadata={"format": "pt"})
-        return [SAFE_SINGLE]
-    names, weight_map, total = [], {}, 0
-    for i, shard in enumerate(shards):
-        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file({k: v.detach().clone().contiguous() for k, v in shard.items()}, os.path.join(out_dir, fname),
-                  metadata={"format": "pt"})
-        names.append(fname)
-        for k, v in shard.items():
-            weight_map[k] = fname
-            total += v.numel() * v.element_size()
-    with open(os.path.join(out_dir, SAFE_INDEX), "w") as f:
-        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2, sort_keys=True)
-    return names + [SAFE_INDEX]
-
-
 def _copy_side_files(src: str, out: str) -> list[str]:
     copied = []
     for name in sorted(os.listdir(src)):
@@ -107,32 +77,75 @@ def _source_prefix_style(src_hf_dir: str) -> str:
         return "legacy"
 
 
-def export_hf(megatron_state_dict_tp1: dict, src_hf_dir: str, out_dir: str, *, dtype: Optional[torch.dtype] = None,
-              max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> dict:
-    """Write ``out_dir`` as a Hugging Face checkpoint from a TP=1 MimoModel state; returns a summary.
-
-    ``megatron_state_dict_tp1``: keys as in a single-process TP=1 ``MimoModel.state_dict()``
-    (``language_model.*`` and ``modality_submodules.images.encoders.<name>.*``). ``dtype`` casts
-    the weights (default: as they are).
-    """
+def _prepare_out_dir(src_hf_dir: str, out_dir: str, dtype: Optional[torch.dtype]):
+    """The family adapter and config of ``src_hf_dir``; ``out_dir`` made with the side files copied
+    and config.json's dtype set. Returns ``(adapter, hf_cfg, prefix_style, copied)``."""
     raw = read_config_json(src_hf_dir)
     adapter = get_family(raw, hf_dir=src_hf_dir)
     hf_cfg = adapter.load_hf_config(src_hf_dir, raw)
-    language, encoder = split_mimo_state(megatron_state_dict_tp1)
-    if not language or not encoder:
-        raise UserError(f"export needs both the language model and the vision encoder in one TP=1 state; got "
-                        f"{len(language)} language and {len(encoder)} encoder tensors (build with build_single_process_model)")
-    tensors = adapter.export(language, encoder, hf_cfg, prefix_style=_source_prefix_style(src_hf_dir))
-    if dtype is not None:
-        tensors = {k: v.to(dtype) for k, v in tensors.items()}
     if os.path.abspath(out_dir) == os.path.abspath(src_hf_dir):
         raise UserError(f"export target {out_dir} is the source folder; choose a new --out folder")
     os.makedirs(out_dir, exist_ok=True)
     copied = _copy_side_files(src_hf_dir, out_dir)
     if dtype is not None:
         _set_config_dtype(os.path.join(out_dir, "config.json"), dtype)
-    files = write_safetensors(tensors, out_dir, max_shard_bytes)
-    return {"out_dir": out_dir, "tensors": len(tensors), "weight_files": files, "copied": copied}
+    return adapter, hf_cfg, _source_prefix_style(src_hf_dir), copied
+
+
+def _to_hf(adapter, hf_cfg, prefix_style: str, mimo_part: dict, dtype: Optional[torch.dtype]) -> dict:
+    """A part of a TP=1 MimoModel state (the whole, or one group) -> HF tensors in ``dtype``."""
+    language, encoder = split_mimo_state(mimo_part)
+    tensors = adapter.export(language, encoder, hf_cfg, prefix_style=prefix_style)
+    return {k: _own_storage(v.to(dtype) if dtype is not None else v) for k, v in tensors.items()}
+
+
+def _own_storage(t: torch.Tensor) -> torch.Tensor:
+    """``t``, copied when it is a view into a larger storage (gate/up of one fused fc1, q/k/v of one
+    qkv): safetensors refuses tensors that share memory, and a view keeps its whole source alive."""
+    if t.is_meta or t.untyped_storage().nbytes() == t.numel() * t.element_size():
+        return t
+    return t.clone()
+
+
+def _as_meta(tensors: dict) -> dict:
+    return {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in tensors.items()}
+
+
+def _start_writer(out_dir: str, hf_cfg, meta_tensors: dict, max_shard_bytes: int) -> ShardWriter:
+    """transformers' shard plan for ``meta_tensors`` (put in its save order); stale weight files of an
+    earlier export into ``out_dir`` removed."""
+    ordered = {n: meta_tensors[n] for n in order_like_transformers(meta_tensors, hf_cfg)}
+    plan = plan_shards(ordered, max_shard_bytes)
+    _remove_stale_weights(out_dir, keep=set(plan.filename_to_tensors))
+    return ShardWriter(out_dir, plan, ordered)
+
+
+def _remove_stale_weights(out_dir: str, keep: set) -> None:
+    shard = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors")
+    for name in os.listdir(out_dir):
+        if (shard.fullmatch(name) and name not in keep) or name == SAFE_INDEX:
+            os.remove(os.path.join(out_dir, name))
+
+
+def export_hf(megatron_state_dict_tp1: dict, src_hf_dir: str, out_dir: str, *, dtype: Optional[torch.dtype] = None,
+              max_shard_bytes: int | str = DEFAULT_SHARD_SIZE) -> dict:
+    """Write ``out_dir`` as a Hugging Face checkpoint from a whole TP=1 MimoModel state; returns a summary.
+
+    ``megatron_state_dict_tp1``: keys as in a single-process TP=1 ``MimoModel.state_dict()``
+    (``language_model.*`` and ``modality_submodules.images.encoders.<name>.*``). ``dtype`` casts
+    the weights (default: as they are). The merged LoRA export and tests use it; a training
+    checkpoint is exported streamed (:func:`export_weights`), into the same files.
+    """
+    language, encoder = split_mimo_state(megatron_state_dict_tp1)
+    if not language or not encoder:
+        raise UserError(f"export needs both the language model and the vision encoder in one TP=1 state; got "
+                        f"{len(language)} language and {len(encoder)} encoder tensors (build with build_single_process_model)")
+    limit = shard_size_bytes(max_shard_bytes)
+    adapter, hf_cfg, style, copied = _prepare_out_dir(src_hf_dir, out_dir, dtype)
+    tensors = _to_hf(adapter, hf_cfg, style, megatron_state_dict_tp1, dtype)
+    writer = _start_writer(out_dir, hf_cfg, _as_meta(tensors), limit)
+    writer.add({k: v.detach() for k, v in tensors.items()})
+    return {"out_dir": out_dir, "tensors": len(tensors), "weight_files": writer.finish(), "copied": copied}
 
 
 def _set_config_dtype(config_path: str, dtype: torch.dtype) -> None:
@@ -162,18 +175,39 @@ def export_model(model, src_hf_dir: str, out_dir: str, **kw) -> dict:
     return export_hf(model.state_dict(), src_hf_dir, out_dir, **kw)
 
 
-def export_weights(load_weights: Callable[[torch.nn.Module], None], src_hf_dir: str, out_dir: str, *,
-                   dtype: Optional[torch.dtype] = None) -> dict:
-    """Build the 1-rank TP=1 model of ``src_hf_dir``, fill it with ``load_weights(model)``, write ``out_dir``
-    (in ``dtype``: the run's training dtype, so a bf16 run's weights are written as trained, not upcast).
+def _meta_model(src_hf_dir: str):
+    """The 1-rank TP=1 model of ``src_hf_dir`` on the meta device: its state names and shapes, and its
+    ``sharded_state_dict`` (the checkpoint's keys), for no memory."""
+    from mimo_sft.model.builder import build_mimo_model
+    from mimo_sft.parallel.bootstrap import start_single_process
 
-    The model is built in host memory with megatron's initialisation off (``load_weights`` supplies
-    every weight), so export never uses a GPU, never competes with training memory on a GPU node,
-    and holds one copy of the model.
+    state = start_single_process("cpu")  # megatron's process state is made outside the meta context
+    with torch.device("meta"):
+        model, _info = build_mimo_model(src_hf_dir, layout=state.layout, parallel_state=state, random_init=True,
+                                        cpu_init=True, config_overrides={"perform_initialization": False})
+    return model
+
+
+def export_weights(read_weights: Callable[[torch.nn.Module, list], dict], src_hf_dir: str, out_dir: str, *,
+                   dtype: Optional[torch.dtype] = None, max_shard_bytes: int | str = DEFAULT_SHARD_SIZE) -> dict:
+    """Write ``out_dir`` from a training checkpoint, streamed group by group (see the module doc).
+
+    ``read_weights(model, keys)`` returns ``{key: tensor}`` for those ``state_dict`` keys of ``model``
+    (the meta-device 1-rank model whose ``sharded_state_dict`` names the checkpoint's tensors), in
+    host memory. ``dtype``: the written dtype (the run's training dtype, so a bf16 run's weights are
+    written as trained, not upcast). ``max_shard_bytes``: ``--export-shard-size``.
     """
-    from mimo_sft.model.builder import build_single_process_model
-
-    model, _info = build_single_process_model(src_hf_dir, random_init=True, prefer="cpu", cpu_init=True,
-                                              config_overrides={"perform_initialization": False})
-    load_weights(model)
-    return export_model(model, src_hf_dir, out_dir, dtype=dtype)
+    limit = shard_size_bytes(max_shard_bytes)
+    adapter, hf_cfg, style, copied = _prepare_out_dir(src_hf_dir, out_dir, dtype)
+    model = _meta_model(src_hf_dir)
+    state = {k: v for k, v in model.state_dict().items() if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")}
+    planned = [(keys, _to_hf(adapter, hf_cfg, style, {k: state[k] for k in keys}, dtype)) for keys in group_by_block(state)]
+    planned = [(keys, hf) for keys, hf in planned if hf]
+    writer = _start_writer(out_dir, hf_cfg, {n: t for _, hf in planned for n, t in hf.items()}, limit)
+    position = {name: i for i, name in enumerate(writer.meta)}
+    for keys, _hf in sorted(planned, key=lambda kh: min(position[n] for n in kh[1])):
+        part = read_weights(model, keys)
+        writer.add(_to_hf(adapter, hf_cfg, style, part, dtype))
+        del part
+    files = writer.finish()
+    return {"out_dir": out_dir, "tensors": len(writer.meta), "weight_files": files, "copied": copied}

@@ -139,11 +139,17 @@ class FamilyAdapter:
         one decoder layer at a time: ``copy_into`` copies each before the next is read)."""
         raise NotImplementedError
 
-    def load_encoder(self, ckpt, hf_cfg) -> dict:
+    def load_encoder(self, ckpt, hf_cfg):
+        """The encoder's weights (HF names without the tower's prefix): a dict, or groups read one
+        after another like ``load_language``'s (``hf_checkpoint.iter_blocks``)."""
         raise NotImplementedError
 
     def export(self, language_sd: dict, encoder_sd: dict, hf_cfg, *, prefix_style: str) -> dict:
-        """Full TP=1 megatron states (no prefixes) -> HF tensors named in ``prefix_style``."""
+        """TP=1 megatron states (no prefixes) -> HF tensors named in ``prefix_style``.
+
+        Called on the whole state and, by the streamed export (``model.export``), on one group at a
+        time: a decoder layer or vision block (every tensor under ``...layers.N.`` / ``blocks.N.``),
+        or one other tensor alone; each part must convert on its own (shapes may be meta tensors)."""
         raise NotImplementedError
 
     def projector_param(self, name: str) -> bool:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
-from typing import Iterable, Optional, Sequence
+from typing import Iterable, Iterator, Optional, Sequence
 
 import torch
 
@@ -124,6 +124,10 @@ class HFCheckpoint:
     def read(self, name: str, rows: Optional[tuple[int, int]] = None, cols: Optional[tuple[int, int]] = None) -> torch.Tensor:
         """The tensor ``name``, or only rows ``[r0, r1)`` / columns ``[c0, c1)`` of it."""
         entry = self._entry(name)
+        if entry.file not in self._handles:  # reopened after close(): the header is parsed again, nothing else
+            from safetensors import safe_open
+
+            self._handles[entry.file] = safe_open(os.path.join(self.hf_dir, entry.file), framework="pt")
         sl = self._handles[entry.file].get_slice(name)
         try:
             if rows is None and cols is None:
@@ -134,6 +138,12 @@ class HFCheckpoint:
             return sl[r, slice(*cols)]
         except Exception as err:
             raise UserError(f"{os.path.join(self.hf_dir, entry.file)}: tensor '{name}' cannot be read ({err.__class__.__name__}); re-download or re-export the checkpoint") from None
+
+    def close(self) -> None:
+        """Unmap the shard files (reads reopen them). safetensors reads through a memory map, so every
+        page read stays in this process's RSS while the file is open; the streamed load closes the
+        files after each group, so the mapped pages are one group's, not the stage's."""
+        self._handles.clear()
 
     def full_dict(self, names: Optional[Iterable[str]] = None) -> dict[str, torch.Tensor]:
         return {n: self.read(n) for n in (names if names is not None else self.keys())}
@@ -148,3 +158,29 @@ class HFCheckpoint:
 
     def shard_files(self) -> list[str]:
         return sorted({e.file for e in self._entries.values()})
+
+
+def group_by_block(keys: Iterable[str]) -> list[list[str]]:
+    """Keys grouped into reading units: every key under the same ``...layers.N.`` / ``blocks.N.`` (its
+    path up to its first number) together, every other key alone. The streamed load and export read
+    one such group at a time."""
+    groups: dict[str, list[str]] = {}
+    for key in keys:
+        parts = key.split(".")
+        cut = next((i for i, part in enumerate(parts) if part.isdigit()), None)
+        groups.setdefault(".".join(parts[: cut + 1]) if cut is not None else key, []).append(key)
+    return list(groups.values())
+
+
+def iter_blocks(ckpt: HFCheckpoint, prefix: str) -> Iterator[dict[str, torch.Tensor]]:
+    """The tensors under ``prefix`` (names without it), read one block at a time (:func:`group_by_block`),
+    for ``decoder_weights.copy_into``: host memory holds one block, not the tower."""
+    for group in group_by_block(k for k in ckpt.keys() if k.startswith(prefix)):
+        yield {k[len(prefix):]: ckpt.read(k) for k in group}
+
+
+def one_group_mapped(ckpt: HFCheckpoint, groups: Iterable[dict]) -> Iterator[dict]:
+    """``groups`` (read from ``ckpt``), with the shard files unmapped after each (:meth:`HFCheckpoint.close`)."""
+    for group in groups:
+        yield group
+        ckpt.close()

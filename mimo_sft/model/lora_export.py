@@ -60,8 +60,9 @@ def build_lora_model(src_hf_dir: str, lora: dict):
 
 
 def export_lora(load_weights: Callable[[torch.nn.Module], None], src_hf_dir: str, out_dir: str, lora: dict, *,
-                adapter_only: bool = False, dtype: torch.dtype | None = None) -> dict:
-    """Write ``out_dir`` from a LoRA checkpoint: merged HF folder (in ``dtype``), or (``adapter_only``) a PEFT folder."""
+                adapter_only: bool = False, dtype: torch.dtype | None = None, **shards) -> dict:
+    """Write ``out_dir`` from a LoRA checkpoint: merged HF folder (in ``dtype``; ``shards``: ``max_shard_bytes``),
+    or (``adapter_only``) a PEFT folder."""
     from mimo_sft.model.export import export_model
     from mimo_sft.model.lora import merge_lora
 
@@ -70,7 +71,7 @@ def export_lora(load_weights: Callable[[torch.nn.Module], None], src_hf_dir: str
     if adapter_only:
         return write_peft_adapter(model, info, spec, src_hf_dir, out_dir)
     merge_lora(model)
-    return export_model(model, src_hf_dir, out_dir, dtype=dtype)
+    return export_model(model, src_hf_dir, out_dir, dtype=dtype, **shards)
 
 
 def _trained_base(model) -> list[str]:

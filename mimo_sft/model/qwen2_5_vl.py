@@ -17,6 +17,7 @@ from mimo_sft.errors import UserError
 from mimo_sft.model.decoder_weights import (DecoderNames, DecoderShape, expected_hf_shapes, export_decoder,
                                             iter_decoder_shard, pad_vocab)
 from mimo_sft.model.family import FamilyAdapter, ModelInfo
+from mimo_sft.model.hf_checkpoint import iter_blocks
 from mimo_sft.model.pixels import PixelNorm, float_patches
 from mimo_sft.model.vision_attention import SegmentAttentionTower, host_vision_kwargs
 from mimo_sft.parallel.layout import IMAGES
@@ -239,12 +240,13 @@ class Qwen25VLAdapter(FamilyAdapter):
                                   tp_rank=tp_rank, tp=tp, layer_offset=layer_offset, num_local_layers=num_local_layers,
                                   pre_process=pre_process, post_process=post_process)
 
-    def load_encoder(self, ckpt, hf_cfg) -> dict:
-        prefix = self._vision_prefix(ckpt.prefix_style)
-        return {k[len(prefix):]: ckpt.read(k) for k in ckpt.keys() if k.startswith(prefix)}
+    def load_encoder(self, ckpt, hf_cfg):
+        """The vision tower's tensors, one block at a time (``hf_checkpoint.iter_blocks``)."""
+        return iter_blocks(ckpt, self._vision_prefix(ckpt.prefix_style))
 
     def export(self, language_sd, encoder_sd, hf_cfg, *, prefix_style: str) -> dict:
-        padded = language_sd["embedding.word_embeddings.weight"].shape[0]
+        # any part made of whole layers / single tensors converts on its own (the streamed export's groups)
+        padded = language_sd.get("embedding.word_embeddings.weight", torch.empty(0)).shape[0]
         out = export_decoder(language_sd, self._names(prefix_style), self._shape(hf_cfg, padded))
         vp = self._vision_prefix(prefix_style)
         out.update({vp + k: v.contiguous() for k, v in encoder_sd.items()})

@@ -185,6 +185,36 @@ def load_model_weights(model, ckpt: str, *, pretrained: bool = False) -> None:
         raise UserError(f"checkpoint {ckpt}: weights for {bad[:3]} are missing; was it saved from another model?")
 
 
+def model_weight_reader(ckpt: str):
+    """``read(model, keys) -> {key: tensor}``: the checkpoint's weights for those ``state_dict`` keys
+    of ``model`` (any layout; a meta-device model will do: its ``sharded_state_dict`` names the
+    tensors, host buffers of their shapes are made for just these keys), reading only the stored
+    chunks of those tensors (``checkpoint_read``). The streamed export
+    (``model.export.export_weights``) reads one decoder layer at a time with it.
+    """
+    from dataclasses import replace
+
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    from mimo_sft.train.checkpoint_read import read_model_part
+
+    folder = os.path.join(ckpt, "model")
+    cache: dict = {}
+
+    def read(model, keys) -> dict:
+        if cache.get("model") is not model:
+            with unwrapped(model) as bare:
+                cache.update(model=model, sharded=bare.sharded_state_dict())
+        sharded = cache["sharded"]
+        missing = [k for k in keys if not isinstance(sharded.get(k), (ShardedTensor, ShardedTensorFactory))]
+        assert not missing, f"checkpoint keys for {missing[:3]} not in the model's sharded state dict"
+        part = {k: replace(sharded[k], data=torch.empty(sharded[k].data.shape, dtype=sharded[k].data.dtype, device="cpu"))
+                for k in keys}
+        return read_model_part(part, folder)
+
+    return read
+
+
 def restore(cfg, ctx) -> tuple[int, int]:
     """Load what the run starts from into the built model and optimizer; returns (step, consumed).
 

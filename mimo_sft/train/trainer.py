@@ -418,5 +418,6 @@ class Trainer:
         self.runner.model = self.runner.modules = None
         gc.collect()
         runtime.release_cached_memory()
-        out = export_checkpoint(self.save_dir, self.cfg.checkpoint.export_hf, hf_model=self.cfg.model.hf_model)
+        out = export_checkpoint(self.save_dir, self.cfg.checkpoint.export_hf, hf_model=self.cfg.model.hf_model,
+                                shard_size=self.cfg.checkpoint.export_shard_size)
         print(f"exported Hugging Face checkpoint to {out}", flush=True)
