@@ -24,6 +24,7 @@ from mimo_sft.config.families import QWEN3_VL
 from mimo_sft.errors import UserError
 from mimo_sft.model.qwen2_5_vl import Qwen25VLAdapter
 from mimo_sft.model.pixels import float_patches
+from mimo_sft.model.vision_attention import SegmentAttentionTower
 
 try:  # transformers is a hard dependency; the import is here so the error names the family
     from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
@@ -31,7 +32,7 @@ except ImportError as _err:  # pragma: no cover
     raise ImportError(f"Qwen3-VL support needs transformers>=5 with models/qwen3_vl ({_err})")
 
 
-class Qwen3VisionEncoder(Qwen3VLVisionModel):
+class Qwen3VisionEncoder(SegmentAttentionTower, Qwen3VLVisionModel):
     """HF's Qwen3-VL vision tower, merger and DeepStack mergers as one MIMO encoder.
 
     ``forward(pixel_values, image_grid_thw)`` returns ``[sum_i t*h*w/merge**2, out_hidden * (1 + k)]``:
