@@ -23,6 +23,7 @@ from typing import Callable
 from mimo_sft.config import checks_memory, families
 from mimo_sft.config.checks_checkpoint import c24_checkpoint_writing
 from mimo_sft.config.checks_data_scale import c25_data_scale
+from mimo_sft.config.checks_deepstack import c31_deepstack_stages
 from mimo_sft.config.checks_eval import c28_validation
 from mimo_sft.config.checks_paths import c26_run_folders, c27_extra_folders
 from mimo_sft.config.families import FamilySpec
@@ -402,6 +403,7 @@ CHECKS: tuple[tuple[int, str, Callable], ...] = (
     (27, "export and debugging folders are usable", c27_extra_folders),
     (28, "validation settings", c28_validation),
     (29, "learning rates and experiment trackers", c29_learning_rates_and_trackers),
+    (31, "DeepStack layers on the first language stage", c31_deepstack_stages),
 )
 
 
