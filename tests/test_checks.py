@@ -112,7 +112,7 @@ def test_model_divisibility_from_config_json(tmp_path):
     assert any("does not divide the model's 3 layers" in p for p in probs)
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llava"}))
     probs, _ = problems(GOOD + ["--hf-model", str(tmp_path)])
-    assert any("'llava' is not supported; supported: qwen2_5_vl" in p for p in probs)
+    assert any("'llava' is not supported; supported model types: qwen2_5_vl, qwen3_vl" in p for p in probs)
 
 
 def test_finetune_requires_model_and_data():

@@ -283,7 +283,7 @@ def c16_model(ctx):
         mt = ctx.hf_config.get("model_type")
         spec = families.family_for_model_type(mt)
         if spec is None:
-            yield f"--hf-model: model_type {mt!r} is not supported; supported: {', '.join(families.model_types())}"
+            yield families.unsupported_model_type(mt, f"--hf-model {m.hf_model}")
             return
         for s in ctx.specs:
             if s.name == LANGUAGE:

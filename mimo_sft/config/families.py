@@ -196,3 +196,37 @@ QWEN2_5_VL = register(FamilySpec(
     language_dims=_qwen_vl_language_dims,
     adapter="mimo_sft.model.qwen2_5_vl:Qwen25VLAdapter",
 ))
+
+QWEN3_VL = register(FamilySpec(
+    name="qwen3_vl",
+    model_types=("qwen3_vl",),
+    # transformers' Qwen3-VL vision tower (DeepStack mergers included) runs as it is, like Qwen2.5-VL's
+    encoders={IMAGES: EncoderLimits(tower="vision tower", implementation="Hugging Face Qwen3-VL")},
+    language_dims=_qwen_vl_language_dims,
+    adapter="mimo_sft.model.qwen3_vl:Qwen3VLAdapter",
+))
+
+#: config.json ``model_type`` values of Qwen-VL generations mimo-sft knows of but cannot build yet, and why
+NOT_YET_SUPPORTED: dict[str, str] = {
+    "qwen3_vl_moe": "Qwen3-VL MoE (mixture-of-experts language model)",
+    "qwen3_5": "Qwen3.5 (Gated DeltaNet layers need the GPU-only fla package in megatron-core 0.19.2)",
+    "qwen3_5_moe": "Qwen3.5 MoE (Gated DeltaNet and mixture-of-experts layers)",
+}
+
+
+def unsupported_model_type(model_type, where: str) -> str:
+    """The one line that refuses a config.json ``model_type`` no family reads (``where`` names the file)."""
+    supported = ", ".join(model_types())
+    if model_type in NOT_YET_SUPPORTED:
+        return (f"{where}: model_type {model_type!r} is {NOT_YET_SUPPORTED[model_type]}, not yet supported by "
+                f"mimo-sft; supported model types: {supported}")
+    return f"{where}: model_type {model_type!r} is not supported; supported model types: {supported}"
+
+
+def family_mismatch(requested, model_type, where: str) -> Optional[str]:
+    """The line refusing ``--model-family requested`` for a checkpoint of another family (None: they agree)."""
+    spec = family_for_model_type(model_type)
+    if spec is None or requested in (None, "auto") or requested == spec.name:
+        return None
+    return (f"--model-family {requested} does not match {where} (model_type {model_type!r} is family "
+            f"{spec.name}); pass --model-family auto or {spec.name}")

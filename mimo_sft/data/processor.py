@@ -17,7 +17,7 @@ import os
 import re
 from pathlib import Path
 
-from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer, Qwen2_5_VLConfig
+from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 from transformers.processing_utils import ProcessorMixin
 
@@ -99,9 +99,19 @@ class QwenVLImageOnlyProcessor(ProcessorMixin):
         return super().model_input_names + ["mm_token_type_ids"]
 
 
-# Registered for Qwen2.5-VL's config so ``AutoProcessor`` resolves the class name written in
-# processor_config.json (unregistered, AutoProcessor silently falls back to the bare tokenizer).
-AutoProcessor.register(Qwen2_5_VLConfig, QwenVLImageOnlyProcessor, exist_ok=True)
+def _register_families() -> None:
+    """Register the processor for every family's config class (``config.families``: its ``model_type``s),
+    so ``AutoProcessor`` resolves the class name written in processor_config.json (unregistered,
+    AutoProcessor silently falls back to the bare tokenizer)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    from mimo_sft.config.families import model_types
+
+    for model_type in model_types():
+        AutoProcessor.register(CONFIG_MAPPING[model_type], QwenVLImageOnlyProcessor, exist_ok=True)
+
+
+_register_families()
 
 
 # --------------------------------------------------------------------------- tiny tokenizer
@@ -181,6 +191,8 @@ def write_tiny_processor(
     min_pixels: int | None = None,
     max_pixels: int | None = None,
     vocab_size: int = 1024,
+    image_mean=None,
+    image_std=None,
 ) -> QwenVLImageOnlyProcessor:
     """Write tokenizer, PIL image processor and chat template for an image-only processor.
 
@@ -196,6 +208,8 @@ def write_tiny_processor(
         temporal_patch_size=temporal_patch_size,
         min_pixels=min_pixels,
         max_pixels=max_pixels,
+        **({"image_mean": list(image_mean)} if image_mean is not None else {}),
+        **({"image_std": list(image_std)} if image_std is not None else {}),
     )
     tokenizer = build_tiny_tokenizer(vocab_size)
     tokenizer.chat_template = QWEN_VL_CHAT_TEMPLATE

@@ -141,9 +141,9 @@ def _vision_spec(src: _BuildInputs, parallel_state, attention: str):
 
 
 def _assemble(src: _BuildInputs, info, parallel_state, modality_specs: dict, *, attention: str, max_seq_len: int):
-    """``MimoModel`` from the language ``GPTModel`` spec and the modality specs (collective)."""
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.mimo import MimoModel, MimoModelConfig
+    """``MimoModel`` from the language ``GPTModel`` spec and the modality specs (collective); the family's
+    adapter names both classes (megatron's own, or its subclasses where the family needs more)."""
+    from megatron.core.models.mimo import MimoModelConfig
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.transformer_block import get_num_layers_to_build
 
@@ -155,13 +155,14 @@ def _assemble(src: _BuildInputs, info, parallel_state, modality_specs: dict, *, 
                      pg_collection=lang_groups.pg_collection,
                      **src.adapter.language_model_params(src.hf_cfg, padded_vocab=info.padded_vocab_size,
                                                        max_seq_len=max_seq_len))
-    mimo_cfg = MimoModelConfig(language_model_spec=ModuleSpec(module=GPTModel, params=lm_params),
+    language_class = src.adapter.language_model_class(src.hf_cfg)
+    mimo_cfg = MimoModelConfig(language_model_spec=ModuleSpec(module=language_class, params=lm_params),
                                modality_submodules_spec=modality_specs, special_token_ids=dict(info.special_token_ids),
                                module_to_grid_map=parallel_state.grids)
     # the TP group of megatron's MIMO sequence-parallel scatter (PartitionAdapter); megatron's global
     # groups are never initialised here
     groups = {"tp_group": lang_groups.pg_collection.tp, "cp_group": lang_groups.pg_collection.cp} if lang_groups.member else {}
-    return MimoModel(mimo_cfg, **groups)
+    return src.adapter.mimo_model_class(src.hf_cfg)(mimo_cfg, **groups)
 
 
 def _load_weights(model, src: _BuildInputs, info, parallel_state, hf_dir: str) -> None:

@@ -39,6 +39,7 @@ sequence-first ``[S, B, H]`` hidden states. Three things make the addition exact
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -196,6 +197,7 @@ class DeepStackLanguageMixin:
         return make_viewless_tensor(_ReplayFeatures.apply(output, inputs, self), requires_grad=True, keep_graph=True)
 
 
+@functools.lru_cache(maxsize=None)
 def deepstack_mimo_model_class(modality: str, num_deepstack: int) -> type:
     """megatron's ``MimoModel`` whose embedding alignment splits ``modality``'s DeepStack rows off."""
     from megatron.core.models.mimo import MimoModel
@@ -227,5 +229,5 @@ def deepstack_mimo_model_class(modality: str, num_deepstack: int) -> type:
             out = _ReturnFeatureGrad.apply(combined, features, inputs, language)
             return make_viewless_tensor(out, requires_grad=True, keep_graph=True)
 
-    DeepStackMimoModel.__qualname__ = DeepStackMimoModel.__name__ = f"DeepStackMimoModel_{modality}_{num_deepstack}"
+    DeepStackMimoModel.__qualname__ = DeepStackMimoModel.__name__
     return DeepStackMimoModel

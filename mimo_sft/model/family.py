@@ -114,6 +114,18 @@ class FamilyAdapter:
     def encoder_class(self) -> type:
         raise NotImplementedError
 
+    def language_model_class(self, hf_cfg) -> type:
+        """The language module class MimoModel builds (megatron's ``GPTModel`` unless the family needs more)."""
+        from megatron.core.models.gpt import GPTModel
+
+        return GPTModel
+
+    def mimo_model_class(self, hf_cfg) -> type:
+        """The ``MimoModel`` class to assemble (megatron's own unless the family needs more)."""
+        from megatron.core.models.mimo import MimoModel
+
+        return MimoModel
+
     def encoder_params(self, hf_cfg, *, attn_implementation: str) -> dict:
         raise NotImplementedError
 

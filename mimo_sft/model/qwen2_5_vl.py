@@ -63,6 +63,9 @@ class Qwen25VisionEncoder(Qwen2_5_VisionTransformerPretrainedModel):
 class Qwen25VLAdapter(FamilyAdapter):
     spec = QWEN2_5_VL  # name, model types, modalities and parallel limits
     encoder_name = "qwen_vit"
+    #: the decoder's attention: Qwen2/2.5 have a qkv bias and no q/k norm (Qwen3 the reverse)
+    qkv_bias = True
+    qk_norm = False
 
     # ---- config ------------------------------------------------------------------------------
     def load_hf_config(self, hf_dir: str, raw: dict):
@@ -87,9 +90,9 @@ class Qwen25VLAdapter(FamilyAdapter):
                             heads=t.num_attention_heads, kv_heads=t.num_key_value_heads, head_dim=head_dim,
                             vocab=t.vocab_size, padded_vocab=padded_vocab, tied=bool(hf_cfg.tie_word_embeddings))
 
-    @staticmethod
-    def _names(prefix_style: str) -> DecoderNames:
-        return DecoderNames(prefix="model.language_model." if prefix_style == "nested" else "model.", qkv_bias=True)
+    def _names(self, prefix_style: str) -> DecoderNames:
+        return DecoderNames(prefix="model.language_model." if prefix_style == "nested" else "model.",
+                            qkv_bias=self.qkv_bias, qk_norm=self.qk_norm)
 
     @staticmethod
     def _vision_prefix(prefix_style: str) -> str:
@@ -118,7 +121,7 @@ class Qwen25VLAdapter(FamilyAdapter):
             num_layers=t.num_hidden_layers, hidden_size=t.hidden_size, ffn_hidden_size=t.intermediate_size,
             num_attention_heads=t.num_attention_heads, num_query_groups=t.num_key_value_heads, kv_channels=s.head_dim,
             normalization="RMSNorm", layernorm_epsilon=t.rms_norm_eps, gated_linear_unit=True, activation_func=F.silu,
-            add_bias_linear=False, add_qkv_bias=True, hidden_dropout=0.0, attention_dropout=float(t.attention_dropout or 0.0),
+            add_bias_linear=False, add_qkv_bias=self.qkv_bias, qk_layernorm=self.qk_norm, hidden_dropout=0.0, attention_dropout=float(t.attention_dropout or 0.0),
             mrope_section=list(t.rope_parameters["mrope_section"]), rotary_interleaved=False,
             init_method_std=t.initializer_range,
             tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, sequence_parallel=False,
@@ -174,9 +177,11 @@ class Qwen25VLAdapter(FamilyAdapter):
         from mimo_sft.model.attention import core_attention_class
         from mimo_sft.model.norm import RMSNorm
 
-        layer = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=False)
+        layer = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=self.qk_norm)
         attn = layer.submodules.self_attention
-        attn = replace(attn, submodules=replace(attn.submodules, core_attention=core_attention_class(attention)))
+        qk_norms = dict(q_layernorm=RMSNorm, k_layernorm=RMSNorm) if self.qk_norm else {}
+        attn = replace(attn, submodules=replace(attn.submodules, core_attention=core_attention_class(attention),
+                                                **qk_norms))
         layer = replace(layer, submodules=replace(layer.submodules, self_attention=attn, input_layernorm=RMSNorm,
                                                   pre_mlp_layernorm=RMSNorm))
         return TransformerBlockSubmodules(layer_specs=[layer] * num_local_layers, layer_norm=RMSNorm)
@@ -225,6 +230,49 @@ class Qwen25VLAdapter(FamilyAdapter):
 
     def projector_param(self, name: str) -> bool:
         return name.startswith("merger.")
+
+    # ---- fixtures (testing.tiny_checkpoint) -----------------------------------------------------
+    #: the tiny checkpoint's default patch size (the family's real one) and image normalisation
+    #: (``None``: the Qwen2-VL image processor's defaults, which Qwen2.5-VL uses)
+    tiny_patch_size = 14
+    tiny_image_norm: dict = {}
+
+    def hf_model_class(self) -> type:
+        """transformers' model class for this family's checkpoints (tiny checkpoints, references)."""
+        from transformers import Qwen2_5_VLForConditionalGeneration
+
+        return Qwen2_5_VLForConditionalGeneration
+
+    def tiny_config(self, ids: dict, *, vocab_size: int, max_positions: int, text: dict, vision: dict,
+                    tie_embeddings: bool):
+        """transformers' ``Qwen2_5_VLConfig`` for tiny sizes with Qwen2.5's constants (the released eps,
+        rotary base, temporal patch, tokens per second); ``ids``: the tokenizer's special-token ids."""
+        from transformers import Qwen2_5_VLConfig
+
+        text_head_dim = text["hidden_size"] // text["num_attention_heads"]
+        patch, merge, depth = vision["patch_size"], vision["spatial_merge_size"], vision["depth"]
+        return Qwen2_5_VLConfig(
+            text_config=dict(
+                **text, vocab_size=vocab_size, max_position_embeddings=max_positions, rms_norm_eps=1e-6,
+                rope_parameters={"rope_type": "default", "rope_theta": 1000000.0,
+                                 "mrope_section": mrope_section_for(text_head_dim)},
+                bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"],
+                tie_word_embeddings=tie_embeddings),
+            vision_config=dict(
+                **vision, intermediate_size=2 * vision["hidden_size"], temporal_patch_size=2, tokens_per_second=2,
+                window_size=2 * patch * merge,  # two merged tokens per attention window side
+                out_hidden_size=text["hidden_size"], fullatt_block_indexes=[depth - 1]),
+            image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+            vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+            tie_word_embeddings=tie_embeddings)
+
+
+def mrope_section_for(head_dim: int) -> list[int]:
+    """Split ``head_dim/2`` rotary frequencies into (t, h, w) in Qwen's 2:3:3 proportion."""
+    half = head_dim // 2
+    t = max(1, half // 4)
+    h = (half - t) // 2
+    return [t, h, half - t - h]
 
 
 def _expected_vision_shapes(v) -> dict:

@@ -41,9 +41,8 @@ def get_family(raw_config: dict, *, hf_dir: str, requested: str = "auto") -> Fam
     model_type = raw_config.get("model_type")
     spec = families.family_for_model_type(model_type)
     if spec is None:
-        raise UserError(f"{hf_dir}/config.json: model_type {model_type!r} is not supported; "
-                        f"supported model types: {', '.join(sorted(families.model_types()))}")
-    if requested not in (None, "auto") and requested != spec.name:
-        raise UserError(f"--model-family {requested} does not match {hf_dir}/config.json (model_type {model_type!r} "
-                        f"is family {spec.name}); pass --model-family auto or {spec.name}")
+        raise UserError(families.unsupported_model_type(model_type, f"{hf_dir}/config.json"))
+    mismatch = families.family_mismatch(requested, model_type, f"{hf_dir}/config.json")
+    if mismatch:
+        raise UserError(mismatch)
     return adapter_for(spec)

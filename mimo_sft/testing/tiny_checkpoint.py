@@ -24,25 +24,13 @@ VOCAB_PAD_MULTIPLE = 64
 #: The tiny model's position limit: far above any test's --seq-length, far below Qwen's 128k, so
 #: the rotary tables stay small.
 TINY_MAX_POSITIONS = 4096
-#: Qwen2.5's RMSNorm epsilon and rotary base (the released config.json values).
-QWEN_RMS_NORM_EPS = 1e-6
-QWEN_ROPE_THETA = 1000000.0
-#: Qwen2.5-VL's vision constants: frames per temporal patch, video tokens per second.
+#: Qwen-VL's frames per temporal patch (every generation's config.json)
 QWEN_TEMPORAL_PATCH = 2
-QWEN_TOKENS_PER_SECOND = 2
 #: Qwen2.5-VL's preprocessor_config.json: 4 to 16384 merged tokens (28x28 pixels each) per image.
 QWEN_MIN_PIXELS = 56 * 56
 QWEN_MAX_PIXELS = 28 * 28 * 16384
 #: Qwen's tokenizer_config.json model_max_length.
 QWEN_MODEL_MAX_LENGTH = 131072
-
-
-def mrope_section_for(head_dim: int) -> list[int]:
-    """Split ``head_dim/2`` rotary frequencies into (t, h, w) in Qwen's 2:3:3 proportion."""
-    half = head_dim // 2
-    t = max(1, half // 4)
-    h = (half - t) // 2
-    return [t, h, half - t - h]
 
 
 def write_tiny_checkpoint(
@@ -58,17 +46,23 @@ def write_tiny_checkpoint(
     kv_heads: int = 2,
     intermediate: int = 128,
     tie_embeddings: bool = True,
-    patch_size: int = 14,
+    patch_size: int | None = None,
     merge_size: int = 2,
     min_pixels: int | None = None,
     max_pixels: int | None = None,
     tokenizer_vocab: int = 1024,
     config_only: bool = False,
+    family: str = "qwen2_5_vl",
 ) -> Path:
     """Write config.json, model.safetensors and the processor files to ``out_dir``; return it.
 
+    ``family`` (a ``--model-family`` name) picks the architecture through its adapter (``tiny_config``,
+    ``hf_model_class``, the processor's normalisation); ``patch_size`` defaults to the family's.
     ``config_only`` skips the weights (the folder then needs ``--allow-random-init``)."""
     from mimo_sft.data.processor import write_tiny_processor
+
+    adapter = _adapter(family)
+    patch_size = adapter.tiny_patch_size if patch_size is None else patch_size
 
     _check_tiny_shape(vision_hidden=vision_hidden, vision_heads=vision_heads, text_hidden=text_hidden, heads=heads,
                       kv_heads=kv_heads)
@@ -78,14 +72,14 @@ def write_tiny_checkpoint(
     out.mkdir(parents=True, exist_ok=True)
     processor = write_tiny_processor(
         out, patch_size=patch_size, merge_size=merge_size, min_pixels=min_pixels, max_pixels=max_pixels,
-        vocab_size=tokenizer_vocab,
+        vocab_size=tokenizer_vocab, **adapter.tiny_image_norm,
     )
     text = dict(hidden_size=text_hidden, intermediate_size=intermediate, num_hidden_layers=text_layers,
                 num_attention_heads=heads, num_key_value_heads=kv_heads)
     vision = dict(depth=vision_depth, hidden_size=vision_hidden, num_heads=vision_heads, patch_size=patch_size,
                   spatial_merge_size=merge_size)
-    config = _tiny_config(processor.tokenizer, text=text, vision=vision, tie_embeddings=tie_embeddings)
-    _save(config, out, seed=seed, config_only=config_only)
+    config = _tiny_config(processor.tokenizer, family=family, text=text, vision=vision, tie_embeddings=tie_embeddings)
+    _save(config, out, seed=seed, config_only=config_only, model_class=adapter.hf_model_class)
     return out
 
 
@@ -102,44 +96,26 @@ def _check_tiny_shape(*, vision_hidden: int, vision_heads: int, text_hidden: int
         raise UserError("; ".join(problems))
 
 
-def _tiny_config(tok, *, text: dict, vision: dict, tie_embeddings: bool):
-    """transformers' ``Qwen2_5_VLConfig`` for the tiny sizes: Qwen's constants (eps, rotary base, temporal
-    patch, tokens per second), the tokenizer's special-token ids, an embedding table padded like Qwen's."""
-    from transformers import Qwen2_5_VLConfig
-
+def _tiny_config(tok, *, family: str, text: dict, vision: dict, tie_embeddings: bool):
+    """The family's transformers config for the tiny sizes (its adapter's ``tiny_config``: the family's
+    constants), with the tokenizer's special-token ids and an embedding table padded like Qwen's."""
     ids = {t: tok.convert_tokens_to_ids(t) for t in ("<|endoftext|>", "<|im_end|>", "<|image_pad|>",
                                                      "<|video_pad|>", "<|vision_start|>", "<|vision_end|>")}
     vocab_size = -(-len(tok) // VOCAB_PAD_MULTIPLE) * VOCAB_PAD_MULTIPLE  # padded like Qwen's, >= len(tokenizer)
-    text_head_dim = text["hidden_size"] // text["num_attention_heads"]
-    patch, merge, depth = vision["patch_size"], vision["spatial_merge_size"], vision["depth"]
-    return Qwen2_5_VLConfig(
-        text_config=dict(
-            **text,
-            vocab_size=vocab_size,
-            max_position_embeddings=TINY_MAX_POSITIONS,
-            rms_norm_eps=QWEN_RMS_NORM_EPS,
-            rope_parameters={"rope_type": "default", "rope_theta": QWEN_ROPE_THETA,
-                             "mrope_section": mrope_section_for(text_head_dim)},
-            bos_token_id=ids["<|endoftext|>"],
-            eos_token_id=ids["<|im_end|>"],
-            pad_token_id=ids["<|endoftext|>"],
-            tie_word_embeddings=tie_embeddings,
-        ),
-        vision_config=dict(
-            **vision,
-            intermediate_size=2 * vision["hidden_size"],
-            temporal_patch_size=QWEN_TEMPORAL_PATCH,
-            tokens_per_second=QWEN_TOKENS_PER_SECOND,
-            window_size=2 * patch * merge,  # two merged tokens per attention window side
-            out_hidden_size=text["hidden_size"],
-            fullatt_block_indexes=[depth - 1],
-        ),
-        image_token_id=ids["<|image_pad|>"],
-        video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"],
-        vision_end_token_id=ids["<|vision_end|>"],
-        tie_word_embeddings=tie_embeddings,
-    )
+    return _adapter(family).tiny_config(ids, vocab_size=vocab_size, max_positions=TINY_MAX_POSITIONS, text=text,
+                                        vision=vision, tie_embeddings=tie_embeddings)
+
+
+def _adapter(family: str):
+    """The model-side adapter of ``family`` (a family name or a ``model_type``; UserError naming the
+    families for an unknown one)."""
+    from mimo_sft.config import families
+    from mimo_sft.model.registry import adapter_for
+
+    spec = next((f for f in families.families() if f.name == family), None) or families.family_for_model_type(family)
+    if spec is None:
+        raise UserError(f"unknown model family {family!r}; choose one of {', '.join(families.family_names())}")
+    return adapter_for(spec)
 
 
 def _refuse_old_weights(out: Path) -> None:
@@ -148,17 +124,16 @@ def _refuse_old_weights(out: Path) -> None:
         raise UserError(f"{out} already holds *.safetensors weights; write a config-only folder to an empty folder")
 
 
-def _save(config, out: Path, *, seed: int, config_only: bool, dtype=None) -> None:
-    """config.json alone, or a random-init model (config + safetensors) in ``dtype``."""
+def _save(config, out: Path, *, seed: int, config_only: bool, model_class, dtype=None) -> None:
+    """config.json alone, or a random-init ``model_class()`` model (config + safetensors) in ``dtype``."""
     if config_only:
         _refuse_old_weights(out)
         config.save_pretrained(str(out))
         return
     import torch
-    from transformers import Qwen2_5_VLForConditionalGeneration
 
     torch.manual_seed(seed)
-    model = Qwen2_5_VLForConditionalGeneration(config)
+    model = model_class()(config)
     if dtype is not None:
         model = model.to(dtype)
     model.save_pretrained(str(out))
@@ -331,5 +306,6 @@ def write_preset_checkpoint(out_dir: str | os.PathLike, preset: str = "qwen2.5-v
         raise AssertionError(f"vocab {config.text_config.vocab_size} < tokenizer size {len(tok)}")
     import torch
 
-    _save(config, out, seed=seed, config_only=config_only, dtype=torch.bfloat16)
+    _save(config, out, seed=seed, config_only=config_only, dtype=torch.bfloat16,
+          model_class=_adapter(config.model_type).hf_model_class)
     return out
