@@ -70,6 +70,9 @@ class FamilySpec:
     adapter: str
     #: language context parallelism (False: cp must be 1)
     language_cp: bool = False
+    #: ``"module:Class"`` of the transformers model whose ``get_rope_index`` gives the family's mRoPE
+    #: positions (the data path runs it on a stand-in object, ``data.preprocess``; imported lazily)
+    rope_index: str = "transformers.models.qwen2_5_vl.modeling_qwen2_5_vl:Qwen2_5_VLModel"
 
     @property
     def modalities(self) -> tuple[str, ...]:
@@ -204,6 +207,7 @@ QWEN3_VL = register(FamilySpec(
     encoders={IMAGES: EncoderLimits(tower="vision tower", implementation="Hugging Face Qwen3-VL")},
     language_dims=_qwen_vl_language_dims,
     adapter="mimo_sft.model.qwen3_vl:Qwen3VLAdapter",
+    rope_index="transformers.models.qwen3_vl.modeling_qwen3_vl:Qwen3VLModel",
 ))
 
 #: config.json ``model_type`` values of Qwen-VL generations mimo-sft knows of but cannot build yet, and why

@@ -11,9 +11,14 @@ name            layers                                                          
 ``linear_fc1``  language MLP gate+up (fused, column-parallel)                   language
 ``linear_fc2``  language MLP down (row-parallel)                                language
 ``vision_attn`` vision tower ``blocks.N.attn.qkv`` / ``attn.proj``              vision tower
-``vision_mlp``  vision tower ``blocks.N.mlp.{gate,up,down}_proj``               vision tower
-``merger``      patch merger ``merger.mlp.0`` / ``merger.mlp.2``                projector
+``vision_mlp``  vision tower ``blocks.N.mlp.{gate,up,down}_proj`` (Qwen2.5-VL),  vision tower
+                ``blocks.N.mlp.linear_fc{1,2}`` (Qwen3-VL)
+``merger``      patch merger ``merger.mlp.0`` / ``merger.mlp.2`` (Qwen2.5-VL);  projector
+                ``merger.linear_fc{1,2}`` and every DeepStack merger's
+                ``deepstack_merger_list.J.linear_fc{1,2}`` (Qwen3-VL)
 ==============  ==============================================================  ============
+
+Which linears a vision target names is the family's (its encoder class's ``LORA_LAYERS``).
 
 With LoRA on, the language model's base weights are always frozen (adapters are the point); the
 vision tower's and the projector's follow ``--freeze-vision`` / ``--freeze-projector`` unless one of

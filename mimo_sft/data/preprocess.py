@@ -9,7 +9,7 @@ path only adds ``pixel_values`` and asserts the image processor produced the sam
 Text: the checkpoint's chat template is rendered by transformers (``render_jinja_template``) with
 ``{% generation %}`` spans, each ``<|image_pad|>`` is expanded to ``t*h*w / merge**2`` copies, and
 the whole string is tokenized once (offsets map the assistant spans to tokens, as transformers does).
-Positions: transformers' ``Qwen2_5_VLModel.get_rope_index`` run on a small stand-in object.
+Positions: the family's transformers ``get_rope_index`` (e.g. ``Qwen2_5_VLModel``'s) run on a small stand-in object.
 """
 
 from __future__ import annotations
@@ -62,13 +62,18 @@ def header_orientation(img) -> int | None:
 
 
 class _RopeIndex:
-    """Just enough of ``Qwen2_5_VLModel`` for its ``get_rope_index`` (reads only ``config``)."""
+    """Just enough of the family's transformers model (``FamilySpec.rope_index``, e.g. ``Qwen2_5_VLModel``)
+    for its ``get_rope_index`` (reads only ``config``)."""
 
     def __init__(self, config):
-        from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLModel
+        import importlib
 
+        from mimo_sft.config.families import default_family, family_for_model_type
+
+        spec = family_for_model_type(getattr(config, "model_type", None)) or default_family()
+        module, _, cls = spec.rope_index.partition(":")
         self.config = config
-        self._cls = Qwen2_5_VLModel
+        self._cls = getattr(importlib.import_module(module), cls)
 
     def get_vision_position_ids(self, *args, **kwargs):
         return self._cls.get_vision_position_ids(self, *args, **kwargs)

@@ -49,10 +49,9 @@ LANGUAGE_LAYERS = {"linear_qkv": ("self_attention.linear_qkv", "column"),
                    "linear_proj": ("self_attention.linear_proj", "row"),
                    "linear_fc1": ("mlp.linear_fc1", "column"),
                    "linear_fc2": ("mlp.linear_fc2", "row")}
-#: vision target -> suffixes of the encoder's module names it adapts
-VISION_LAYERS = {"vision_attn": ("attn.qkv", "attn.proj"),
-                 "vision_mlp": ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"),
-                 "merger": ("merger.mlp.0", "merger.mlp.2")}
+#: the vision targets; which encoder linears each adapts is the family's: its encoder class's
+#: ``LORA_LAYERS`` (target -> regex full-matching the module names) and ``is_projector`` (name rule)
+VISION_TARGETS = ("vision_attn", "vision_mlp", "merger")
 
 
 class _LoraMixin:
@@ -212,22 +211,27 @@ def apply_lora(model, spec: LoraSpec, *, seed: int, dp_rank: int = 0) -> int:
                 _adapt(layer.get_submodule(path), kind, spec, f"language.layers.{g}.{path}", seed,
                        swiglu=gated and target == "linear_fc1")
                 count += 1
-    vision = [t for t in spec.targets if t in VISION_LAYERS]
+    vision = [t for t in spec.targets if t in VISION_TARGETS]
     if vision and IMAGES in model.modality_submodules and model.modality_submodules[IMAGES] is not None:
-        # the vision names here are Qwen2.5-VL's (VISION_LAYERS); so is the projector rule
-        from mimo_sft.model.qwen2_5_vl import Qwen25VLAdapter
-
-        projector = Qwen25VLAdapter().projector_param
         for enc in model.modality_submodules[IMAGES].encoders.values():
-            for name, p in enc.named_parameters():
-                is_proj = projector(name)
-                if ("merger" in vision and is_proj) or (set(vision) - {"merger"} and not is_proj):
-                    p.requires_grad_(False)
-            suffixes = tuple(s for t in vision for s in VISION_LAYERS[t])
-            for name, module in list(enc.named_modules()):
-                if isinstance(module, torch.nn.Linear) and name.endswith(suffixes) and not is_lora(module):
-                    _adapt(module, "plain", spec, f"vision.{name}", seed)
-                    count += 1
+            count += _adapt_vision(enc, vision, spec, seed)
+    return count
+
+
+def _adapt_vision(enc, vision: list, spec: LoraSpec, seed: int) -> int:
+    """Freeze what the vision targets replace and adapt the linears the family's encoder names for them."""
+    import re
+
+    for name, p in enc.named_parameters():
+        is_proj = enc.is_projector(name)
+        if ("merger" in vision and is_proj) or (set(vision) - {"merger"} and not is_proj):
+            p.requires_grad_(False)
+    pattern = re.compile("|".join(f"(?:{enc.LORA_LAYERS[t]})" for t in vision))
+    count = 0
+    for name, module in list(enc.named_modules()):
+        if isinstance(module, torch.nn.Linear) and pattern.fullmatch(name) and not is_lora(module):
+            _adapt(module, "plain", spec, f"vision.{name}", seed)
+            count += 1
     return count
 
 

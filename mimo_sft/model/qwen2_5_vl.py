@@ -41,6 +41,15 @@ class Qwen25VisionEncoder(Qwen2_5_VisionTransformerPretrainedModel):
 
     #: set by ``model.builder`` from the checkpoint (``model.pixels``): how uint8 patches become floats
     pixel_norm: PixelNorm | None = None
+    #: LoRA vision target -> regex full-matching the names of the linears it adapts (``model.lora``)
+    LORA_LAYERS = {"vision_attn": r"blocks\.\d+\.attn\.(qkv|proj)",
+                   "vision_mlp": r"blocks\.\d+\.mlp\.(gate|up|down)_proj",
+                   "merger": r"merger\.mlp\.[02]"}
+
+    @staticmethod
+    def is_projector(name: str) -> bool:
+        """Parameters of the projector (the patch merger): ``--freeze-projector``, the ``merger`` target."""
+        return name.startswith("merger.")
 
     def forward(self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor) -> torch.Tensor:  # noqa: D401
         if image_grid_thw.shape[0] == 0:
@@ -229,7 +238,7 @@ class Qwen25VLAdapter(FamilyAdapter):
         return out
 
     def projector_param(self, name: str) -> bool:
-        return name.startswith("merger.")
+        return self.encoder_class().is_projector(name)
 
     # ---- fixtures (testing.tiny_checkpoint) -----------------------------------------------------
     #: the tiny checkpoint's default patch size (the family's real one) and image normalisation

@@ -42,6 +42,16 @@ class Qwen3VisionEncoder(Qwen3VLVisionModel):
     """
 
     pixel_norm = None  # set by model.builder from the checkpoint
+    #: LoRA vision target -> regex full-matching the linears it adapts: the blocks' attention and MLP, and
+    #: every merger (the main one and the DeepStack ones) for ``merger``
+    LORA_LAYERS = {"vision_attn": r"blocks\.\d+\.attn\.(qkv|proj)",
+                   "vision_mlp": r"blocks\.\d+\.mlp\.linear_fc[12]",
+                   "merger": r"(merger|deepstack_merger_list\.\d+)\.linear_fc[12]"}
+
+    @staticmethod
+    def is_projector(name: str) -> bool:
+        """The main merger and the DeepStack mergers project vision features into the language model."""
+        return name.startswith(("merger.", "deepstack_merger_list."))
 
     def forward(self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor) -> torch.Tensor:  # noqa: D401
         if image_grid_thw.shape[0] == 0:
@@ -169,10 +179,6 @@ class Qwen3VLAdapter(Qwen25VLAdapter):
 
     def _vision_expected(self, hf_cfg, prefix: str) -> dict:
         return {prefix + k: s for k, s in expected_vision_shapes(hf_cfg.vision_config).items()}
-
-    def projector_param(self, name: str) -> bool:
-        """The main merger and the DeepStack mergers project vision features into the language model."""
-        return name.startswith(("merger.", "deepstack_merger_list."))
 
     # ---- fixtures (testing.tiny_checkpoint) -----------------------------------------------------
     tiny_patch_size = 16
