@@ -1,8 +1,10 @@
 #!/usr/bin/env python
-"""Write a tiny random Qwen2.5-VL checkpoint (config, safetensors, image-only processor).
+"""Write a tiny random Qwen2.5-VL or Qwen3-VL checkpoint (config, safetensors, image-only processor).
 
     python scripts/make_tiny_qwen_vl.py OUT_DIR [--seed N] [--text-hidden 64] ... [--config-only]
+    python scripts/make_tiny_qwen_vl.py OUT_DIR --family qwen3_vl
     python scripts/make_tiny_qwen_vl.py OUT_DIR --preset qwen2.5-vl-3b --config-only
+    python scripts/make_tiny_qwen_vl.py OUT_DIR --preset qwen3-vl-8b --config-only
 
 --preset writes a released model's real architecture with Qwen's real tokenizer (built offline);
 --config-only writes no weights (train the folder with --allow-random-init). The size options
@@ -35,14 +37,15 @@ def main(argv=None) -> int:
     p.add_argument("--kv-heads", type=int, default=2)
     p.add_argument("--intermediate", type=int, default=128)
     p.add_argument("--tie-embeddings", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--patch-size", type=int, default=14)
+    p.add_argument("--patch-size", type=int, default=None, help="default: the family's (14 Qwen2.5-VL, 16 Qwen3-VL)")
     p.add_argument("--merge-size", type=int, default=2)
     p.add_argument("--min-pixels", type=int, default=None,
                    help="default: 4 merged tokens' worth (a --preset: the model's own)")
     p.add_argument("--max-pixels", type=int, default=None,
                    help="default: 64 merged tokens' worth (a --preset: the model's own)")
     p.add_argument("--tokenizer-vocab", type=int, default=1024)
-    p.add_argument("--preset", default=None, help="a released architecture instead of the tiny one: qwen2.5-vl-3b, qwen2.5-vl-7b, qwen2.5-vl-72b")
+    p.add_argument("--preset", default=None, help="a released architecture instead of the tiny one: qwen2.5-vl-3b, qwen2.5-vl-7b, qwen2.5-vl-72b, qwen3-vl-8b")
+    p.add_argument("--family", default="qwen2_5_vl", help="the tiny model's family (--model-family name): qwen2_5_vl or qwen3_vl")
     p.add_argument("--config-only", action="store_true", help="write config and processor, no weights")
     a = p.parse_args(argv)
     from mimo_sft.testing.tiny_checkpoint import PRESETS, write_preset_checkpoint, write_tiny_checkpoint
@@ -52,7 +55,7 @@ def main(argv=None) -> int:
             print(f"error: unknown --preset {a.preset!r}; choose one of {', '.join(sorted(PRESETS))}",
                   file=sys.stderr)
             return 2
-        sizes = ("vision_hidden", "vision_depth", "vision_heads", "text_hidden", "text_layers", "heads", "kv_heads",
+        sizes = ("family", "vision_hidden", "vision_depth", "vision_heads", "text_hidden", "text_layers", "heads", "kv_heads",
                  "intermediate", "tie_embeddings", "patch_size", "merge_size", "tokenizer_vocab")
         changed = [opt for opt in sizes if getattr(a, opt) != p.get_default(opt)]
         if changed:
@@ -73,7 +76,7 @@ def main(argv=None) -> int:
             a.out_dir, seed=a.seed, vision_hidden=a.vision_hidden, vision_depth=a.vision_depth,
             vision_heads=a.vision_heads, text_hidden=a.text_hidden, text_layers=a.text_layers,
             heads=a.heads, kv_heads=a.kv_heads, intermediate=a.intermediate,
-            tie_embeddings=a.tie_embeddings, patch_size=a.patch_size, merge_size=a.merge_size,
+            tie_embeddings=a.tie_embeddings, patch_size=a.patch_size, merge_size=a.merge_size, family=a.family,
             min_pixels=a.min_pixels, max_pixels=a.max_pixels, tokenizer_vocab=a.tokenizer_vocab,
             config_only=a.config_only,
         )

@@ -237,3 +237,106 @@ def test_lora_targets_and_peft_export(qwen3_dir, tmp_path, targets, saved):
     ours = mimo_forward(model.eval(), info, batch, hf_position_ids(base, batch))
     peft_logits, _ = hf_forward(PeftModel.from_pretrained(base.eval(), str(tmp_path / "adapter")).eval(), batch)
     assert compare(peft_logits, ours, batch["attention_mask"]) < TOL
+
+
+def test_model_flops_match_torch_flop_counter(models):
+    """Our FLOPs formula (full-attention tower, DeepStack mergers, Qwen3 decoder with its head_dim) against
+    torch's FlopCounterMode on transformers' model (eager): tower alone, and the whole forward."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from mimo_sft.model.check import random_batch
+    from mimo_sft.train import flops as F
+
+    hf, _, _ = models
+    batch = random_batch(hf.config, seed=9, **BATCHES["mixed_sizes"])
+    grids = batch["image_grid_thw"]
+
+    def counted(fn):
+        with torch.no_grad(), FlopCounterMode(display=False) as counter:
+            fn()
+        return counter.get_total_flops()
+
+    tower = counted(lambda: hf.model.visual(batch["pixel_values"], grid_thw=grids))
+    assert F.vision_forward_flops(hf.config.vision_config, grids, family="qwen3_vl") == pytest.approx(tower, rel=1e-3)
+    # Qwen2.5's formula (gated MLP, no DeepStack mergers) would be off by far more than the tolerance
+    wrong = F.vision_forward_flops(hf.config.vision_config, grids, family="qwen3_vl") - \
+        2 * 2 * int(grids.prod(-1).sum()) // 4 * (4 * 32) ** 2
+    assert abs(wrong / tower - 1) > 1e-2
+    whole = counted(lambda: hf(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"].long(),
+                               pixel_values=batch["pixel_values"], image_grid_thw=grids,
+                               mm_token_type_ids=batch["mm_token_type_ids"]))
+    S = batch["input_ids"].shape[1]
+    fwd = F.forward_flops(hf.config, [S] * batch["input_ids"].shape[0], grids)
+    assert fwd.total == pytest.approx(whole, rel=1e-3) and fwd.vision == pytest.approx(tower, rel=1e-12)
+
+
+def _png(w, h, seed=0) -> bytes:
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray(np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def test_data_path_patch_16_pixels_and_token_costs(qwen3_dir):
+    """Qwen3-VL's processor through the data path: uint8 patches of 3*16*16 normalised on the device equal
+    transformers' float patches (mean = std = 0.5); an image of h x w pixels costs h*w/(32*32) tokens
+    (patch 16, merge 2) within --min/--max-pixels, and the reorder cost counts 4 patches a token."""
+    from PIL import Image
+    import io
+
+    from mimo_sft.data.preprocess import SamplePreprocessor
+    from mimo_sft.data.processor import load_processor
+    from mimo_sft.data.reorder.planning import patch_counts
+    from mimo_sft.model.pixels import float_patches, pixel_norm_from
+
+    pre = SamplePreprocessor(qwen3_dir, seq_length=512, max_pixels=320 * 256)
+    assert (pre.patch_size, pre.merge_size, pre.pixel_dim) == (16, 2, 768)
+    png = _png(320, 256)
+    u8, grid = pre.pixels(pre.image_specs([png], 0), 0)
+    assert grid.tolist() == [[1, 256 // 16, 320 // 16]]
+    ref = load_processor(qwen3_dir).image_processor(images=[Image.open(io.BytesIO(png))], return_tensors="pt",
+                                                    max_pixels=320 * 256)
+    assert pixel_norm_from(qwen3_dir).mean == (0.5, 0.5, 0.5)
+    assert torch.allclose(float_patches(u8, pixel_norm_from(qwen3_dir)), ref["pixel_values"], rtol=0, atol=1e-6)
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What colour?"}]},
+                {"role": "assistant", "content": [{"type": "text", "text": "red"}]}]
+    out = pre.encode(messages, [png], 0, need_pixels=False)
+    tokens = int((out["input_ids"] == pre.image_token_id).sum())
+    assert tokens == 320 * 256 // (32 * 32)
+    ids = out["input_ids"].reshape(1, -1)
+    assert int(patch_counts(ids, image_token_id=pre.image_token_id, merge_size=2)) == 4 * tokens
+    small = SamplePreprocessor(qwen3_dir, seq_length=512, max_pixels=128 * 128)
+    assert small.grid_for_size(256, 320) == (1, 6, 8)  # smart_resize to multiples of 32 px under 16,384 px
+
+
+def test_real_chat_template_is_accepted_with_assistant_masks(qwen3_dir, tmp_path):
+    """A Qwen3-VL folder whose chat template has no {% generation %} markers (as released: no default
+    system turn) is read with the family's marked template; Qwen2-VL's (default system turn) is not it."""
+    import shutil
+
+    from mimo_sft.data.processor import QWEN3_VL_CHAT_TEMPLATE, QWEN_VL_CHAT_TEMPLATE, load_processor
+    from mimo_sft.errors import UserError
+
+    unmarked = QWEN3_VL_CHAT_TEMPLATE.replace("{% generation %}", "").replace("{% endgeneration %}", "")
+    folder = tmp_path / "released"
+    shutil.copytree(qwen3_dir, folder)
+    (folder / "chat_template.jinja").write_text(unmarked)
+    proc = load_processor(folder)
+    assert proc.chat_template == QWEN3_VL_CHAT_TEMPLATE
+    conv = [{"role": "user", "content": [{"type": "text", "text": "Hi"}]},
+            {"role": "assistant", "content": [{"type": "text", "text": "Hello there"}]}]
+    out = proc.apply_chat_template(conv, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+    ids, mask = out["input_ids"], out["assistant_masks"]
+    ids, mask = (ids[0], mask[0]) if ids and isinstance(ids[0], list) else (ids, mask)
+    text = proc.tokenizer.decode(ids)
+    assert text.startswith("<|im_start|>user\nHi") and "You are a helpful assistant" not in text
+    marked = [t for t, m in zip(ids, mask) if m]
+    assert proc.tokenizer.decode(marked) == "Hello there<|im_end|>"
+    (folder / "chat_template.jinja").write_text(
+        QWEN_VL_CHAT_TEMPLATE.replace("{% generation %}", "").replace("{% endgeneration %}", ""))
+    with pytest.raises(UserError, match="renders differently from Qwen's"):
+        load_processor(folder)

@@ -20,7 +20,7 @@ import os
 from dataclasses import dataclass
 from typing import Callable
 
-from mimo_sft.config import checks_memory, families
+from mimo_sft.config import checks_family, checks_memory, families
 from mimo_sft.config.checks_checkpoint import c24_checkpoint_writing
 from mimo_sft.config.checks_data_scale import c25_data_scale
 from mimo_sft.config.checks_deepstack import c31_deepstack_stages
@@ -114,8 +114,8 @@ def c03_language_present(ctx):
 
 def c04_module_names(ctx):
     family = _family(ctx)
-    spec = families.family_for_model_type(family) if family else families.default_family()
-    allowed = spec.modalities if spec else ()
+    spec = _family_spec(ctx)  # an unsupported model_type is check 16's line, not a modality problem
+    allowed = spec.modalities
     for s in ctx.specs:
         if s.name != LANGUAGE and s.name not in allowed:
             yield (f"module '{s.name}' is not a modality of {family or 'Qwen-VL'} models; "
@@ -403,6 +403,7 @@ CHECKS: tuple[tuple[int, str, Callable], ...] = (
     (27, "export and debugging folders are usable", c27_extra_folders),
     (28, "validation settings", c28_validation),
     (29, "learning rates and experiment trackers", c29_learning_rates_and_trackers),
+    (30, "model family matches the checkpoint", checks_family.c30_model_family),
     (31, "DeepStack layers on the first language stage", c31_deepstack_stages),
 )
 

@@ -73,6 +73,15 @@ class FamilySpec:
     #: ``"module:Class"`` of the transformers model whose ``get_rope_index`` gives the family's mRoPE
     #: positions (the data path runs it on a stand-in object, ``data.preprocess``; imported lazily)
     rope_index: str = "transformers.models.qwen2_5_vl.modeling_qwen2_5_vl:Qwen2_5_VLModel"
+    #: ``"module:function"`` of the vision tower's forward FLOPs ``(vision_config, grids) -> float``
+    #: (``train.flops``; pure arithmetic)
+    vision_flops: str = "mimo_sft.model.vision_flops:qwen2_5_vl"
+    #: the marked chat template (``data.processor.CHAT_TEMPLATES`` name) a folder's template must render like
+    chat_template: str = "qwen2_vl"
+    #: megatron's full-layer recomputation of the language model works (check 30 refuses it otherwise,
+    #: with the reason)
+    language_full_recompute: bool = True
+    language_full_recompute_reason: str = ""
 
     @property
     def modalities(self) -> tuple[str, ...]:
@@ -208,6 +217,13 @@ QWEN3_VL = register(FamilySpec(
     language_dims=_qwen_vl_language_dims,
     adapter="mimo_sft.model.qwen3_vl:Qwen3VLAdapter",
     rope_index="transformers.models.qwen3_vl.modeling_qwen3_vl:Qwen3VLModel",
+    vision_flops="mimo_sft.model.vision_flops:qwen3_vl",
+    chat_template="qwen3_vl",
+    # megatron's re-entrant layer checkpoint re-runs a layer in backward with only its own inputs: the
+    # DeepStack features added after layers 0..k-1 would get no gradient (and the re-run fails)
+    language_full_recompute=False,
+    language_full_recompute_reason=("DeepStack features, added after its first decoder layers, cannot pass "
+                                    "megatron's re-entrant full-layer recomputation (not yet supported)"),
 ))
 
 #: config.json ``model_type`` values of Qwen-VL generations mimo-sft knows of but cannot build yet, and why

@@ -74,6 +74,25 @@ QWEN_VL_CHAT_TEMPLATE = (
 )
 
 
+_DEFAULT_SYSTEM = ("{% if loop.first and message['role'] != 'system' %}<|im_start|>system\nYou are a helpful assistant."
+                   "<|im_end|>\n{% endif %}")
+assert _DEFAULT_SYSTEM in QWEN_VL_CHAT_TEMPLATE
+# Qwen3-VL's (instruct) conversation layout: Qwen2-VL's without the default system turn (a system
+# message is rendered only when the conversation has one), with the same {% generation %} spans.
+QWEN3_VL_CHAT_TEMPLATE = QWEN_VL_CHAT_TEMPLATE.replace(_DEFAULT_SYSTEM, "")
+
+#: the marked chat templates by the name a family's descriptor gives (``FamilySpec.chat_template``)
+CHAT_TEMPLATES = {"qwen2_vl": QWEN_VL_CHAT_TEMPLATE, "qwen3_vl": QWEN3_VL_CHAT_TEMPLATE}
+
+
+def family_chat_template(model_type) -> str:
+    """The marked chat template of the family that reads ``model_type`` (the default family's otherwise)."""
+    from mimo_sft.config.families import default_family, family_for_model_type
+
+    spec = family_for_model_type(model_type) or default_family()
+    return CHAT_TEMPLATES[spec.chat_template]
+
+
 class QwenVLImageOnlyProcessor(ProcessorMixin):
     """``Qwen2_5_VLProcessor`` without the video slot (so no torchvision is ever needed).
 
@@ -193,6 +212,7 @@ def write_tiny_processor(
     vocab_size: int = 1024,
     image_mean=None,
     image_std=None,
+    chat_template: str = QWEN_VL_CHAT_TEMPLATE,
 ) -> QwenVLImageOnlyProcessor:
     """Write tokenizer, PIL image processor and chat template for an image-only processor.
 
@@ -212,8 +232,8 @@ def write_tiny_processor(
         **({"image_std": list(image_std)} if image_std is not None else {}),
     )
     tokenizer = build_tiny_tokenizer(vocab_size)
-    tokenizer.chat_template = QWEN_VL_CHAT_TEMPLATE
-    processor = QwenVLImageOnlyProcessor(image_processor, tokenizer, chat_template=QWEN_VL_CHAT_TEMPLATE)
+    tokenizer.chat_template = chat_template
+    processor = QwenVLImageOnlyProcessor(image_processor, tokenizer, chat_template=chat_template)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     processor.save_pretrained(str(out))
@@ -246,11 +266,13 @@ def load_processor(model_dir: str | os.PathLike) -> QwenVLImageOnlyProcessor:
     if template is None:
         raise UserError(f"model.hf_model: {path} has no chat template (chat_template.jinja / .json); add Qwen's chat template")
     if not re.search(r"\{%-?\s*generation\s*-?%\}", template):
-        # Real Qwen templates lack generation markers; ours renders the same text and marks turns.
-        if _render_probe(template, tokenizer) != _render_probe(QWEN_VL_CHAT_TEMPLATE, tokenizer):
+        # Real Qwen templates lack generation markers; the family's marked one renders the same text
+        # and marks the assistant turns.
+        marked = family_chat_template(_model_type(path))
+        if _render_probe(template, tokenizer) != _render_probe(marked, tokenizer):
             raise UserError(f"model.hf_model: the chat template of {path} has no {{% generation %}} markers and renders "
                             "differently from Qwen's; wrap assistant content in {% generation %}...{% endgeneration %}")
-        template = QWEN_VL_CHAT_TEMPLATE
+        template = marked
     return QwenVLImageOnlyProcessor(image_processor, tokenizer, chat_template=template)
 
 
@@ -272,6 +294,14 @@ def _render_probe(template: str, tokenizer) -> list[str]:
     except Exception as err:  # a template that cannot render our shapes is a user-facing problem
         return [f"<error {type(err).__name__}>"]
     return out
+
+
+def _model_type(path: Path):
+    """config.json's ``model_type`` (None without a readable config.json)."""
+    try:
+        return json.loads((path / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def _pil_kwargs(ip) -> dict:

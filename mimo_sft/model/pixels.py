@@ -33,10 +33,14 @@ def pixel_norm_from(hf_dir: str | os.PathLike) -> PixelNorm:
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil as P
 
     path = os.path.join(str(hf_dir), "preprocessor_config.json")
+    nested = os.path.join(str(hf_dir), "processor_config.json")  # transformers 5 writes the image processor here
     raw = {}
     if os.path.isfile(path):
         with open(path) as fh:
             raw = json.load(fh)
+    elif os.path.isfile(nested):
+        with open(nested) as fh:
+            raw = json.load(fh).get("image_processor") or {}
     return PixelNorm(tuple(float(v) for v in raw.get("image_mean", P.image_mean)),
                      tuple(float(v) for v in raw.get("image_std", P.image_std)),
                      float(raw.get("rescale_factor", P.rescale_factor)),

@@ -59,7 +59,7 @@ def write_tiny_checkpoint(
     ``family`` (a ``--model-family`` name) picks the architecture through its adapter (``tiny_config``,
     ``hf_model_class``, the processor's normalisation); ``patch_size`` defaults to the family's.
     ``config_only`` skips the weights (the folder then needs ``--allow-random-init``)."""
-    from mimo_sft.data.processor import write_tiny_processor
+    from mimo_sft.data.processor import family_chat_template, write_tiny_processor
 
     adapter = _adapter(family)
     patch_size = adapter.tiny_patch_size if patch_size is None else patch_size
@@ -72,7 +72,8 @@ def write_tiny_checkpoint(
     out.mkdir(parents=True, exist_ok=True)
     processor = write_tiny_processor(
         out, patch_size=patch_size, merge_size=merge_size, min_pixels=min_pixels, max_pixels=max_pixels,
-        vocab_size=tokenizer_vocab, **adapter.tiny_image_norm,
+        vocab_size=tokenizer_vocab, chat_template=family_chat_template(adapter.spec.model_types[0]),
+        **adapter.tiny_image_norm,
     )
     text = dict(hidden_size=text_hidden, intermediate_size=intermediate, num_hidden_layers=text_layers,
                 num_attention_heads=heads, num_key_value_heads=kv_heads)
@@ -174,6 +175,26 @@ for _name, _text in (
         _base, text=dict(_base["text"], vocab_size=152064, **_text),
         vision=dict(_base["vision"], out_hidden_size=_text["hidden_size"]), tie_word_embeddings=False)
 del _name, _text, _base
+for _p in PRESETS.values():
+    _p["family"] = "qwen2_5_vl"
+del _p
+#: Qwen3-VL-8B-Instruct (its released config.json): Qwen3-8B's decoder (head_dim 128, q/k norm, no qkv
+#: bias, untied) with interleaved mRoPE, and the 27-block SigLIP-2-sized tower with DeepStack at blocks
+#: 8, 16 and 24; its preprocessor_config.json: patch 16, merge 2, mean = std = 0.5, 65,536 to
+#: 16,777,216 pixels per image.
+PRESETS["qwen3-vl-8b"] = dict(
+    family="qwen3_vl",
+    text=dict(hidden_size=4096, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+              intermediate_size=12288, vocab_size=151936, rms_norm_eps=1e-6, rope_theta=5000000.0,
+              mrope_section=[24, 20, 20], mrope_interleaved=True, max_position_embeddings=262144, hidden_act="silu",
+              bos_token_id=151643, eos_token_id=151645),
+    vision=dict(depth=27, hidden_size=1152, num_heads=16, intermediate_size=4304, out_hidden_size=4096, patch_size=16,
+                spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=2304,
+                deepstack_visual_indexes=[8, 16, 24], in_channels=3, hidden_act="gelu_pytorch_tanh"),
+    tie_word_embeddings=False,
+    image_token_id=151655, video_token_id=151656, vision_start_token_id=151652, vision_end_token_id=151653,
+    min_pixels=65536, max_pixels=16777216, image_mean=(0.5, 0.5, 0.5), image_std=(0.5, 0.5, 0.5),
+)
 
 
 def _qwen_bpe_ranks() -> dict[bytes, int]:
@@ -242,18 +263,21 @@ def build_qwen_tokenizer():
 
 def write_qwen_processor(out_dir: str | os.PathLike, *, patch_size: int = 14, merge_size: int = 2,
                          temporal_patch_size: int = QWEN_TEMPORAL_PATCH, min_pixels: int = QWEN_MIN_PIXELS,
-                         max_pixels: int = QWEN_MAX_PIXELS):
-    """Write the image-only processor with Qwen's real tokenizer and the chat template; return it."""
+                         max_pixels: int = QWEN_MAX_PIXELS, family: str = "qwen2_5_vl", image_mean=None,
+                         image_std=None):
+    """Write the image-only processor with Qwen's real tokenizer and ``family``'s chat template; return it."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    from mimo_sft.data.processor import QWEN_VL_CHAT_TEMPLATE, QwenVLImageOnlyProcessor
+    from mimo_sft.data.processor import QwenVLImageOnlyProcessor, family_chat_template
 
+    template = family_chat_template(_adapter(family).spec.model_types[0])
+    norm = {k: list(v) for k, v in (("image_mean", image_mean), ("image_std", image_std)) if v is not None}
     image_processor = Qwen2VLImageProcessorPil(patch_size=patch_size, merge_size=merge_size,
                                                temporal_patch_size=temporal_patch_size, min_pixels=min_pixels,
-                                               max_pixels=max_pixels)
+                                               max_pixels=max_pixels, **norm)
     tokenizer = build_qwen_tokenizer()
-    tokenizer.chat_template = QWEN_VL_CHAT_TEMPLATE
-    processor = QwenVLImageOnlyProcessor(image_processor, tokenizer, chat_template=QWEN_VL_CHAT_TEMPLATE)
+    tokenizer.chat_template = template
+    processor = QwenVLImageOnlyProcessor(image_processor, tokenizer, chat_template=template)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     processor.save_pretrained(str(out))
@@ -261,15 +285,18 @@ def write_qwen_processor(out_dir: str | os.PathLike, *, patch_size: int = 14, me
 
 
 def preset_config(preset: str):
-    """The ``Qwen2_5_VLConfig`` of a preset (see ``PRESETS``)."""
-    from transformers import Qwen2_5_VLConfig
+    """The transformers config of a preset (see ``PRESETS``; its family's config class)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     if preset not in PRESETS:
         raise UserError(f"unknown preset {preset!r}; choose one of {', '.join(sorted(PRESETS))}")
     p = PRESETS[preset]
     text = dict(p["text"])
     rope = {"rope_type": "default", "rope_theta": text.pop("rope_theta"), "mrope_section": text.pop("mrope_section")}
-    return Qwen2_5_VLConfig(
+    if "mrope_interleaved" in text:
+        rope["mrope_interleaved"] = text.pop("mrope_interleaved")
+    config_class = CONFIG_MAPPING[_adapter(p["family"]).spec.model_types[0]]
+    return config_class(
         text_config=dict(text, rope_parameters=rope, pad_token_id=None, tie_word_embeddings=p["tie_word_embeddings"]),
         vision_config=dict(p["vision"]),
         image_token_id=p["image_token_id"], video_token_id=p["video_token_id"],
@@ -295,7 +322,8 @@ def write_preset_checkpoint(out_dir: str | os.PathLike, preset: str = "qwen2.5-v
     processor = write_qwen_processor(
         out, patch_size=v.patch_size, merge_size=v.spatial_merge_size, temporal_patch_size=v.temporal_patch_size,
         min_pixels=p["min_pixels"] if min_pixels is None else min_pixels,
-        max_pixels=p["max_pixels"] if max_pixels is None else max_pixels)
+        max_pixels=p["max_pixels"] if max_pixels is None else max_pixels, family=p["family"],
+        image_mean=p.get("image_mean"), image_std=p.get("image_std"))
     tok = processor.tokenizer
     for attr, token in (("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"),
                         ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>")):

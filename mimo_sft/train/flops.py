@@ -1,6 +1,7 @@
-"""Model FLOPs of a Qwen2.5-VL training step, GPU peak throughput, and MFU.
+"""Model FLOPs of a Qwen-VL training step, GPU peak throughput, and MFU.
 
-Pure arithmetic on a transformers ``Qwen2_5_VLConfig`` (no torch, no torch.distributed, no megatron),
+Pure arithmetic on a transformers Qwen-VL config (no torch.distributed, no megatron); the vision
+tower's formula is its family's (``FamilySpec.vision_flops``, ``model.vision_flops``),
 so the trainer can log *model* TFLOP/s per GPU and MFU the way torchtitan and Megatron-Bridge do.
 
 Conventions (all counts are FLOPs, i.e. one multiply-add = 2):
@@ -18,11 +19,9 @@ Conventions (all counts are FLOPs, i.e. one multiply-add = 2):
 * Language: what was *computed* counts. A sample padded to length S costs S (padded positions go
   through every layer); with packing pass the real per-sequence lengths. Attention is per sequence
   (``sum S_i^2``), everything else per token (``sum S_i``). The LM head runs on every position.
-* Vision: per image/video ``(t, h, w)`` grid in patches (``image_grid_thw``). Full-attention blocks
-  (``fullatt_block_indexes``) attend within one frame (``h*w`` patches, ``t`` times), as transformers
-  does. Windowed blocks attend within windows of ``window_size`` pixels, tiled over the merged-token
-  grid from the top-left corner; edge windows are smaller. We sum ``n_window^2`` over the actual
-  windows, which is exact for transformers' tiling (no approximation beyond the conventions above).
+* Vision: per image/video ``(t, h, w)`` grid in patches (``image_grid_thw``), by the family's formula
+  (``model.vision_flops``: Qwen2.5-VL's windowed tower, Qwen3-VL's full-attention tower with its
+  DeepStack mergers), exact for transformers' modules under the conventions above.
 """
 
 from __future__ import annotations
@@ -119,58 +118,27 @@ def _grids(image_grids) -> list[tuple[int, int, int]]:
     return out
 
 
-def _block_sizes(n: int, block: int) -> list[int]:
-    """Sizes of consecutive blocks of ``block`` covering ``n`` (the last one may be smaller)."""
-    full, rest = divmod(n, block)
-    return [block] * full + ([rest] if rest else [])
+def vision_forward_flops(vision_config, image_grids, *, family: str | None = None) -> float:
+    """Forward matmul FLOPs of the vision tower (mergers included) for the given ``(t, h, w)`` grids.
+
+    The formula is the family's (``FamilySpec.vision_flops``: ``model.vision_flops``), ``family`` a
+    ``--model-family`` name (default: the default family, Qwen2.5-VL).
+    """
+    import importlib
+
+    from mimo_sft.config import families
+
+    spec = next((f for f in families.families() if f.name == family), None) if family else families.default_family()
+    assert spec is not None, f"unknown family {family!r}"
+    module, _, fn = spec.vision_flops.partition(":")
+    return float(getattr(importlib.import_module(module), fn)(vision_config, _grids(image_grids)))
 
 
 def vision_attention_pairs(vision_config, image_grids) -> tuple[int, int]:
-    """``(sum over full-attention segments of n^2, sum over windows of n^2)`` in patches.
+    """Qwen2.5-VL's full-attention and windowed attention pairs (``model.vision_flops``)."""
+    from mimo_sft.model.vision_flops import windowed_attention_pairs
 
-    Full attention: one segment per frame of ``h*w`` patches. Windows: the merged-token grid
-    ``(h/m, w/m)`` is cut into squares of ``window_size // m // patch_size`` merged tokens from the
-    top-left (edge windows smaller); a window of ``a x b`` merged tokens holds ``a*b*m^2`` patches.
-    """
-    v = vision_config
-    m = v.spatial_merge_size
-    win = v.window_size // m // v.patch_size
-    if win < 1:
-        raise ValueError(f"window_size {v.window_size} is smaller than one merged token ({m} x {v.patch_size} pixels)")
-    full = windowed = 0
-    for t, h, w in _grids(image_grids):
-        full += t * (h * w) ** 2
-        rows = sum(a * a for a in _block_sizes(h // m, win))
-        cols = sum(b * b for b in _block_sizes(w // m, win))
-        windowed += t * rows * cols * m ** 4
-    return full, windowed
-
-
-def vision_forward_flops(vision_config, image_grids) -> float:
-    """Forward matmul FLOPs of the vision tower + patch merger for the given ``(t, h, w)`` grids.
-
-    Patch embedding (a conv whose kernel covers a whole patch) ``2*N*d*(C*tp*p*p)``; per block
-    QKV ``2*N*d*3d``, output projection ``2*N*d*d``, gated MLP ``3*2*N*d*ffn`` and attention
-    ``2*2*d*sum(n^2)`` over its segments (frames or windows, see ``vision_attention_pairs``);
-    merger ``2*N/m^2*(d m^2)^2 + 2*N/m^2*(d m^2)*out``.
-    """
-    v = vision_config
-    grids = _grids(image_grids)
-    n = sum(t * h * w for t, h, w in grids)
-    if n == 0:
-        return 0.0
-    d, ffn, m = v.hidden_size, v.intermediate_size, v.spatial_merge_size
-    patch_in = v.in_channels * v.temporal_patch_size * v.patch_size ** 2
-    full_blocks = sum(1 for i in set(v.fullatt_block_indexes or ()) if 0 <= i < v.depth)
-    window_blocks = v.depth - full_blocks
-    full_sq, window_sq = vision_attention_pairs(v, grids)
-    embed = 2 * n * d * patch_in
-    per_block_linear = n * (2 * d * 3 * d + 2 * d * d + 2 * 3 * d * ffn)
-    attention = 2 * 2 * d * (full_blocks * full_sq + window_blocks * window_sq)
-    ctx = d * m * m
-    merged = n // (m * m)
-    merger = 2 * merged * ctx * ctx + 2 * merged * ctx * v.out_hidden_size
-    return float(embed + v.depth * per_block_linear + attention + merger)
+    return windowed_attention_pairs(vision_config, _grids(image_grids))
 
 
 # ------------------------------------------------------------------------------------------ steps
@@ -180,8 +148,11 @@ def forward_flops(config, seq_lengths: Iterable[int], image_grids=None, *,
     """Forward FLOPs of one step: ``seq_lengths`` are the computed language sequence lengths (padded
     length for padded samples), ``image_grids`` the ``(t, h, w)`` patch grids of every image the
     vision tower encoded in the step."""
+    from mimo_sft.config.families import family_for_model_type
+
     lang = language_forward_flops(config.text_config, seq_lengths, vocab_size=vocab_size)
-    vis = vision_forward_flops(config.vision_config, image_grids)
+    spec = family_for_model_type(getattr(config, "model_type", None))
+    vis = vision_forward_flops(config.vision_config, image_grids, family=spec.name if spec else None)
     return StepFlops(lang, vis)
 
 
