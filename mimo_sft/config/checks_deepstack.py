@@ -23,6 +23,10 @@ def deepstack_layer_count(config: dict | None) -> int:
     return len(vision.get("deepstack_visual_indexes") or ())
 
 
+def _layers(last: int) -> str:
+    return "layer 0" if last == 0 else f"layers 0-{last}"
+
+
 def _largest_pp(layers: int, k: int) -> int:
     """The largest pp that divides ``layers`` and keeps ``k`` layers on the first stage."""
     return max(p for p in range(1, layers + 1) if layers % p == 0 and layers // p >= k)
@@ -41,11 +45,11 @@ def c31_deepstack_stages(ctx):
     if first >= k:
         return
     if layers < k:
-        yield (f"--hf-model: config.json adds DeepStack features after decoder layers 0-{k - 1} "
+        yield (f"--hf-model: config.json adds DeepStack features after decoder {_layers(k - 1)} "
                f"(vision_config.deepstack_visual_indexes has {k} entries) but the language model has "
                f"{layers} layers; fix the checkpoint's config.json")
         return
-    yield (f"language.pp={lang.pp} puts decoder layers 0-{first - 1} on the first language pipeline stage, but "
-           f"the model adds DeepStack features after layers 0-{k - 1} (vision_config.deepstack_visual_indexes), "
+    yield (f"language.pp={lang.pp} puts decoder {_layers(first - 1)} on the first language pipeline stage, but "
+           f"the model adds DeepStack features after {_layers(k - 1)} (vision_config.deepstack_visual_indexes), "
            f"which only that stage receives; set language.pp to at most {_largest_pp(layers, k)} in its "
            f"--component")
