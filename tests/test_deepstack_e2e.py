@@ -7,7 +7,8 @@ The encoder's rows ``[main | deepstack_0 | deepstack_1]`` (3x the hidden size) c
 (``model.deepstack``). Data: the bridge corner cases (``train_helpers.BRIDGE_CORNER_IMAGES``: a
 text-only micro-batch, an encoder slice and a language slice without images, several image sizes
 in one sample), one step of three micro-batches. Each run is compared with the single-process run
-(loss, grad norm, every parameter's reduced gradient and the weights after the step; fp32, 1e-5):
+(loss, grad norm and every parameter's reduced gradient, fp32, relative 1e-5; the weights after the
+Adam step to ``WEIGHTS_TOL``):
 
 * non-colocated: language tp 2 x dp 2 fed by one encoder rank, with exchange-mode reordering,
   in-batch packing (THD), sequence parallelism, LoRA and full (uniform) recomputation -- against
@@ -34,6 +35,11 @@ pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("dist")]
 
 LORA = ["--lora-rank", "4", "--lora-alpha", "8"]
 PACKED = ["--in-batch-packing"]
+#: weights after one Adam step: lr * g / (|g| + eps) turns a reduction-order difference of 4e-9 in a
+#: gradient entry of 6e-8 (1e-6 of its tensor's largest, measured: colocated fan-in with sequence
+#: parallelism, merger.linear_fc2) into 1.6e-5 of weight; the exactness claim is the per-parameter
+#: gradient check (1e-5 relative), the weights only have to follow it to a tenth of one step (lr 1e-3)
+WEIGHTS_TOL = 1e-4
 SINGLE = ["language=dp=1", "images=dp=1"]
 
 
@@ -74,29 +80,29 @@ def test_non_colocated_tp2_sp_packing_reordering_lora_recompute():
               ["--scalable-dp", "--intra-microbatch-reorder", "--reorder-mode", "exchange", *PACKED,
                "--sequence-parallel", *LORA, "--recompute-granularity", "full", "--recompute-method", "uniform",
                "--recompute-num-layers", "1"])
-    assert_same_step(ref, got, same_flops=False)
+    assert_same_step(ref, got, same_flops=False, weights_tol=WEIGHTS_TOL)
     assert metrics(got)[0]["padding_fraction"] == 0.0
 
 
 def test_colocated_fan_out_with_packing(reference):
     got = run("ds_co_fanout", 2, ["language=dp=2", "images=tp=2,dp=1"], ["--scalable-dp", *PACKED])
-    assert_same_step(reference, got, same_flops=False)
+    assert_same_step(reference, got, same_flops=False, weights_tol=WEIGHTS_TOL)
 
 
 def test_colocated_fan_in_with_sequence_parallel_padded_rows_and_selective_recompute(reference):
     got = run("ds_co_fanin", 2, ["language=tp=2,dp=1", "images=dp=2"],
               ["--scalable-dp", "--sequence-parallel", "--recompute-granularity", "selective",
                "--recompute-modules", "core_attn,mlp"])
-    assert_same_step(reference, got)
+    assert_same_step(reference, got, weights_tol=WEIGHTS_TOL)
 
 
 def test_colocated_equal_dp(reference):
     got = run("ds_co_equal", 2, ["language=dp=2", "images=dp=2"], ["--scalable-dp"])
-    assert_same_step(reference, got)
+    assert_same_step(reference, got, weights_tol=WEIGHTS_TOL)
 
 
 def test_language_pp2_packed_with_block_recompute(reference):
     got = run("ds_pp2", 3, ["language=pp=2,dp=1", "images=dp=1,rank_offset=2"],
               [*PACKED, "--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "2"])
-    assert_same_step(reference, got, same_flops=False)
+    assert_same_step(reference, got, same_flops=False, weights_tol=WEIGHTS_TOL)
     assert math.isfinite(metrics(got)[0]["loss"])
