@@ -56,6 +56,25 @@ class EncoderLimits:
     cp: bool = False
 
 
+@dataclass(frozen=True)
+class Architecture:
+    """What the memory forecast's counts need to know of a family's layers (``memory.dims``,
+    ``memory.activations``); the model adapters read the decoder's two flags from here too."""
+
+    #: decoder attention: a bias on q/k/v (Qwen2/2.5), RMSNorm over the head dim of q and k (Qwen3)
+    qkv_bias: bool = True
+    qk_norm: bool = False
+    #: vision blocks: LayerNorm with bias (else RMSNorm), a gated MLP of three matrices (else two),
+    #: a bias on the patch embedding, a learned position table (``num_position_embeddings`` rows)
+    vision_layer_norm: bool = False
+    vision_gated_mlp: bool = True
+    vision_patch_bias: bool = False
+    vision_pos_embed: bool = False
+    #: one extra merger per ``deepstack_visual_indexes`` entry (LayerNorm over the merged width), whose
+    #: features travel with the main embedding (``hidden * (1 + k)`` per image token)
+    deepstack: bool = False
+
+
 @dataclass(frozen=True, eq=False)
 class FamilySpec:
     """One model family, as data (see the module docstring)."""
@@ -76,6 +95,8 @@ class FamilySpec:
     #: ``"module:function"`` of the vision tower's forward FLOPs ``(vision_config, grids) -> float``
     #: (``train.flops``; pure arithmetic)
     vision_flops: str = "mimo_sft.model.vision_flops:qwen2_5_vl"
+    #: the layer shapes the memory forecast counts
+    architecture: Architecture = Architecture()
     #: the marked chat template (``data.processor.CHAT_TEMPLATES`` name) a folder's template must render like
     chat_template: str = "qwen2_vl"
     #: megatron's full-layer recomputation of the language model works (check 30 refuses it otherwise,
@@ -218,6 +239,8 @@ QWEN3_VL = register(FamilySpec(
     adapter="mimo_sft.model.qwen3_vl:Qwen3VLAdapter",
     rope_index="transformers.models.qwen3_vl.modeling_qwen3_vl:Qwen3VLModel",
     vision_flops="mimo_sft.model.vision_flops:qwen3_vl",
+    architecture=Architecture(qkv_bias=False, qk_norm=True, vision_layer_norm=True, vision_gated_mlp=False,
+                              vision_patch_bias=True, vision_pos_embed=True, deepstack=True),
     chat_template="qwen3_vl",
     # full-layer recomputation is exact: model.deepstack hands the DeepStack rows' gradient past megatron's
     # re-entrant checkpoint and replays each micro-batch's rows into its recomputed layers

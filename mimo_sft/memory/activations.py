@@ -15,11 +15,17 @@ selective ``core_attn`` drops the log-sum-exp (flash attention keeps no score ma
 saves little); ``mlp`` keeps only its input (already the fc1 input above); full recompute keeps only
 the layer's input, ``b h`` (/tp with sequence parallelism).
 
+Qwen3 adds q/k norms (RMSNorm over the head dim, torch's): (heads + kv) (2 x 4 hd fp32 + 4 rstd) /tp.
+
 vision block (transformers' Qwen2.5-VL, SDPA), per patch:
     norms          2 x (4h fp32 input + 4 rstd + b h normalised + b h scaled)
     qkv            3 b h (fused output) + 2 b h (rotated q, k)
     attention      4 heads (log-sum-exp) + 2 b h (output, its contiguous copy for proj)
     mlp            4 b ffn (gate and up outputs, SiLU output, product)
+Qwen3-VL's block (LayerNorm, plain GELU MLP): norms 2 x (b h input + 8 mean/rstd + b h output),
+mlp 2 b ffn (fc1 output, GELU output), qkv and attention as above (measured at width 1152: 42,632
+bytes per patch in bf16 on the CPU, whose LayerNorm keeps bf16 statistics; the formula's fp32
+statistics give 42,640).
 with ``--recompute-vision`` a block keeps only its input, ``b h``.
 
 Pure arithmetic (no torch).
@@ -47,6 +53,8 @@ def language_layer_terms(d: TextDims, *, tp: int, sp: bool, b: int, recompute_mo
         "attention": FP32 * heads + b * heads * hd,
         "mlp": 5 * b * ffn,
     }
+    if d.qk_norm:  # Qwen3: torch's RMSNorm on each q and k head (fp32 input and normalised, fp32 rstd)
+        terms["qk norm"] = (heads + kv) * (2 * FP32 * hd + FP32)
     if "core_attn" in recompute_modules:
         terms["attention"] -= FP32 * heads
     if "mlp" in recompute_modules:
@@ -70,13 +78,15 @@ def language_head_terms(d: TextDims, *, tp: int, sp: bool, b: int) -> dict[str, 
 
 
 def vision_block_terms(v: VisionDims, *, b: int) -> dict[str, float]:
-    """Bytes per patch one vision block keeps, by term."""
+    """Bytes per patch one vision block keeps, by term (Qwen2.5-VL's RMSNorm + gated MLP, or Qwen3-VL's
+    LayerNorm + plain MLP: ``v.layer_norm``, ``v.gated_mlp``)."""
     h = v.hidden
+    norm = (b * h + 2 * FP32 + b * h) if v.layer_norm else (FP32 * h + FP32 + 2 * b * h)
     return {
-        "norms": 2 * (FP32 * h + FP32 + 2 * b * h),
+        "norms": 2 * norm,
         "qkv": 3 * b * h + 2 * b * h,
         "attention": FP32 * v.heads + 2 * b * h,
-        "mlp": 4 * b * v.ffn,
+        "mlp": (4 if v.gated_mlp else 2) * b * v.ffn,
     }
 
 
@@ -85,10 +95,14 @@ def vision_block_input(v: VisionDims, *, b: int) -> float:
 
 
 def merger_terms(v: VisionDims, *, b: int) -> float:
-    """Bytes per patch the patch merger keeps: its RMSNorm (as a vision norm) and the GELU's input and
-    output (``merge^2 h`` wide per merged token, ``h`` per patch each)."""
+    """Bytes per patch the mergers keep: the patch merger's norm (as a vision norm) and the GELU's input
+    and output (``merge^2 h`` wide per merged token, ``h`` per patch each); each DeepStack merger
+    (``v.deepstack``) the same, its LayerNorm over the merged width reading the block output the next
+    block keeps anyway (statistics per merged token)."""
     h = v.hidden
-    return FP32 * h + FP32 + 2 * b * h + 2 * b * h
+    norm = (b * h + 2 * FP32 + b * h) if v.layer_norm else (FP32 * h + FP32 + 2 * b * h)
+    deepstack = b * h + 2 * FP32 / v.merge ** 2 + 2 * b * h
+    return norm + 2 * b * h + v.deepstack * deepstack
 
 
 def vision_input_terms(v: VisionDims, *, b: int, tower_trains: bool) -> float:

@@ -12,7 +12,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mimo_sft.config.families import Architecture, default_family, family_for_model_type
 from mimo_sft.config.lora import LoraSpec
+
+
+def architecture_of(config: dict) -> Architecture:
+    """The layer shapes of config.json's family (the default family's for an unknown ``model_type``)."""
+    return (family_for_model_type(config.get("model_type")) or default_family()).architecture
 
 
 @dataclass(frozen=True)
@@ -25,15 +31,23 @@ class TextDims:
     head_dim: int
     vocab: int
     tied: bool
+    qkv_bias: bool = True
+    qk_norm: bool = False
+    #: DeepStack features per image token beside the main embedding (the bridge carries 1 + k)
+    deepstack: int = 0
 
     @classmethod
     def from_config(cls, config: dict) -> "TextDims":
         t = config.get("text_config", config)
         heads = t["num_attention_heads"]
         tied = bool(config.get("tie_word_embeddings", t.get("tie_word_embeddings", False)))
+        arch = architecture_of(config)
         return cls(hidden=t["hidden_size"], ffn=t["intermediate_size"], layers=t["num_hidden_layers"], heads=heads,
                    kv_heads=t.get("num_key_value_heads") or heads,
-                   head_dim=t.get("head_dim") or t["hidden_size"] // heads, vocab=t["vocab_size"], tied=tied)
+                   head_dim=t.get("head_dim") or t["hidden_size"] // heads, vocab=t["vocab_size"], tied=tied,
+                   qkv_bias=arch.qkv_bias, qk_norm=arch.qk_norm,
+                   deepstack=len((config.get("vision_config") or {}).get("deepstack_visual_indexes") or ())
+                   if arch.deepstack else 0)
 
     def padded_vocab(self, tp: int) -> int:
         """megatron's embedding rows: the vocabulary padded to a multiple of tp (``decoder_weights.pad_vocab``)."""
@@ -55,13 +69,30 @@ class VisionDims:
     merge: int
     temporal: int
     in_channels: int
+    #: the family's layer shapes (``config.families.Architecture``)
+    layer_norm: bool = False
+    gated_mlp: bool = True
+    patch_bias: bool = False
+    pos_embeddings: int = 0
+    deepstack: int = 0
 
     @classmethod
     def from_config(cls, config: dict) -> "VisionDims":
         v = config["vision_config"]
+        arch = architecture_of(config)
         return cls(hidden=v["hidden_size"], ffn=v["intermediate_size"], depth=v["depth"], heads=v["num_heads"],
                    out_hidden=v["out_hidden_size"], patch=v["patch_size"], merge=v["spatial_merge_size"],
-                   temporal=v.get("temporal_patch_size", 2), in_channels=v.get("in_channels", v.get("in_chans", 3)))
+                   temporal=v.get("temporal_patch_size", 2), in_channels=v.get("in_channels", v.get("in_chans", 3)),
+                   layer_norm=arch.vision_layer_norm, gated_mlp=arch.vision_gated_mlp, patch_bias=arch.vision_patch_bias,
+                   pos_embeddings=int(v.get("num_position_embeddings", 0)) if arch.vision_pos_embed else 0,
+                   deepstack=len(v.get("deepstack_visual_indexes") or ()) if arch.deepstack else 0)
+
+    @property
+    def mlp_matrices(self) -> int:
+        return 3 if self.gated_mlp else 2
+
+    def norm_params(self, width: int) -> int:
+        return 2 * width if self.layer_norm else width
 
     @property
     def patch_values(self) -> int:
@@ -76,10 +107,12 @@ class VisionDims:
 
 # ---- language: parameters of one pipeline stage on one tensor rank -----------------------------
 def language_layer_params(d: TextDims, tp: int) -> int:
-    """One decoder layer on one tp rank: two replicated RMSNorms, column-parallel fused QKV with bias,
-    row-parallel output projection, column-parallel fused gate/up, row-parallel down (no other biases)."""
+    """One decoder layer on one tp rank: two replicated RMSNorms, column-parallel fused QKV (with its bias,
+    Qwen2/2.5; or replicated q/k RMSNorms over the head dim, Qwen3), row-parallel output projection,
+    column-parallel fused gate/up, row-parallel down (no other biases)."""
     qkv = d.qkv_width // tp
-    return 2 * d.hidden + qkv * d.hidden + qkv + d.hidden * (d.heads * d.head_dim // tp) + 3 * d.hidden * (d.ffn // tp)
+    extra = (qkv if d.qkv_bias else 0) + (2 * d.head_dim if d.qk_norm else 0)
+    return 2 * d.hidden + qkv * d.hidden + extra + d.hidden * (d.heads * d.head_dim // tp) + 3 * d.hidden * (d.ffn // tp)
 
 
 def language_stage_params(d: TextDims, *, tp: int, pp: int, stage: int) -> int:
@@ -115,17 +148,25 @@ def language_lora_params(d: TextDims, lora: LoraSpec, tp: int) -> int:
 # ---- vision tower (unsharded) ----------------------------------------------------------------------
 def vision_block_params(v: VisionDims) -> int:
     h, i = v.hidden, v.ffn
-    return 2 * h + (3 * h * h + 3 * h) + (h * h + h) + 2 * (i * h + i) + (h * i + h)
+    up = (v.mlp_matrices - 1) * (i * h + i)  # gate and up (gated), or linear_fc1
+    return 2 * v.norm_params(h) + (3 * h * h + 3 * h) + (h * h + h) + up + (h * i + h)
+
+
+def _merger_params(v: VisionDims, norm_width: int) -> int:
+    c = v.merged
+    return v.norm_params(norm_width) + c * c + c + v.out_hidden * c + v.out_hidden
 
 
 def projector_params(v: VisionDims) -> int:
-    c = v.merged
-    return v.hidden + c * c + c + v.out_hidden * c + v.out_hidden
+    """The patch merger (norm over the block width), and each DeepStack merger (norm over the merged width)."""
+    return _merger_params(v, v.hidden) + v.deepstack * _merger_params(v, v.merged)
 
 
 def vision_params(v: VisionDims) -> tuple[int, int]:
-    """``(tower, projector)`` parameters: patch embedding and blocks; the patch merger."""
-    return v.hidden * v.patch_values + v.depth * vision_block_params(v), projector_params(v)
+    """``(tower, projector)`` parameters: patch embedding (its bias, the learned position table) and
+    blocks; the mergers."""
+    embed = v.hidden * v.patch_values + (v.hidden if v.patch_bias else 0) + v.pos_embeddings * v.hidden
+    return embed + v.depth * vision_block_params(v), projector_params(v)
 
 
 def vision_lora_params(v: VisionDims, lora: LoraSpec) -> int:
@@ -134,9 +175,9 @@ def vision_lora_params(v: VisionDims, lora: LoraSpec) -> int:
     if "vision_attn" in lora.targets:
         n += v.depth * ((r * h + 3 * h * r) + (r * h + h * r))
     if "vision_mlp" in lora.targets:
-        n += v.depth * (2 * (r * h + i * r) + (r * i + h * r))
+        n += v.depth * ((v.mlp_matrices - 1) * (r * h + i * r) + (r * i + h * r))
     if "merger" in lora.targets:
-        n += (r * c + c * r) + (r * c + v.out_hidden * r)
+        n += (1 + v.deepstack) * ((r * c + c * r) + (r * c + v.out_hidden * r))
     return n
 
 

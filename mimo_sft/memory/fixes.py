@@ -32,8 +32,9 @@ def _set(section: str, key: str, value):
 
 
 def _language_steps(cfg, layout, hf_config):
-    from mimo_sft.config.families import QWEN2_5_VL
+    from mimo_sft.config.families import default_family, family_for_model_type
 
+    family = family_for_model_type(hf_config.get("model_type")) or default_family()
     m, lang = cfg.model, layout.spec(LANGUAGE)
     if not cfg.optimizer.use_distributed_optimizer and not m.lora_rank and lang.dp > 1:
         yield "--use-distributed-optimizer", _set("optimizer", "use_distributed_optimizer", True)
@@ -44,12 +45,14 @@ def _language_steps(cfg, layout, hf_config):
             c.model.recompute_granularity, c.model.recompute_modules = "selective", "core_attn,mlp"
             return lay
         yield "--recompute-granularity selective --recompute-modules core_attn,mlp", selective
-    if m.recompute_granularity != "full" or (m.recompute_num_layers or 1) > 1 or m.recompute_method == "block":
+    # (never for a family that refuses full recomputation, check 30)
+    if family.language_full_recompute and (m.recompute_granularity != "full" or (m.recompute_num_layers or 1) > 1
+                                           or m.recompute_method == "block"):
         def full(c, lay):
             c.model.recompute_granularity, c.model.recompute_method, c.model.recompute_num_layers = "full", "uniform", 1
             return lay
         yield "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1", full
-    dims = QWEN2_5_VL.language_dims(hf_config)
+    dims = family.language_dims(hf_config)
     tp2 = lang.tp * 2
     if lang.dp % 2 == 0 and tp2 <= 8 and not (dims.heads or 0) % tp2 and not (dims.kv_heads or 0) % tp2:
         def raise_tp(c, lay):

@@ -168,8 +168,8 @@ def _language_stage(cfg, layout, d: TextDims, stage: int, wl: Workload, lora: Lo
     terms["logits"] = int(sum(act.language_head_terms(d, tp=tp, sp=sp, b=b).values()) * tokens) if stage == pp - 1 else 0
     hidden_stream = tokens * d.hidden * b // (tp if sp else 1)
     bridge = (stage > 0) * flight * hidden_stream + (stage < pp - 1) * flight * hidden_stream
-    if stage == 0 and IMAGES in layout.names:
-        bridge += (flight + 1) * wl.image_tokens * d.hidden * b
+    if stage == 0 and IMAGES in layout.names:  # with DeepStack, k more features per image token
+        bridge += (flight + 1) * wl.image_tokens * d.hidden * b * (1 + d.deepstack)
     terms["bridge"] = int(bridge)
     return terms
 
@@ -226,7 +226,7 @@ def vision_forecast(cfg, layout, hf_config: dict, wl: Workload) -> ModuleForecas
     terms["activations"] = int(flight * stored)
     terms["recompute"] = int(transient)
     image_tokens = patches // v.merge ** 2
-    terms["bridge"] = int((flight + 1) * image_tokens * v.out_hidden * b)
+    terms["bridge"] = int((flight + 1) * image_tokens * v.out_hidden * (1 + v.deepstack) * b)
     terms["allowance"] = _allowance(terms, fixed=not layout.colocated)
     return ModuleForecast(IMAGES, params.total, params.rank, "every rank", terms)
 

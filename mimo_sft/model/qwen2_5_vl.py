@@ -72,9 +72,15 @@ class Qwen25VisionEncoder(Qwen2_5_VisionTransformerPretrainedModel):
 class Qwen25VLAdapter(FamilyAdapter):
     spec = QWEN2_5_VL  # name, model types, modalities and parallel limits
     encoder_name = "qwen_vit"
-    #: the decoder's attention: Qwen2/2.5 have a qkv bias and no q/k norm (Qwen3 the reverse)
-    qkv_bias = True
-    qk_norm = False
+    @property
+    def qkv_bias(self) -> bool:
+        """The decoder's attention (the descriptor's ``architecture``): a q/k/v bias (Qwen2/2.5) ..."""
+        return self.spec.architecture.qkv_bias
+
+    @property
+    def qk_norm(self) -> bool:
+        """... or RMSNorm over the head dimension of q and k (Qwen3)."""
+        return self.spec.architecture.qk_norm
 
     # ---- config ------------------------------------------------------------------------------
     def load_hf_config(self, hf_dir: str, raw: dict):
@@ -245,6 +251,12 @@ class Qwen25VLAdapter(FamilyAdapter):
     #: (``None``: the Qwen2-VL image processor's defaults, which Qwen2.5-VL uses)
     tiny_patch_size = 14
     tiny_image_norm: dict = {}
+
+    def vision_block_class(self) -> type:
+        """transformers' vision block (one block's saved bytes: ``testing.saved_bytes``)."""
+        from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLVisionBlock
+
+        return Qwen2_5_VLVisionBlock
 
     def hf_model_class(self) -> type:
         """transformers' model class for this family's checkpoints (tiny checkpoints, references)."""

@@ -144,8 +144,6 @@ class Qwen3VLAdapter(Qwen25VLAdapter):
 
     spec = QWEN3_VL
     encoder_name = "qwen_vit"
-    qkv_bias = False
-    qk_norm = True
 
     def load_hf_config(self, hf_dir: str, raw: dict):
         from transformers import Qwen3VLConfig
@@ -184,6 +182,11 @@ class Qwen3VLAdapter(Qwen25VLAdapter):
     tiny_patch_size = 16
     #: Qwen3-VL's preprocessor_config.json normalises with mean = std = 0.5
     tiny_image_norm = {"image_mean": (0.5, 0.5, 0.5), "image_std": (0.5, 0.5, 0.5)}
+
+    def vision_block_class(self) -> type:
+        from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionBlock
+
+        return Qwen3VLVisionBlock
 
     def hf_model_class(self) -> type:
         from transformers import Qwen3VLForConditionalGeneration

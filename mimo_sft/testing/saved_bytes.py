@@ -5,7 +5,7 @@ layers save. ``saved_bytes`` runs a forward under ``torch.autograd.graph.saved_t
 adds up the distinct storages the graph holds (a view and its base count once; parameters and
 buffers, which live anyway, are left out). ``language_layer`` builds one megatron decoder layer with
 mimo-sft's own spec and config at a checkpoint's real width; ``vision_block`` one transformers
-Qwen2.5-VL vision block. Both run on the CPU with torch's flash SDPA kernel, the one GPUs use
+vision block of the checkpoint's family. Both run on the CPU with torch's flash SDPA kernel, the one GPUs use
 (the CPU's math fallback would save the ``s x s`` score matrix, which no GPU run keeps).
 
 Used by ``scripts/bench_memory.py`` and the memory tests; not part of training.
@@ -114,17 +114,20 @@ def language_layer_saved(block, cfg, tokens: int, *, dtype: torch.dtype, batch: 
     return total
 
 
-# ---- one transformers Qwen2.5-VL vision block ----------------------------------------------------
+# ---- one transformers vision block of the checkpoint's family --------------------------------------
 def vision_block(hf_dir: str, *, dtype: torch.dtype):
-    """One ``Qwen2_5_VLVisionBlock`` of ``hf_dir``'s vision tower (SDPA attention), random weights."""
+    """One vision block of ``hf_dir``'s tower (its family's ``vision_block_class``: transformers'
+    ``Qwen2_5_VLVisionBlock`` / ``Qwen3VLVisionBlock``), SDPA attention, random weights."""
     import copy
 
-    from transformers import Qwen2_5_VLConfig
-    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLVisionBlock
+    from mimo_sft.model.hf_checkpoint import read_config_json
+    from mimo_sft.model.registry import get_family
 
-    vcfg = copy.deepcopy(Qwen2_5_VLConfig.from_pretrained(hf_dir).vision_config)
+    raw = read_config_json(hf_dir)
+    adapter = get_family(raw, hf_dir=hf_dir)
+    vcfg = copy.deepcopy(adapter.load_hf_config(hf_dir, raw).vision_config)
     vcfg._attn_implementation = "sdpa"
-    return Qwen2_5_VLVisionBlock(vcfg).to(dtype), vcfg
+    return adapter.vision_block_class()(vcfg).to(dtype), vcfg
 
 
 def vision_block_saved(block, vcfg, patches: int, *, dtype: torch.dtype, recompute: bool = False,
