@@ -101,3 +101,25 @@ def plain(setup):
 def test_one_f_one_b_order_with_recompute_equals_the_plain_steps(setup, plain, settings):
     hf_dir, batches = setup
     _assert_same(plain, _steps(hf_dir, batches, interleaved=True, **settings))
+
+
+def test_evaluation_forward_adds_the_same_features(setup, plain):
+    """``forward_only`` (evaluation: ``model.eval()``, no autograd graph) adds the features too: its
+    per-token losses are the training forward's, with full recomputation configured (megatron skips
+    it outside training)."""
+    from mimo_sft.config.schema import ModelConfig
+    from mimo_sft.model.builder import build_single_process_model
+    from mimo_sft.model.family import modality_inputs_from_batch
+
+    hf_dir, batches = setup
+    model, info = build_single_process_model(hf_dir, model_cfg=ModelConfig(hf_model=hf_dir, **FULL_UNIFORM),
+                                             config_overrides={"calculate_per_token_loss": True})
+    model.eval()
+    losses = []
+    with torch.no_grad():
+        for b in batches:
+            out, mask = model(input_ids=b["input_ids"], position_ids=b["position_ids"], attention_mask=None,
+                              loss_mask=b["loss_mask"], labels=b["labels"],
+                              modality_inputs=modality_inputs_from_batch(b, info.encoder_name))
+            losses.append(out[mask.bool()])
+    torch.testing.assert_close(torch.cat(losses), plain[0], rtol=1e-6, atol=0)
