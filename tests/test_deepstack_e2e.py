@@ -10,15 +10,16 @@ in one sample), one step of three micro-batches. Each run is compared with the s
 (loss, grad norm and every parameter's reduced gradient, fp32, relative 1e-5; the weights after the
 Adam step to ``WEIGHTS_TOL``):
 
-* non-colocated: language tp 2 x dp 2 fed by one encoder rank, with exchange-mode reordering,
+* non-colocated: language tp 2 x dp 2 fed by one encoder rank, with index-mode reordering,
   in-batch packing (THD), sequence parallelism, LoRA and full (uniform) recomputation -- against
   the single-process LoRA run;
 * colocated fan-out (images tp 2 x dp 1 feeding language dp 2) with packing;
 * colocated fan-in (images dp 2 feeding language tp 2 x dp 1) with sequence parallelism on padded
   rows and selective recomputation;
 * colocated equal DP (dp 2 both);
-* language pp 2 (the deepstack layers on stage 0, the encoder on its own rank), packed, with full
-  (block) recomputation: 1F1B runs a later micro-batch's forward before an earlier one's backward.
+* language pp 2 x dp 2 (the deepstack layers on stage 0) fed by one encoder rank, with exchange-mode
+  reordering, packed, with full (block) recomputation: 1F1B runs a later micro-batch's forward
+  before an earlier one's backward.
 """
 
 import functools
@@ -77,7 +78,7 @@ def test_the_tiny_model_has_deepstack_on_two_layers():
 def test_non_colocated_tp2_sp_packing_reordering_lora_recompute():
     ref = run("ds_ref_lora", 1, SINGLE, LORA)
     got = run("ds_noncoloc", 5, ["language=tp=2,dp=2", "images=dp=1,rank_offset=4"],
-              ["--scalable-dp", "--intra-microbatch-reorder", "--reorder-mode", "exchange", *PACKED,
+              ["--scalable-dp", "--intra-microbatch-reorder", "--reorder-mode", "index", *PACKED,
                "--sequence-parallel", *LORA, "--recompute-granularity", "full", "--recompute-method", "uniform",
                "--recompute-num-layers", "1"])
     assert_same_step(ref, got, same_flops=False, weights_tol=WEIGHTS_TOL)
@@ -101,8 +102,9 @@ def test_colocated_equal_dp(reference):
     assert_same_step(reference, got, weights_tol=WEIGHTS_TOL)
 
 
-def test_language_pp2_packed_with_block_recompute(reference):
-    got = run("ds_pp2", 3, ["language=pp=2,dp=1", "images=dp=1,rank_offset=2"],
-              [*PACKED, "--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "2"])
+def test_language_pp2_exchange_reordering_packed_with_block_recompute(reference):
+    got = run("ds_pp2", 5, ["language=pp=2,dp=2", "images=dp=1,rank_offset=4"],
+              ["--scalable-dp", "--intra-microbatch-reorder", "--reorder-mode", "exchange", *PACKED,
+               "--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "2"])
     assert_same_step(reference, got, same_flops=False, weights_tol=WEIGHTS_TOL)
     assert math.isfinite(metrics(got)[0]["loss"])
