@@ -5,8 +5,8 @@
 
 For one megatron decoder layer of the preset (built as mimo-sft builds it: our config, spec and SDPA
 core, tp 1) with each recompute setting, its attention and MLP parts alone, one transformers
-Qwen2.5-VL vision block (with and without ``--recompute-vision``'s checkpointing, full and windowed
-attention), the patch merger, megatron's vocab-parallel cross entropy on the preset's vocabulary, and
+vision block of the preset's family (with and without ``--recompute-vision``'s checkpointing, full and windowed
+attention), the patch merger (and Qwen3-VL's DeepStack mergers), megatron's vocab-parallel cross entropy on the preset's vocabulary, and
 the layer on ``--tp`` gloo ranks with and without sequence parallelism (which needs the decoder norm
 that supports it, ``model.norm``; without it those rows say so),
 it prints the bytes ``mimo_sft.memory``'s formulas forecast and the bytes autograd saves
@@ -75,16 +75,12 @@ def _layer_parts(block, cfg, d, tokens, dtype, b):
         mlp, _ = sb.saved_bytes(layer.mlp, x, exclude=params)
     half = terms["linear inputs"] / 2
     return [("  attention part (qkv + rotary + attention + its input)", "token",
-             half + terms["qkv"] + terms["rotary"] + terms["attention"], attn / tokens),
+             half + terms["qkv"] + terms["rotary"] + terms["attention"] + terms.get("qk norm", 0), attn / tokens),
             ("  MLP part (mlp + its input)", "token", half + terms["mlp"], mlp / tokens)]
 
 
 def vision_rows(hf_dir, v, patches, dtype, b):
-    import copy
-
     import torch
-    from transformers import Qwen2_5_VLConfig
-    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLPatchMerger
 
     from mimo_sft.memory import activations as act
     from mimo_sft.testing import saved_bytes as sb
@@ -96,12 +92,15 @@ def vision_rows(hf_dir, v, patches, dtype, b):
              sb.vision_block_saved(block, vcfg, patches, dtype=dtype, window=64) / patches),
             ("vision block, --recompute-vision", "patch", act.vision_block_input(v, b=b),
              sb.vision_block_saved(block, vcfg, patches, dtype=dtype, recompute=True) / patches)]
-    cfg = copy.deepcopy(Qwen2_5_VLConfig.from_pretrained(hf_dir).vision_config)
-    merger = Qwen2_5_VLPatchMerger(dim=cfg.out_hidden_size, context_dim=cfg.hidden_size,
-                                   spatial_merge_size=cfg.spatial_merge_size).to(dtype)
+    measured = 0
     x = torch.randn(patches, v.hidden, dtype=dtype, requires_grad=True)
-    measured, _ = sb.saved_bytes(merger, x, exclude=list(merger.parameters()))
-    rows.append(("patch merger", "patch", act.merger_terms(v, b=b), measured / patches))
+    for j, merger in enumerate(sb.projector_modules(hf_dir, dtype=dtype)):
+        # the main merger's input is the last block's output, kept by it alone; a DeepStack merger's is a
+        # block output the next block keeps anyway (counted there)
+        kept, _ = sb.saved_bytes(merger, x, exclude=list(merger.parameters()) + ([x] if j else []))
+        measured += kept
+    rows.append(("patch merger" + (f" + {v.deepstack} DeepStack mergers" if v.deepstack else ""), "patch",
+                 act.merger_terms(v, b=b), measured / patches))
     return rows
 
 

@@ -83,7 +83,7 @@ def main(argv=None) -> int:
     except UserError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    print(f"wrote tiny Qwen2.5-VL {'config-only folder' if a.config_only else 'checkpoint'} to {out}")
+    print(f"wrote tiny {a.family} {'config-only folder' if a.config_only else 'checkpoint'} to {out}")
     return 0
 
 

@@ -340,3 +340,34 @@ def test_real_chat_template_is_accepted_with_assistant_masks(qwen3_dir, tmp_path
         QWEN_VL_CHAT_TEMPLATE.replace("{% generation %}", "").replace("{% endgeneration %}", ""))
     with pytest.raises(UserError, match="renders differently from Qwen's"):
         load_processor(folder)
+
+
+def test_selective_and_vision_recompute_keep_every_gradient(qwen3_dir):
+    """The recomputation Qwen3-VL accepts (selective core_attn,mlp; --recompute-vision on the tower with its
+    DeepStack taps) gives the gradients of the run without it, bit for bit in fp32 on the CPU."""
+    from mimo_sft.config.schema import ModelConfig
+    from mimo_sft.model.builder import build_single_process_model
+    from mimo_sft.model.check import random_batch
+    from mimo_sft.model.family import modality_inputs_from_batch
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(qwen3_dir)
+    batch = random_batch(cfg, seed=10, **BATCHES["mixed_sizes"])
+    from mimo_sft.data.preprocess import _RopeIndex
+
+    pos, _ = _RopeIndex(cfg).get_rope_index(batch["input_ids"], mm_token_type_ids=batch["mm_token_type_ids"],
+                                            image_grid_thw=batch["image_grid_thw"],
+                                            attention_mask=batch["attention_mask"].long())
+
+    def grads(**kw):
+        model, info = build_single_process_model(qwen3_dir, model_cfg=ModelConfig(**kw))
+        model.train()
+        out, _ = model(input_ids=batch["input_ids"], position_ids=pos, attention_mask=None,
+                       loss_mask=batch["loss_mask"], labels=batch["labels"],
+                       modality_inputs=modality_inputs_from_batch(batch, info.encoder_name))
+        ((out * batch["loss_mask"]).sum() / batch["loss_mask"].sum()).backward()
+        return {n: p.grad for n, p in model.named_parameters()}
+
+    ref = grads()
+    got = grads(recompute_granularity="selective", recompute_modules="core_attn,mlp", recompute_vision=True)
+    assert set(got) == set(ref) and all(torch.equal(got[n], ref[n]) for n in ref)

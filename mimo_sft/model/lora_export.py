@@ -7,7 +7,7 @@ the caller (``mimo_sft.export`` joins this with ``train.checkpoint``; model/ nev
 * merged: ``model.lora.merge_lora`` folds ``scaling * B A`` into each weight, then the ordinary
   HF writer (``model.export.export_model``) runs: the folder loads in transformers as any export.
 * ``--adapter-only``: ``adapter_config.json`` + ``adapter_model.safetensors`` in PEFT's format for
-  ``Qwen2_5_VLForConditionalGeneration``. megatron fuses layers that HF keeps apart, and one fused
+  the family's transformers model (``Qwen2_5_VLForConditionalGeneration``, ``Qwen3VLForConditionalGeneration``). megatron fuses layers that HF keeps apart, and one fused
   LoRA is exactly several PEFT LoRAs that share A: ``linear_qkv`` -> ``q_proj``/``k_proj``/``v_proj``
   (B's rows split per query group as the weight's are, ``decoder_weights.split_qkv``),
   ``linear_fc1`` -> ``gate_proj``/``up_proj`` (B = [gate; up]), ``linear_proj`` -> ``o_proj``,

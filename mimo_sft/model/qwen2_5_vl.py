@@ -258,6 +258,14 @@ class Qwen25VLAdapter(FamilyAdapter):
 
         return Qwen2_5_VLVisionBlock
 
+    def projector_modules(self, vision_config) -> list:
+        """transformers' merger modules for ``vision_config`` (one merger's saved bytes: ``testing.saved_bytes``)."""
+        from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLPatchMerger
+
+        v = vision_config
+        return [Qwen2_5_VLPatchMerger(dim=v.out_hidden_size, context_dim=v.hidden_size,
+                                      spatial_merge_size=v.spatial_merge_size)]
+
     def hf_model_class(self) -> type:
         """transformers' model class for this family's checkpoints (tiny checkpoints, references)."""
         from transformers import Qwen2_5_VLForConditionalGeneration

@@ -188,6 +188,13 @@ class Qwen3VLAdapter(Qwen25VLAdapter):
 
         return Qwen3VLVisionBlock
 
+    def projector_modules(self, vision_config) -> list:
+        from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionPatchMerger
+
+        k = len(vision_config.deepstack_visual_indexes)
+        return [Qwen3VLVisionPatchMerger(vision_config)] + [
+            Qwen3VLVisionPatchMerger(vision_config, use_postshuffle_norm=True) for _ in range(k)]
+
     def hf_model_class(self) -> type:
         from transformers import Qwen3VLForConditionalGeneration
 

@@ -9,7 +9,7 @@
   an output that needs none, and the trainable weights inside it (LoRA adapters behind a frozen
   embedding, say) would silently get no gradient. ``require_decoder_input_grad`` makes the decoder's
   input require grad on the ranks where it does not (its gradient is computed and dropped).
-* Vision tower: transformers' activation checkpointing of every ``Qwen2_5_VLVisionBlock``
+* Vision tower: transformers' activation checkpointing of every vision block (``Qwen2_5_VLVisionBlock``, ``Qwen3VLVisionBlock``)
   (``torch.utils.checkpoint``, non-reentrant, ``preserve_rng_state=True``: a recomputed block draws
   the same random numbers as its first forward), frozen or trained, LoRA adapters included.
 * Sequence parallelism (language tp > 1): megatron's flag; norms are ``model.norm.RMSNorm`` (weight

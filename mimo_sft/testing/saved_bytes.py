@@ -154,3 +154,14 @@ def vision_block_saved(block, vcfg, patches: int, *, dtype: torch.dtype, recompu
     with flash_sdpa():
         total, _ = saved_bytes(fn, x, exclude=params + [*pos])
     return total
+
+
+def projector_modules(hf_dir: str, *, dtype: torch.dtype) -> list:
+    """The mergers of ``hf_dir``'s vision tower (its family's ``projector_modules``: the patch merger, then
+    Qwen3-VL's DeepStack mergers), random weights."""
+    from mimo_sft.model.hf_checkpoint import read_config_json
+    from mimo_sft.model.registry import get_family
+
+    raw = read_config_json(hf_dir)
+    adapter = get_family(raw, hf_dir=hf_dir)
+    return [m.to(dtype) for m in adapter.projector_modules(adapter.load_hf_config(hf_dir, raw).vision_config)]

@@ -1,9 +1,10 @@
-"""A tiny random Qwen2.5-VL checkpoint folder for tests, demos and CPU runs.
+"""A tiny random Qwen-VL checkpoint folder (Qwen2.5-VL by default, Qwen3-VL with ``family``) for tests,
+demos and CPU runs.
 
 Why: a real checkpoint is gigabytes with a 151k vocabulary; tests need the *same* file layout
 (config.json, model.safetensors, tokenizer, image processor, chat template) at a size that builds,
 loads and runs a forward in well under a second. The model is transformers' own
-``Qwen2_5_VLForConditionalGeneration`` with random weights; the processor is the image-only one.
+model (its adapter's ``hf_model_class``) with random weights; the processor is the image-only one.
 
 Presets (``write_preset_checkpoint``) write the *real* architecture of a public model (e.g.
 Qwen2.5-VL-3B-Instruct) with Qwen's real tokenizer, built offline from the BPE ranks shipped in the
