@@ -16,7 +16,8 @@ Adam step to ``WEIGHTS_TOL``):
 * colocated fan-out (images tp 2 x dp 1 feeding language dp 2) with packing;
 * colocated fan-in (images dp 2 feeding language tp 2 x dp 1) with sequence parallelism on padded
   rows and selective recomputation;
-* colocated equal DP (dp 2 both);
+* colocated equal DP (dp 2 both) at language tp 2 without sequence parallelism (the tower
+  replicated on its tp ranks);
 * language pp 2 x dp 2 (the deepstack layers on stage 0) fed by one encoder rank, with exchange-mode
   reordering, packed, with full (block) recomputation: 1F1B runs a later micro-batch's forward
   before an earlier one's backward.
@@ -97,8 +98,9 @@ def test_colocated_fan_in_with_sequence_parallel_padded_rows_and_selective_recom
     assert_same_step(reference, got, weights_tol=WEIGHTS_TOL)
 
 
-def test_colocated_equal_dp(reference):
-    got = run("ds_co_equal", 2, ["language=dp=2", "images=dp=2"], ["--scalable-dp"])
+def test_colocated_equal_dp_at_language_tp2_without_sequence_parallelism(reference):
+    """dp 2 both; every language tp rank holds the whole sequence and adds every row itself."""
+    got = run("ds_co_equal", 4, ["language=tp=2,dp=2", "images=tp=2,dp=2"], ["--scalable-dp"])
     assert_same_step(reference, got, weights_tol=WEIGHTS_TOL)
 
 
