@@ -164,11 +164,11 @@ def test_deepstack_split_refuses_a_wrong_width():
 
     x = torch.randn(5, 4 * 3)
     main, deep = split_deepstack(x, hidden=4, num_deepstack=2)
-    assert torch.equal(main, x[:, :4]) and torch.equal(deep[1], x[:, 8:])
+    assert torch.equal(main, x[:, :4]) and torch.equal(deep[:, 4:], x[:, 8:])  # [rows, hidden*k]
     with pytest.raises(AssertionError, match=r"expected \[rows, 12\]"):
         split_deepstack(torch.randn(5, 4), hidden=4, num_deepstack=2)
     main, deep = split_deepstack(torch.randn(0, 4), hidden=4, num_deepstack=2)  # megatron's empty payload
-    assert main.shape == (0, 4) and len(deep) == 2
+    assert main.shape == (0, 4) and deep.shape == (0, 8)
 
 
 def test_export_round_trip_is_bit_exact_and_loads_in_transformers(qwen3_dir, models, tmp_path):

@@ -23,6 +23,7 @@ from typing import Callable
 from mimo_sft.config import checks_family, checks_memory, families
 from mimo_sft.config.checks_checkpoint import c24_checkpoint_writing, c34_export_shards
 from mimo_sft.config.checks_data_scale import c25_data_scale
+from mimo_sft.config.checks_deepstack import c31_deepstack_stages
 from mimo_sft.config.checks_eval import c28_validation
 from mimo_sft.config.checks_overlap import c33_overlap_and_profiler
 from mimo_sft.config.checks_paths import c26_run_folders, c27_extra_folders
@@ -404,6 +405,7 @@ CHECKS: tuple[tuple[int, str, Callable], ...] = (
     (28, "validation settings", c28_validation),
     (29, "learning rates and experiment trackers", c29_learning_rates_and_trackers),
     (30, "model family matches the checkpoint", checks_family.c30_model_family),
+    (31, "DeepStack layers on the first language stage", c31_deepstack_stages),
     (33, "overlapped reduction and profiler settings", c33_overlap_and_profiler),
     (34, "export shard size", c34_export_shards),
 )

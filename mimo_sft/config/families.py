@@ -242,11 +242,8 @@ QWEN3_VL = register(FamilySpec(
     architecture=Architecture(qkv_bias=False, qk_norm=True, vision_layer_norm=True, vision_gated_mlp=False,
                               vision_patch_bias=True, vision_pos_embed=True, deepstack=True),
     chat_template="qwen3_vl",
-    # megatron's re-entrant layer checkpoint re-runs a layer in backward with only its own inputs: the
-    # DeepStack features added after layers 0..k-1 would get no gradient (and the re-run fails)
-    language_full_recompute=False,
-    language_full_recompute_reason=("DeepStack features, added after its first decoder layers, cannot pass "
-                                    "megatron's re-entrant full-layer recomputation (not yet supported)"),
+    # full-layer recomputation is exact: model.deepstack hands the DeepStack rows' gradient past megatron's
+    # re-entrant checkpoint and replays each micro-batch's rows into its recomputed layers
 ))
 
 #: config.json ``model_type`` values of Qwen-VL generations mimo-sft knows of but cannot build yet, and why

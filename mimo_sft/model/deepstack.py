@@ -6,16 +6,35 @@ ranks), and ``MimoModel.align_embeddings_by_token_positions`` checks only the ro
 ``masked_scatter_``: a tensor wider than the hidden size would pass and scatter wrong values. So the
 Qwen3-VL encoder returns one tensor per image-token row, ``[main | deepstack_0 | ... | deepstack_{k-1}]``
 (width ``hidden * (1 + k)``, main first, in ``deepstack_visual_indexes`` order), the bridges move it as
-any encoder output, and on the language side :func:`split_deepstack` -- the one place that reads that
-layout -- asserts the width and splits it:
+any encoder output (their shapes travel with the tensor; the colocated padding of ``train.bridge`` pads
+rows, whatever their width), and on the language side :func:`split_deepstack` -- the one place that
+reads that layout -- asserts the width and splits it:
 
-* ``main`` goes to megatron's ``align_embeddings_by_token_positions`` (``DeepStackMimoModel``);
+* ``main`` goes to megatron's ``align_embeddings_by_token_positions`` (``deepstack_mimo_model_class``);
 * ``deepstack_j`` is added to the language hidden states at the image-token positions right after
-  decoder layer ``j`` (global layer index, j = 0..k-1), as transformers' ``Qwen3VLTextModel`` does
+  decoder layer ``j`` (global index, j = 0..k-1; check 31 keeps them on the first pipeline stage, the
+  only one the bridge feeds), as transformers' ``Qwen3VLTextModel`` does
   (``hidden[mask] = hidden[mask] + deepstack_j``): :class:`DeepStackLanguageMixin`.
 
-The positions are the image tokens of the ``input_ids`` the alignment sees, in batch-major order (the
-encoder's row order), mapped onto the decoder's sequence-first ``[S, B, H]`` hidden states.
+The positions are the image tokens of the ``input_ids`` the alignment sees (padded rows ``[B, S]`` or
+the packed ``[1, T]``), in batch-major order (the encoder's row order), mapped onto the decoder's
+sequence-first ``[S, B, H]`` hidden states. Three things make the addition exact in every layout:
+
+* **Sequence parallelism**: the hidden states hold this TP rank's contiguous ``S/tp`` positions
+  (the ``PartitionAdapter`` scatter of the combined embeddings), so each rank adds only the rows that
+  fall in its shard; every TP rank holds all rows (the bridge gives each the whole tensor), and the
+  rows' gradient -- non-zero on one rank per row -- is summed over TP (exact: the others add zeros).
+* **Recomputation**: megatron's checkpoint is re-entrant, and a layer's forward hook that reached the
+  bridge's graph from inside a checkpointed region would backpropagate into the encoder from the
+  nested backward (a second pass through its graph). The layers therefore add a detached copy of the
+  rows (``DeepStackInputs.features``, a leaf that gathers the rows' gradient from every layer and
+  every recomputation), and :class:`_ReturnFeatureGrad`, an identity on the combined embeddings, hands
+  that gradient to the bridge's tensor when the backward reaches the decoder's input -- after every
+  layer's backward.
+* **Pipelining (1F1B)**: a later micro-batch's forward can run before an earlier one's backward. A
+  recomputed layer must add its own micro-batch's rows, so :class:`_ReplayFeatures`, an identity on
+  the decoder's output, makes that micro-batch's rows the ones a recomputing hook reads for the
+  duration of its backward (set when the backward enters the decoder, cleared when it leaves).
 """
 
 from __future__ import annotations
@@ -28,102 +47,187 @@ import torch
 
 
 def split_deepstack(features: torch.Tensor, *, hidden: int, num_deepstack: int):
-    """``[rows, hidden*(1+k)]`` -> ``(main [rows, hidden], [deepstack_j [rows, hidden]] * k)``.
+    """``[rows, hidden*(1+k)]`` -> ``(main [rows, hidden], deepstack [rows, hidden*k])`` (views).
 
     A tensor of another width is an error (never a silent scatter). Zero rows of width ``hidden``
     are accepted too: megatron's MIMO sends ``[0, hidden]`` for a text-only micro-batch on a
     non-colocated layout (``MimoModel._empty_encoder_output``); they carry no feature.
     """
     width = hidden * (1 + num_deepstack)
-    if features.shape[0] == 0 and features.shape[-1] in (hidden, width):
-        empty = features[:, :hidden]
-        return empty, [empty for _ in range(num_deepstack)]
+    if features.dim() == 2 and features.shape[0] == 0 and features.shape[-1] in (hidden, width):
+        return features[:, :hidden], features.new_zeros((0, hidden * num_deepstack))
     if features.dim() != 2 or features.shape[-1] != width:
         raise AssertionError(
             f"DeepStack encoder output has shape {tuple(features.shape)}; expected [rows, {width}] = [main | "
             f"{num_deepstack} deepstack features] of hidden size {hidden}")
-    parts = torch.split(features, hidden, dim=-1)
-    return parts[0], list(parts[1:])
+    return features[:, :hidden], features[:, hidden:]
 
 
 @dataclass
 class DeepStackInputs:
-    """One micro-batch's deepstack features and where they go (sequence-first indices)."""
+    """One micro-batch's deepstack rows on this rank and where they go in its ``[S_local, B, H]``."""
 
-    seq_index: torch.Tensor  # [rows] position s of each image token in [S, B, H]
-    batch_index: torch.Tensor  # [rows] sample b of each image token
-    features: list  # k tensors [rows, hidden]
+    features: torch.Tensor  # [rows, hidden*k] leaf: every image token's features (gathers their gradient)
+    rows: torch.Tensor  # [r] which of them fall in this rank's share of the sequence
+    seq_index: torch.Tensor  # [r] their positions s in the local hidden states
+    batch_index: torch.Tensor  # [r] their samples b
+    hidden: int
+    #: the TP group the sequence is scattered over (sequence parallelism): the rows' gradient is summed
+    #: over it; None when every TP rank holds the whole sequence
+    sp_group: object = None
+
+    def feature(self, j: int) -> torch.Tensor:
+        """``deepstack_j`` of this rank's rows ``[r, hidden]``."""
+        return self.features[self.rows, j * self.hidden:(j + 1) * self.hidden]
 
 
-def deepstack_inputs(input_ids: torch.Tensor, image_token_id: int, features: list) -> Optional[DeepStackInputs]:
-    """Where each deepstack row goes: the image tokens of ``input_ids [B, S]`` in batch-major order."""
+def deepstack_inputs(input_ids: torch.Tensor, image_token_id: int, features: torch.Tensor, *, hidden: int,
+                     sp_group=None, shard: Optional[tuple[int, int]] = None) -> DeepStackInputs:
+    """Where each deepstack row goes: the image tokens of ``input_ids [B, S]`` in batch-major order, kept
+    where they fall in this rank's ``S / tp`` positions when the sequence is scattered: ``shard`` =
+    ``(rank, tp)``, by default ``sp_group``'s (megatron's scatter gives rank r the r-th contiguous chunk)."""
     batch_index, seq_index = (input_ids == image_token_id).nonzero(as_tuple=True)
-    rows = int(batch_index.shape[0])
-    assert all(f.shape[0] == rows for f in features), (
-        f"{rows} image tokens but deepstack features of {[tuple(f.shape) for f in features]}")
-    return DeepStackInputs(seq_index=seq_index, batch_index=batch_index, features=features)
+    assert features.shape[0] == batch_index.shape[0], (
+        f"{batch_index.shape[0]} image tokens but deepstack features of shape {tuple(features.shape)}")
+    rows = torch.arange(batch_index.shape[0], device=input_ids.device)
+    if shard is None and sp_group is not None:
+        shard = (sp_group.rank(), sp_group.size())
+    if shard is not None:
+        (rank, tp), length = shard, input_ids.shape[1]
+        assert length % tp == 0, f"sequence of {length} positions scattered over {tp} ranks"
+        local = length // tp
+        mine = (seq_index >= rank * local) & (seq_index < (rank + 1) * local)
+        rows, batch_index, seq_index = rows[mine], batch_index[mine], seq_index[mine] - rank * local
+    leaf = features.detach().requires_grad_(features.requires_grad)
+    return DeepStackInputs(leaf, rows, seq_index, batch_index, hidden, sp_group)
 
 
 def add_deepstack(hidden_states: torch.Tensor, inputs: DeepStackInputs, j: int) -> torch.Tensor:
-    """``hidden_states [S, B, H]`` with ``deepstack_j`` added at the image-token positions (out of place)."""
-    feat = inputs.features[j].to(hidden_states.dtype)
+    """``hidden_states [S, B, H]`` with ``deepstack_j`` added at this rank's image-token positions (out of place)."""
+    feat = inputs.feature(j).to(hidden_states.dtype)
     return hidden_states.index_put((inputs.seq_index, inputs.batch_index), feat, accumulate=True)
+
+
+class _ReturnFeatureGrad(torch.autograd.Function):
+    """Identity on the combined embeddings; its backward gives the bridge's deepstack tensor the gradient
+    the layers accumulated on ``inputs.features`` (summed over TP under sequence parallelism)."""
+
+    @staticmethod
+    def forward(ctx, embeddings, bridge_features, inputs, owner):
+        ctx.inputs, ctx.owner = inputs, owner
+        return embeddings.view_as(embeddings)
+
+    @staticmethod
+    def backward(ctx, grad):
+        inputs, ctx.owner._replay = ctx.inputs, None
+        if not ctx.needs_input_grad[1]:  # a frozen encoder: nothing to return (alike on every TP rank)
+            return grad, None, None, None
+        g = inputs.features.grad
+        if g is None:  # no row fell in this rank's share of the sequence
+            g = torch.zeros_like(inputs.features)
+        if inputs.sp_group is not None:
+            torch.distributed.all_reduce(g, group=inputs.sp_group)
+        inputs.features.grad = None
+        return grad, g, None, None
+
+
+class _ReplayFeatures(torch.autograd.Function):
+    """Identity on the decoder's output; its backward makes this micro-batch's rows the ones recomputed
+    layers add (``DeepStackLanguageMixin._replay``) until ``_ReturnFeatureGrad`` clears them."""
+
+    @staticmethod
+    def forward(ctx, hidden, inputs, owner):
+        ctx.inputs, ctx.owner = inputs, owner
+        return hidden.view_as(hidden)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.owner._replay = ctx.inputs
+        return grad, None, None
 
 
 class DeepStackLanguageMixin:
     """For a megatron ``GPTModel`` subclass: adds the pending deepstack features after layers 0..k-1.
 
-    ``set_deepstack`` is called by ``DeepStackMimoModel`` just before the language model's forward;
-    each decoder layer of this stage whose global index is < k gets a forward hook that adds its
-    feature to the layer's output hidden states. A stage without those layers (pipeline stage > 0)
-    never sees a feature.
+    ``set_deepstack`` is called by the MIMO model (``deepstack_mimo_model_class``) just before the
+    language model's forward; each decoder layer of this stage whose global index is < k gets a forward
+    hook that adds its feature to the layer's output hidden states. A stage without those layers
+    (pipeline stage > 0) never sees a feature. See the module docstring for ``_replay``.
     """
 
     def init_deepstack(self, num_deepstack: int) -> None:
         self.num_deepstack = int(num_deepstack)
-        self._deepstack: Optional[DeepStackInputs] = None
+        self._deepstack: Optional[DeepStackInputs] = None  # this forward's rows
+        self._replay: Optional[DeepStackInputs] = None  # the rows of the micro-batch being backpropagated
+        hooked = set()
         for layer in self.decoder.layers:
             j = layer.layer_number - 1  # megatron's layer_number is global and 1-based
             if j < self.num_deepstack:
                 layer.register_forward_hook(self._deepstack_hook(j))
+                hooked.add(j)
+        # only the first stage gets the encoder's rows: it must hold every DeepStack layer (check 31)
+        expected = set(range(self.num_deepstack)) if self.pre_process else set()
+        assert hooked == expected, (f"DeepStack layers {sorted(hooked)} on this language stage, expected "
+                                    f"{sorted(expected)} (check 31 refuses this layout)")
+        if hooked:
+            self.decoder.register_forward_hook(self._decoder_done)
 
     def set_deepstack(self, inputs: Optional[DeepStackInputs]) -> None:
-        self._deepstack = inputs
+        self._deepstack, self._replay = inputs, None
 
     def _deepstack_hook(self, j: int):
         def hook(module, args, output):
-            if self._deepstack is None:
+            inputs = self._replay or self._deepstack
+            if inputs is None:
                 return output
             hidden, *rest = output if isinstance(output, tuple) else (output,)
-            hidden = add_deepstack(hidden, self._deepstack, j)
+            hidden = add_deepstack(hidden, inputs, j)
             return (hidden, *rest) if isinstance(output, tuple) else hidden
 
         return hook
 
+    def _decoder_done(self, module, args, output):
+        """End of the decoder's forward: later forwards (another micro-batch) bring their own rows, and
+        this micro-batch's backward replays its rows into recomputed layers."""
+        inputs, self._deepstack = self._deepstack, None
+        if inputs is None or not torch.is_grad_enabled() or not output.requires_grad:
+            return output
+        from megatron.core.utils import make_viewless_tensor
+
+        return make_viewless_tensor(_ReplayFeatures.apply(output, inputs, self), requires_grad=True, keep_graph=True)
+
 
 @functools.lru_cache(maxsize=None)
-def deepstack_mimo_model_class(image_module: str, num_deepstack: int):
-    """megatron's ``MimoModel`` whose alignment splits ``image_module``'s encoder output first.
-
-    ``align_embeddings_by_token_positions`` is where megatron's MIMO (colocated and non-colocated,
-    first language stage) meets the encoder output after the bridges: the subclass splits it there
-    (:func:`split_deepstack`), hands ``main`` on to megatron's alignment and the deepstack features to
-    the language model (``set_deepstack``); a micro-batch without image features clears them.
-    """
+def deepstack_mimo_model_class(modality: str, num_deepstack: int) -> type:
+    """megatron's ``MimoModel`` whose embedding alignment splits ``modality``'s DeepStack rows off."""
     from megatron.core.models.mimo import MimoModel
-    from megatron.core.utils import unwrap_model
+    from megatron.core.utils import make_viewless_tensor, unwrap_model
 
     class DeepStackMimoModel(MimoModel):
+        """``align_embeddings_by_token_positions`` takes the main embeddings; the deepstack rows go to the
+        language model (``DeepStackLanguageMixin.set_deepstack``), positioned on the same ``input_ids``."""
+
         def align_embeddings_by_token_positions(self, modality_embeddings, input_ids, special_token_ids):
-            lm = unwrap_model(self.language_model)
-            pending = None
-            features = modality_embeddings.get(image_module)
-            if features is not None:
-                main, deepstack = split_deepstack(features, hidden=lm.config.hidden_size, num_deepstack=num_deepstack)
-                modality_embeddings = {**modality_embeddings, image_module: main}
-                pending = deepstack_inputs(input_ids, special_token_ids[image_module], deepstack)
-            lm.set_deepstack(pending)
-            return super().align_embeddings_by_token_positions(modality_embeddings, input_ids, special_token_ids)
+            language = unwrap_model(self.language_model)
+            hidden = language.config.hidden_size
+            embeddings = dict(modality_embeddings)
+            wide = embeddings.get(modality)
+            if wide is None:
+                language.set_deepstack(None)
+                return super().align_embeddings_by_token_positions(embeddings, input_ids, special_token_ids)
+            embeddings[modality], features = split_deepstack(wide, hidden=hidden, num_deepstack=num_deepstack)
+            combined = super().align_embeddings_by_token_positions(embeddings, input_ids, special_token_ids)
+            if features.shape[0] == 0:
+                language.set_deepstack(None)
+                return combined
+            adapter = self.partition_adapter
+            sp_group = adapter.cfg.tp_group if adapter is not None and adapter.cfg.seq_parallel else None
+            inputs = deepstack_inputs(input_ids, special_token_ids[modality], features, hidden=hidden, sp_group=sp_group)
+            language.set_deepstack(inputs)
+            if not torch.is_grad_enabled() or not (combined.requires_grad or features.requires_grad):
+                return combined
+            out = _ReturnFeatureGrad.apply(combined, features, inputs, language)
+            return make_viewless_tensor(out, requires_grad=True, keep_graph=True)
 
     DeepStackMimoModel.__qualname__ = DeepStackMimoModel.__name__
     return DeepStackMimoModel
