@@ -2,8 +2,7 @@
 ``config.checks``).
 
 Pure like the other checks (``config.checks.CheckContext``); every rule reads the family descriptor
-(``config.families``): ``--model-family`` against config.json's ``model_type`` (either way round), and
-what the family's language model cannot run (``FamilySpec.language_full_recompute``). A ``model_type``
+(``config.families``): ``--model-family`` against config.json's ``model_type`` (either way round). A ``model_type``
 no family reads (``qwen3_vl_moe``, ``qwen3_5`` named as not yet supported) is check 16's line; the
 encoder's parallel limits (images tp > 1 on its own ranks) are check 10's, from the same descriptor.
 """
@@ -24,8 +23,3 @@ def c30_model_family(ctx):
     mismatch = families.family_mismatch(m.family, model_type, where)
     if mismatch:
         yield mismatch
-    spec = families.family_for_model_type(model_type)
-    if spec is not None and m.recompute_granularity == "full" and not spec.language_full_recompute:
-        yield (f"--recompute-granularity full: {spec.name}'s {spec.language_full_recompute_reason}; use "
-               f"--recompute-granularity selective (--recompute-modules core_attn,mlp), which recomputes inside "
-               f"each layer")

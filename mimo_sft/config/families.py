@@ -99,10 +99,6 @@ class FamilySpec:
     architecture: Architecture = Architecture()
     #: the marked chat template (``data.processor.CHAT_TEMPLATES`` name) a folder's template must render like
     chat_template: str = "qwen2_vl"
-    #: megatron's full-layer recomputation of the language model works (check 30 refuses it otherwise,
-    #: with the reason)
-    language_full_recompute: bool = True
-    language_full_recompute_reason: str = ""
 
     @property
     def modalities(self) -> tuple[str, ...]:

@@ -45,9 +45,7 @@ def _language_steps(cfg, layout, hf_config):
             c.model.recompute_granularity, c.model.recompute_modules = "selective", "core_attn,mlp"
             return lay
         yield "--recompute-granularity selective --recompute-modules core_attn,mlp", selective
-    # (never for a family that refuses full recomputation, check 30)
-    if family.language_full_recompute and (m.recompute_granularity != "full" or (m.recompute_num_layers or 1) > 1
-                                           or m.recompute_method == "block"):
+    if m.recompute_granularity != "full" or (m.recompute_num_layers or 1) > 1 or m.recompute_method == "block":
         def full(c, lay):
             c.model.recompute_granularity, c.model.recompute_method, c.model.recompute_num_layers = "full", "uniform", 1
             return lay
