@@ -139,3 +139,41 @@ def test_export_command_refuses_a_bad_shard_size_in_one_line(tmp_path):
     assert proc.returncode == 2, proc.stderr
     lines = [ln for ln in (proc.stdout + proc.stderr).splitlines() if ln.strip()]
     assert len(lines) == 1 and "--export-shard-size 5 parsecs" in lines[0], lines
+
+
+def test_qwen3_vl_streamed_export_reads_each_group_and_equals_the_in_memory_export(tmp_path):
+    """Qwen3-VL through the streamed export (its adapter converts each group on its own: q/k norms, no qkv
+    bias, the blocks' plain MLP, the DeepStack mergers): the trained weights come back bit for bit the
+    in-memory export's (tests/test_qwen3_vl.py checks that one against transformers), across several
+    shards, with one layer, block or tensor per read."""
+    from mimo_sft.model import build_single_process_model, export_model
+    from mimo_sft.model.export import export_weights
+    from mimo_sft.model.hf_checkpoint import HFCheckpoint
+    from mimo_sft.testing.tiny_checkpoint import write_tiny_checkpoint
+    from mimo_sft.train.checkpoint import model_weight_reader
+
+    src = str(write_tiny_checkpoint(tmp_path / "src", family="qwen3_vl", seed=0))
+    model, info = build_single_process_model(src)
+    enc = model.modality_submodules["images"].encoders[info.encoder_name]
+    with torch.no_grad():  # what training changed: the export must read the checkpoint, not the source
+        enc.deepstack_merger_list[1].linear_fc2.weight.add_(0.5)
+        enc.blocks[0].mlp.linear_fc1.bias.add_(0.25)
+        model.language_model.decoder.layers[0].self_attention.q_layernorm.weight.add_(0.5)
+    in_memory = str(tmp_path / "in_memory")
+    export_model(model, src, in_memory)
+    ckpt = _save_dist_checkpoint(model, str(tmp_path / "ckpt"))
+    state_keys = [k for k in model.state_dict() if not k.endswith("_extra_state")]
+    del model, enc
+    calls: list = []
+    out = str(tmp_path / "out")
+    summary = export_weights(_recording(model_weight_reader(ckpt), calls), src, out, max_shard_bytes=SHARD)
+    assert len(summary["weight_files"]) > 3
+    assert sorted(k for c in calls for k in c) == sorted(state_keys)
+    for keys in calls:
+        assert len({".".join(k.split(".")[:4]) for k in keys}) == 1 or len(keys) == 1, keys
+    a, b = HFCheckpoint(in_memory).full_dict(), HFCheckpoint(out).full_dict()
+    assert sorted(a) == sorted(b) and any("deepstack_merger_list.1" in k for k in b)
+    for k in a:
+        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+    assert not torch.equal(b["model.visual.deepstack_merger_list.1.linear_fc2.weight"],
+                           HFCheckpoint(src).full_dict()["model.visual.deepstack_merger_list.1.linear_fc2.weight"])
