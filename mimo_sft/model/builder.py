@@ -22,7 +22,7 @@ from mimo_sft.model.family import ModelInfo
 from mimo_sft.model.hf_checkpoint import HFCheckpoint, read_config_json
 from mimo_sft.model.recompute import enable_vision_recompute, language_memory_settings, require_decoder_input_grad
 from mimo_sft.model.registry import get_family
-from mimo_sft.model.vision_attention import SEGMENT_ATTENTION
+from mimo_sft.model.vision_attention import SEGMENT_ATTENTION, SegmentAttentionTower
 from mimo_sft.parallel import runtime
 from mimo_sft.parallel.layout import IMAGES, LANGUAGE
 
@@ -136,8 +136,13 @@ def _vision_spec(src: _BuildInputs, parallel_state, attention: str):
     from megatron.core.models.mimo.submodules.vision import VisionModalitySubmodules
     from megatron.core.transformer.spec_utils import ModuleSpec
 
-    enc_spec = ModuleSpec(module=src.adapter.encoder_class(),
-                          params=src.adapter.encoder_params(src.hf_cfg, attn_implementation=VISION_ATTENTION[attention]))
+    encoder_class = src.adapter.encoder_class()
+    implementation = VISION_ATTENTION[attention]
+    assert implementation != SEGMENT_ATTENTION or issubclass(encoder_class, SegmentAttentionTower), (
+        f"{encoder_class.__name__} must mix in model.vision_attention.SegmentAttentionTower to run "
+        f"{SEGMENT_ATTENTION!r} (transformers would look for a flash-attn kernel by that name)")
+    enc_spec = ModuleSpec(module=encoder_class,
+                          params=src.adapter.encoder_params(src.hf_cfg, attn_implementation=implementation))
     return ModuleSpec(module=VisionModalitySubmodules,
                       params={"pg_collection": parallel_state.modules[IMAGES].pg_collection},
                       submodules={"encoders": {src.adapter.encoder_name: enc_spec}})
