@@ -124,6 +124,7 @@ def language_rows(tcfg, args):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     from mimo_sft.model.attention import SDPAttention
+    from mimo_sft.model.segments import segments_of
     from mimo_sft.parallel.bootstrap import start_single_process
 
     state = start_single_process(prefer="cpu")
@@ -150,12 +151,13 @@ def language_rows(tcfg, args):
     torch.testing.assert_close(run_after(), run_before(), rtol=1e-5, atol=1e-5)
     calls = (sdpa_calls(run_before), sdpa_calls(run_after))
     layers = tcfg.num_hidden_layers
-    width = math.ceil(max(lengths) / 8) * 8
-    flops = sum(n * n for n in lengths), len(lengths) * width * width
+    batch = segments_of(cu)
+    flops = sum(n * n for n in lengths), sum(g.count * g.width ** 2 for g in batch.groups)
     label = f"{args.samples} samples, {total:,} tokens, {heads}/{groups} heads"
     rows = [(f"language, one packed layer ({label})", *calls),
             (f"language forward ({layers} layers)", calls[0] * layers, calls[1] * layers),
-            ("language attention score entries (sum L^2 vs segments x width^2)", f"{flops[0]:,}", f"{flops[1]:,}")]
+            ("language attention score entries (sum L^2 vs the groups' count x width^2)", f"{flops[0]:,}",
+             f"{flops[1]:,}")]
     times = [fwd_bwd_seconds(run_before, [q, k, v], args.repeats), fwd_bwd_seconds(run_after, [q, k, v], args.repeats)]
     timing = ("language core fwd+bwd CPU s (1 thread), one layer, fp32", *[f"{t:.3f}" for t in times])
     return rows, timing
@@ -169,15 +171,20 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=16, help="samples in the packed language micro-batch")
     ap.add_argument("--max-len", type=int, default=1024, help="longest packed sample (lengths uniform in [64, max])")
     ap.add_argument("--repeats", type=int, default=2, help="timed forward+backward passes (the fastest is shown)")
+    ap.add_argument("--part", choices=("all", "vision", "language"), default="all", help="which rows to measure")
     args = ap.parse_args()
 
     from mimo_sft.testing.tiny_checkpoint import preset_config
 
     torch.set_num_threads(1)  # process CPU time is the measure (fwd_bwd_seconds)
     cfg = preset_config(args.preset)
-    vision, vision_time = vision_rows(cfg.vision_config, args)
-    language, language_time = language_rows(cfg.text_config, args)
-    rows = vision + [vision_time] + language + [language_time]
+    rows = []
+    if args.part in ("all", "vision"):
+        vision, vision_time = vision_rows(cfg.vision_config, args)
+        rows += vision + [vision_time]
+    if args.part in ("all", "language"):
+        language, language_time = language_rows(cfg.text_config, args)
+        rows += language + [language_time]
     wide = max(len(r[0]) for r in rows)
     print(f"{args.preset} · SDPA calls (torch.profiler) and CPU time, before/after the one-call attention")
     print(f"| {'what':<{wide}} | {'before':>12} | {'after':>12} |")

@@ -91,8 +91,10 @@ def test_qwen25_tower_one_call_per_block_equals_transformers_per_parameter():
     kw = host_vision_kwargs(grid, ours.config, torch.device("cpu"))
     windows, images = segments_of(kw["cu_window_seqlens"]), segments_of(kw["cu_seqlens"])
     assert getattr(kw["cu_window_seqlens"], "_mimo_segments") is windows
-    assert images.count == len(GRIDS) and images.width == 120 and images.key_mask is not None
-    assert windows.width == 16 and windows.count > len(GRIDS) and windows.key_mask is not None  # edge windows
+    assert images.calls == 1 and images.count == len(GRIDS) and images.groups[0].width == 120
+    assert images.groups[0].key_mask is not None
+    assert windows.calls == 1 and windows.groups[0].width == 16 and windows.count > len(GRIDS)
+    assert windows.groups[0].key_mask is not None  # edge windows
     assert kw["max_window_seqlen"] == 16 and kw["max_seqlen"] == 120
 
 
@@ -148,10 +150,11 @@ def test_qwen3_vl_tower_gets_one_call_per_block_from_the_mixin():
 
 
 def test_segment_batch_lays_segments_out_as_padded_rows():
-    from mimo_sft.model.segments import SegmentBatch
+    from mimo_sft.model.segments import PaddedRows, SegmentBatch
 
     lengths = [3, 9, 1]
-    batch = SegmentBatch([3, 0, 9, 1], torch.device("cpu"))  # an empty segment is skipped
+    assert SegmentBatch([3, 0, 9, 1], torch.device("cpu")).count == 3  # an empty segment is skipped
+    batch = PaddedRows(lengths, torch.device("cpu"))
     assert (batch.count, batch.width, batch.total) == (3, 16, 13)
     x = torch.arange(13.0).view(13, 1, 1).expand(13, 2, 4).contiguous()
     padded = batch.scatter(x)
@@ -161,21 +164,51 @@ def test_segment_batch_lays_segments_out_as_padded_rows():
     torch.testing.assert_close(batch.gather(padded), x, rtol=0, atol=0)
 
 
+#: alike (one call), and long-tailed (one 700-token sample among short ones: several calls)
+LENGTHS = {"alike": [5, 1, 12, 3], "long_tailed": [40, 700, 3, 90, 64, 1, 300, 72]}
+
+
+@pytest.mark.parametrize("lengths", LENGTHS.values(), ids=LENGTHS.keys())
 @pytest.mark.parametrize("causal", [False, True])
-def test_segment_attention_equals_each_segment_alone(causal):
+def test_segment_attention_equals_each_segment_alone(causal, lengths):
+    """Forward and every input's gradient equal each segment attended alone, in one call or in groups."""
     import torch.nn.functional as F
 
     from mimo_sft.model.segments import SegmentBatch
 
     g = torch.Generator().manual_seed(4)
-    lengths = [5, 1, 12, 3]
-    q = torch.randn(sum(lengths), 4, 8, generator=g)
-    k, v = (torch.randn(sum(lengths), 2, 8, generator=g) for _ in range(2))  # GQA: 2 kv groups
-    out = SegmentBatch(lengths, torch.device("cpu")).attend(q, k, v, causal=causal, scale=0.3)
+    q = torch.randn(sum(lengths), 4, 8, generator=g, requires_grad=True)
+    k, v = (torch.randn(sum(lengths), 2, 8, generator=g, requires_grad=True) for _ in range(2))  # GQA: 2 kv groups
+    batch = SegmentBatch(lengths, torch.device("cpu"))
+    assert batch.calls == (1 if max(lengths) < 100 else 3)
+    out = batch.attend(q, k, v, causal=causal, scale=0.3)
+    grads = torch.autograd.grad(out.square().sum(), (q, k, v))
+    alone_out = []
     start = 0
     for n in lengths:
         sl = slice(start, start + n)
         alone = F.scaled_dot_product_attention(*(t[sl].transpose(0, 1)[None] for t in (q, k, v)), is_causal=causal,
                                                scale=0.3, enable_gqa=True)[0].transpose(0, 1)
         torch.testing.assert_close(out[sl], alone, rtol=1e-5, atol=1e-6)
+        alone_out.append(alone)
         start += n
+    for got, want in zip(grads, torch.autograd.grad(torch.cat(alone_out).square().sum(), (q, k, v))):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
+def test_long_tailed_segments_are_grouped_within_the_work_bound():
+    """Groups pad to their longest member with at most SLACK more attention work (or stay under SMALL_WORK);
+    a segment padded to the longest of a long-tailed batch would do far more."""
+    from mimo_sft.model.segments import ALIGN, SLACK, SMALL_WORK, group_segments
+
+    lengths = [8192] + [300] * 15 + [2000, 2100, 64]
+    groups = group_segments(lengths)
+    assert sorted(i for grp in groups for i in grp) == list(range(len(lengths)))
+    assert len(groups) <= 4
+    for grp in groups:
+        width = -(-max(lengths[i] for i in grp) // ALIGN) * ALIGN
+        padded, exact = len(grp) * width ** 2, sum(lengths[i] ** 2 for i in grp)
+        assert padded <= (1 + SLACK) * exact or padded <= SMALL_WORK, (grp, padded / exact)
+    one_call = len(lengths) * 8192 ** 2 / sum(n * n for n in lengths)
+    assert one_call > 10  # what a single padded call would have cost
+    assert group_segments([64] * 40 + [16] * 4) == [list(range(44))]  # windows: one call
