@@ -23,9 +23,8 @@ vision block (transformers' Qwen2.5-VL, one SDPA call over all windows: ``model.
     attention      4 heads (log-sum-exp) + 2 b h (output, its contiguous copy for proj)
     mlp            4 b ffn (gate and up outputs, SiLU output, product)
 Qwen3-VL's block (LayerNorm, plain GELU MLP): norms 2 x (b h input + 8 mean/rstd + b h output),
-mlp 2 b ffn (fc1 output, GELU output), qkv and attention as above (measured at width 1152: 42,632
-bytes per patch in bf16 on the CPU, whose LayerNorm keeps bf16 statistics; the formula's fp32
-statistics give 42,640).
+mlp 2 b ffn (fc1 output, GELU output), qkv and attention as above (measured at width 1152: 38,032
+bytes per patch in bf16, equal to the formula).
 with ``--recompute-vision`` a block keeps only its input, ``b h``.
 
 Pure arithmetic (no torch).
