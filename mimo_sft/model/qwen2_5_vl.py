@@ -91,19 +91,24 @@ class Qwen25VLAdapter(FamilyAdapter):
         return self.spec.architecture.qk_norm
 
     # ---- config ------------------------------------------------------------------------------
+    #: transformers' config class, how messages name the family, and where its config.json keeps mrope_section
+    hf_config_class = "Qwen2_5_VLConfig"
+    display_name = "Qwen2.5-VL"
+    mrope_where = "rope_parameters/rope_scaling"
+    mrope_example = '"rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]}'
+
     def load_hf_config(self, hf_dir: str, raw: dict):
-        from transformers import Qwen2_5_VLConfig
+        import transformers
 
         try:
-            cfg = Qwen2_5_VLConfig.from_pretrained(hf_dir)
+            cfg = getattr(transformers, self.hf_config_class).from_pretrained(hf_dir)
         except Exception as err:
-            raise UserError(f"{hf_dir}/config.json is not a valid Qwen2.5-VL config ({err.__class__.__name__}: "
+            raise UserError(f"{hf_dir}/config.json is not a valid {self.display_name} config ({err.__class__.__name__}: "
                             f"{str(err).splitlines()[0] if str(err) else ''}); fix or restore config.json") from None
-        t = cfg.text_config
-        rope = getattr(t, "rope_parameters", None) or {}
+        rope = getattr(cfg.text_config, "rope_parameters", None) or {}
         if not rope.get("mrope_section"):
-            raise UserError(f"{hf_dir}/config.json has no mrope_section in rope_parameters/rope_scaling; "
-                            f"Qwen2.5-VL needs it (e.g. \"rope_scaling\": {{\"type\": \"mrope\", \"mrope_section\": [16, 24, 24]}})")
+            raise UserError(f"{hf_dir}/config.json has no mrope_section in {self.mrope_where}; "
+                            f"{self.display_name} needs it (e.g. {self.mrope_example})")
         return cfg
 
     def _shape(self, hf_cfg, padded_vocab: int) -> DecoderShape:

@@ -21,7 +21,6 @@ from __future__ import annotations
 import torch
 
 from mimo_sft.config.families import QWEN3_VL
-from mimo_sft.errors import UserError
 from mimo_sft.model.qwen2_5_vl import Qwen25VLAdapter
 from mimo_sft.model.pixels import float_patches
 from mimo_sft.model.vision_attention import SegmentAttentionTower
@@ -146,19 +145,10 @@ class Qwen3VLAdapter(Qwen25VLAdapter):
     spec = QWEN3_VL
     encoder_name = "qwen_vit"
 
-    def load_hf_config(self, hf_dir: str, raw: dict):
-        from transformers import Qwen3VLConfig
-
-        try:
-            cfg = Qwen3VLConfig.from_pretrained(hf_dir)
-        except Exception as err:
-            raise UserError(f"{hf_dir}/config.json is not a valid Qwen3-VL config ({err.__class__.__name__}: "
-                            f"{str(err).splitlines()[0] if str(err) else ''}); fix or restore config.json") from None
-        rope = getattr(cfg.text_config, "rope_parameters", None) or {}
-        if not rope.get("mrope_section"):
-            raise UserError(f"{hf_dir}/config.json has no mrope_section in text_config.rope_scaling/rope_parameters; "
-                            f"Qwen3-VL needs it (e.g. \"mrope_section\": [24, 20, 20], \"mrope_interleaved\": true)")
-        return cfg
+    hf_config_class = "Qwen3VLConfig"
+    display_name = "Qwen3-VL"
+    mrope_where = "text_config.rope_scaling/rope_parameters"
+    mrope_example = '"mrope_section": [24, 20, 20], "mrope_interleaved": true'
 
     @staticmethod
     def num_deepstack(hf_cfg) -> int:
