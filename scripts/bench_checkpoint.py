@@ -28,22 +28,26 @@ one step (so Adam state exists), and saves three ways into fresh folders:
 * ``fully_reshardable`` (``--save-reshardable``; what every save wrote before): the module's
   optimizer state gathered on each DP rank while saving;
 * ``dp_reshardable`` (the default): each rank writes its own shards, no gather;
-* ``dp_reshardable, --async-save``: the same, written by a forked process while the rank trains on;
-  the save is published by the first poll after the writer is done.
+* ``dp_reshardable, --async-save``: the same, from the save's own host copy, written by a thread of
+  the training process while the rank trains on; the save is published by the first poll after
+  every rank's writer is done.
 
-A sampler thread reads this process's RSS (and the private memory, USS, of any writer process it
-forked for this save) every 20 ms. Per rank it prints the rank's own state (its parameters, gradient buffer and
+A sampler thread reads this process's RSS (and the private memory, USS, of any process started
+during the save: the forked writer of older revisions, run with ``BENCH_MIMO_TREE``) every 20 ms. Per rank it prints the rank's own state (its parameters, gradient buffer and
 optimizer shard, counted from the tensors), the peak extra RSS during the save over the RSS just
 before it, the writer's peak USS, and the time the save blocked training (for the async save: the
-call, then the whole write until publication). On the CPU the device memory is the host memory, so
-"extra device memory" is the same column. Then two training steps without a save and two while the
-async save is in flight: their median times.
+call, then the whole write until publication), and the extra RSS when the call returned (the async
+save's own copy). On the CPU the device memory is the host memory, so
+"extra device memory" is the same column. Then three training steps without a save and at least two while
+the async save is in flight: their median times, and per step the training thread's CPU time, its
+wait for a CPU and its page faults.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -130,14 +134,23 @@ def _own_state_bytes(ctx) -> int:
     return total
 
 
-def _timed_step(trainer) -> tuple[float, int, float]:
-    """One training step: (wall seconds, minor page faults of this process, its CPU seconds)."""
+def _run_queue_wait() -> float:
+    """Seconds this thread has waited, runnable, for a CPU (``/proc/thread-self/schedstat``'s second field)."""
+    with open("/proc/thread-self/schedstat") as fh:
+        return int(fh.read().split()[1]) / 1e9
+
+
+def _timed_step(trainer) -> tuple[float, int, float, float]:
+    """One training step: (wall seconds, minor page faults of the training thread, its CPU seconds, its
+    seconds waiting for a CPU) -- the thread's own (``RUSAGE_THREAD``), not the background writer's,
+    which runs in the same process."""
     import resource
 
-    r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+    r0, q0, t0 = resource.getrusage(resource.RUSAGE_THREAD), _run_queue_wait(), time.perf_counter()
     trainer.train_step()
-    r1 = resource.getrusage(resource.RUSAGE_SELF)
-    return time.perf_counter() - t0, r1.ru_minflt - r0.ru_minflt, (r1.ru_utime + r1.ru_stime) - (r0.ru_utime + r0.ru_stime)
+    r1, q1 = resource.getrusage(resource.RUSAGE_THREAD), _run_queue_wait()
+    return (time.perf_counter() - t0, r1.ru_minflt - r0.ru_minflt, (r1.ru_utime + r1.ru_stime) - (r0.ru_utime + r0.ru_stime),
+            q1 - q0)
 
 
 def worker(args: list[str], out_dir: str) -> int:
@@ -169,6 +182,7 @@ def worker(args: list[str], out_dir: str) -> int:
         save_checkpoint(os.path.join(out_dir, name.split()[0] + ("_async" if background else "")), step=trainer.step,
                         consumed_samples=trainer.consumed, ctx=ctx, pending=pending, on_published=published.append)
         blocked = time.perf_counter() - t0
+        staged = mem.proc.memory_info().rss - mem.base  # the save's own copies, before any step runs
         during = []
         if background:
             while not published or len(during) < 2:
@@ -177,7 +191,7 @@ def worker(args: list[str], out_dir: str) -> int:
             pending.wait()
         total = time.perf_counter() - t0
         extra, child = mem.stop()
-        rows.append((name, extra, child, blocked, total, during))
+        rows.append((name, extra, staged, child, blocked, total, during))
     normal = [_timed_step(trainer) for _ in range(3)]
     own = _own_state_bytes(ctx)
     gathered = [None] * dist.get_world_size()
@@ -313,27 +327,30 @@ def export_suite(a, py, env, work, model, data) -> None:
 
 def _print_table(gathered) -> None:
     mb = 2 ** 20
-    print("| save | rank | rank's own state MB | peak extra RSS MB | writer peak USS MB | blocked s | until published s |")
-    print("|---|---|---|---|---|---|---|")
+    print("| save | rank | rank's own state MB | peak extra RSS MB | extra RSS when the call returned MB "
+          "| writer peak USS MB | blocked s | until published s |")
+    print("|---|---|---|---|---|---|---|---|")
     for rank, own, rows, _normal in sorted(gathered):
-        for name, extra, child, blocked, total, _during in rows:
-            print(f"| {name} | {rank} | {own / mb:.0f} | {extra / mb:.0f} | {child / mb:.0f} | {blocked:.2f} | {total:.2f} |")
+        for name, extra, staged, child, blocked, total, _during in rows:
+            print(f"| {name} | {rank} | {own / mb:.0f} | {extra / mb:.0f} | {staged / mb:.0f} | {child / mb:.0f} "
+                  f"| {blocked:.2f} | {total:.2f} |")
     print()
     print("| rank | training step s, no save (median) | training step s, async save in flight (median) | ratio |")
     print("|---|---|---|---|")
     for rank, _own, rows, normal in sorted(gathered):
         during = rows[-1][-1]
-        a = statistics.median(t for t, _, _ in normal)
-        b = statistics.median(t for t, _, _ in during) if during else float("nan")
+        a = statistics.median(t for t, *_ in normal)
+        b = statistics.median(t for t, *_ in during) if during else float("nan")
         print(f"| {rank} | {a:.2f} | {b:.2f} ({len(during)} steps) | {b / a:.2f} |")
     print()
-    print("| rank | step | async save in flight | wall s | CPU s of the training process | minor page faults |")
-    print("|---|---|---|---|---|---|")
+    print("| rank | step | async save in flight | wall s | CPU s of the training thread | its wait for a CPU s "
+          "| its minor page faults |")
+    print("|---|---|---|---|---|---|---|")
     for rank, _own, rows, normal in sorted(gathered):
-        for i, (t, faults, cpu) in enumerate(rows[-1][-1]):
-            print(f"| {rank} | {i + 1} after the save started | yes | {t:.2f} | {cpu:.2f} | {faults:,} |")
-        for i, (t, faults, cpu) in enumerate(normal):
-            print(f"| {rank} | {i + 1} after it was published | no | {t:.2f} | {cpu:.2f} | {faults:,} |")
+        for i, (t, faults, cpu, queued) in enumerate(rows[-1][-1]):
+            print(f"| {rank} | {i + 1} after the save started | yes | {t:.2f} | {cpu:.2f} | {queued:.2f} | {faults:,} |")
+        for i, (t, faults, cpu, queued) in enumerate(normal):
+            print(f"| {rank} | {i + 1} after it was published | no | {t:.2f} | {cpu:.2f} | {queued:.2f} | {faults:,} |")
 
 
 def main() -> int:
@@ -381,6 +398,8 @@ def main() -> int:
                  os.path.join(work, "saves"), *args], cwd=ROOT, env=env, log=log)
     text = open(log).read()
     print(text[text.index("| save |"):] if "| save |" in text else text[-3000:])
+    for written in ("saves", "run"):  # gigabytes of checkpoints per run; the model and the log stay
+        shutil.rmtree(os.path.join(work, written), ignore_errors=True)
     print(f"(model: {model}; log: {log})")
     return 0
 

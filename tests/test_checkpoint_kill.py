@@ -24,7 +24,7 @@ def _args(out, iters, components=("language=dp=1", "images=dp=1")):
 @pytest.fixture(scope="module")
 def never_killed():
     out = new_dir("kill_reference")
-    torchrun(1, _args(out, 5))
+    torchrun(1, _args(out, 6))
     return {m["step"]: m["loss"] for m in metrics(out)}
 
 
@@ -52,18 +52,20 @@ def test_async_save_killed_resumes_exactly(point, never_killed):
     """--async-save: the step-4 save is written in the background during step 5 and published by a
     later poll; killed before its meta.json the step-2 checkpoint stays latest, killed after its
     publication it is latest -- either way the resumed run continues exactly (the background write
-    saw the state of step 4 although step 5 updated the weights meanwhile)."""
+    saw the state of step 4 although step 5 updated the weights and Adam moments meanwhile: the
+    writer is held until step 5 is done, so bytes read from the live tensors instead of the save's
+    own copies would be step 5's, and step 6's loss, which follows from step 4's moments, would differ)."""
     out = new_dir(f"kill_async_{point}")
-    proc = torchrun(1, _args(out, 5) + ["--async-save"], check=False,
-                    extra_env={"MIMO_SFT_TEST_KILL_AT": f"{point}:4"})
+    proc = torchrun(1, _args(out, 6) + ["--async-save"], check=False,
+                    extra_env={"MIMO_SFT_TEST_KILL_AT": f"{point}:4", "MIMO_SFT_TEST_HOLD_WRITER": "1"})
     assert proc.returncode != 0, "the save of step 4 should have been killed"
     assert "saved checkpoint" in proc.stdout and "iter_0000002" in proc.stdout
     resumed_from = 4 if point == "after_latest" else 2
     assert resolve_checkpoint(out + "/checkpoints").endswith(f"iter_{resumed_from:07d}")
     again = new_dir(f"kill_async_{point}_resumed")
-    torchrun(1, _args(again, 5) + ["--async-save", "--load-checkpoint", out + "/checkpoints"])
+    torchrun(1, _args(again, 6) + ["--async-save", "--load-checkpoint", out + "/checkpoints"])
     got = {m["step"]: m["loss"] for m in metrics(again)}
-    assert sorted(got) == list(range(resumed_from + 1, 6))
+    assert sorted(got) == list(range(resumed_from + 1, 7))
     for step, loss in got.items():
         assert loss == never_killed[step], (point, step)
 

@@ -36,9 +36,14 @@ def test_exit_interval_and_duration_stop_with_a_checkpoint_and_resume_exactly():
     ref = new_dir("stop_reference")
     torchrun(1, _args(ref, 6))
     run = new_dir("stop_run")
-    first = torchrun(1, _args(run, 6) + ["--exit-interval", "3"])
+    # with a background save of step 2 still being written when the stop comes (its writer held until the
+    # poll after step 3): it is published, then the stop's own save, before the run exits
+    first = torchrun(1, _args(run, 6) + ["--exit-interval", "3", "--async-save", "--save-interval", "2"],
+                     extra_env={"MIMO_SFT_TEST_HOLD_WRITER": "1"})
     assert "stopped after step 3 of 6 (--exit-interval)" in first.stdout and "--load-checkpoint" in first.stdout
+    assert first.stdout.index("iter_0000002") < first.stdout.index("iter_0000003")
     assert resolve_checkpoint(run + "/checkpoints").endswith("iter_0000003")
+    assert [s for s, _v, _n in complete_checkpoints(run + "/checkpoints")] == [2, 3]
     # a budget too small for another step: stops after the step it is in
     second = torchrun(1, _args(run, 6) + ["--load-checkpoint", run + "/checkpoints", "--exit-duration-in-mins", "1e-4"])
     assert "stopped after step 4 of 6 (--exit-duration-in-mins)" in second.stdout

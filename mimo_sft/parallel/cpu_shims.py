@@ -56,7 +56,6 @@ _CUDA_LITERAL_MODULES = {
     "megatron.core.utils": "global memory buffer and utils",
     # FileSystemWriterAsync.preload_tensors: torch.cuda.synchronize() after the host copy
     "megatron.core.dist_checkpointing.strategies.filesystem_async": "checkpoint save preload",
-    # TemporalAsyncCaller.schedule_async_call: torch.cuda.synchronize() before forking the writer;
     # AsyncCallsQueue / sync_all_async_calls: device=torch.cuda.current_device() (--async-save)
     "megatron.core.dist_checkpointing.strategies.async_utils": "async checkpoint writer",
     # CudaRNGStatesTracker.add / model_parallel_cuda_manual_seed: torch.cuda.get_rng_state() and

@@ -16,7 +16,7 @@ Layout of ``SAVE_DIR`` (folder rules, fsync order and pruning: :mod:`checkpoint_
     iter_0000030.tmp/      a save in progress: never read, removed by the next save of that step
 
 Every rank writes (and fsyncs) its own shards into ``iter_N.tmp``, in parallel (megatron's fully
-parallel save; ``--async-save``: in a forked writer while training goes on, :mod:`checkpoint_write`);
+parallel save; ``--async-save``: from host copies, on a writer thread while training goes on, :mod:`checkpoint_write`);
 once every rank's writes are done rank 0 writes ``meta.json`` and publishes the folder: fsync,
 rename, ``latest`` replaced atomically, and only then older copies removed
 (:func:`checkpoint_files.publish`). A partial ``.tmp`` folder is never
@@ -100,7 +100,7 @@ def save_checkpoint(root: str, *, step: int, consumed_samples: int, ctx, extra_m
         if on_published is not None:
             on_published(box[0])
 
-    request = one_request(parts, publish_when_written, step=step)
+    request = one_request(parts, publish_when_written, step=step, background=pending is not None)
     if pending is None:
         run_now(request, tmp=tmp, root=root, step=step)
         return box[0]

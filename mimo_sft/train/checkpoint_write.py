@@ -9,12 +9,20 @@ anything but metadata.
 
 One save is one megatron ``AsyncRequest`` (its parts' writes in one function, their finalizations
 in order, then ours: the caller's ``publish``). Synchronous: run at once. ``--async-save``: the
-writes run in a forked process (megatron's ``TemporalAsyncCaller``; on a GPU the tensors are first
-copied to host memory, on the CPU the fork's copy-on-write pages are the snapshot), training goes
-on, and :meth:`PendingSaves.poll` -- called by every rank once a step -- finalizes the save when
-every rank's writer is done: megatron's metadata, then ``publish`` (``meta.json``, rename,
-``latest``). A run that ends waits for its pending save (:meth:`PendingSaves.wait`); a run killed
-before that leaves the previous checkpoint ``latest``.
+tensors this rank writes are first copied into host memory the training process never writes
+(:func:`stage`: a device-to-host copy on a GPU, a host copy on the CPU; the copy is the save's only
+extra memory, at most the rank's own state), then megatron's writer runs on a background thread of
+the training process (:class:`_WriterThread`, at the lowest CPU priority) while training goes on,
+and :meth:`PendingSaves.poll` -- called by every rank once a step -- finalizes the save when every
+rank's writer is done: megatron's metadata, then ``publish`` (``meta.json``, rename, ``latest``). A
+run that ends waits for its pending save (:meth:`PendingSaves.wait`); a run killed before that
+leaves the previous checkpoint ``latest`` (the writer dies with its process).
+
+Why a thread and not megatron's forked writer: a fork shares the training process's pages
+copy-on-write, so every page the next steps write (weights, Adam moments, the allocator's reused
+heap) is copied in the fault handler while the writer lives -- measured on the CPU at 2.5x the step
+time (``docs/benchmarks.md``). The writer's work is file I/O, torch's serialiser and fsync, which
+run without the GIL for their bulk.
 
 A write that fails on any rank (a full disk, say) fails the save on every rank with one line
 (:class:`SaveFailed`, a ``UserError``), the unfinished ``.tmp`` folder removed and ``latest``
@@ -26,10 +34,15 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import sys
+import threading
 
 from mimo_sft.errors import UserError
 from mimo_sft.train.checkpoint_files import latest_name
 
+#: test hook: a background writer starts writing only after the next poll (the training step after the
+#: save has updated every weight and moment), so a test sees whether the snapshot is the saved step's
+HOLD_WRITER_ENV = "MIMO_SFT_TEST_HOLD_WRITER"
 #: test hook: ``STEP`` (or ``STEP:RANK``) makes that step's save fail on that rank (every rank
 #: without one) as a full disk would: a part file is started, then the write reports ENOSPC
 ENOSPC_AT_ENV = "MIMO_SFT_TEST_ENOSPC_AT"
@@ -50,11 +63,12 @@ def part_request(sharded_state_dict: dict, folder: str):
                                    async_strategy="mcore")
 
 
-def one_request(parts: list, publish, *, step: int):
+def one_request(parts: list, publish, *, step: int, background: bool = False):
     """The parts' writes as one request whose last finalization is ``publish`` (collective).
 
-    The parts' tensors are staged for writing here, in this process (megatron's preload: a device
-    to host copy on a GPU, the tensors themselves on the CPU)."""
+    The parts' tensors are staged for writing here, on the training thread: for a synchronous save
+    megatron's preload (a device to host copy on a GPU, the tensors themselves on the CPU), for a
+    ``background`` one :func:`stage` (host copies the training steps meanwhile never touch)."""
     from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
 
     writes = []
@@ -62,27 +76,70 @@ def one_request(parts: list, publish, *, step: int):
         if part.async_fn is None:  # nothing of this part is this rank's to write
             continue
         args = list(part.async_fn_args)
-        if part.preload_fn is not None:
+        if background:
+            args[1] = stage(args[1])
+        elif part.preload_fn is not None:
             args[1] = part.preload_fn()
         writes.append((part.async_fn, args, dict(part.async_fn_kwargs)))
     finalize = [fn for part in parts for fn in part.finalize_fns] + [publish]
-    return AsyncRequest(_write_parts if writes else None, (writes, step, os.getpid()), finalize)
+    return AsyncRequest(_write_parts if writes else None, (writes, step), finalize)
+
+
+def stage(write_buckets: list) -> list:
+    """Every tensor of megatron's write buckets replaced, in place, by a copy of its own in host memory
+    the training steps never touch: one anonymous mapping for the whole save, each tensor a slice of it
+    with a storage of its own (torch saves a tensor's whole storage, so a view would write the rest).
+
+    The same copy serves a device tensor (to host) and a host tensor (on the CPU the planned tensors are
+    the live parameters and Adam moments the next step updates). One mapping, not an allocation per
+    tensor: the copies stay out of the training process's heap, whose free memory the next steps
+    reuse, and the mapping is returned to the system as a whole once the writes are done. In place, so
+    each planned tensor megatron cloned itself (views of the flat buffers) is freed once copied: the
+    peak is the bytes this rank writes plus one tensor."""
+    import mmap
+
+    import torch
+
+    align = 64
+    sizes = [-(-t.numel() * t.element_size() // align) * align for _p, _k, (_b, ts) in write_buckets for _i, t in ts]
+    if not sizes:
+        return write_buckets
+    arena = mmap.mmap(-1, max(sum(sizes), align))
+    offset = 0
+    for _path, _key, (_bytes, tensors) in write_buckets:
+        for i, (item, tensor) in enumerate(tensors):
+            nbytes = tensor.numel() * tensor.element_size()
+            raw = torch.frombuffer(arena, dtype=torch.uint8, count=nbytes, offset=offset) if nbytes else torch.empty(0, dtype=torch.uint8)
+            copy = raw.view(tensor.dtype).view(tensor.shape)
+            copy.copy_(tensor.detach())
+            tensors[i] = (item, copy)
+            offset += -(-nbytes // align) * align
+    return write_buckets
 
 
 #: niceness of a background writer: training keeps the CPU it needs, the writer takes what is left
 WRITER_NICENESS = 19
+_hold = threading.Event()  # HOLD_WRITER_ENV: set by the poll after a save started
 
 
-def _write_parts(writes: list, step: int, trainer_pid: int) -> None:
-    """Every part's write on this rank (in the forked writer with ``--async-save``: at a lower CPU
-    priority than the training process it was forked from)."""
-    if os.getpid() != trainer_pid:
-        os.nice(WRITER_NICENESS)
+def _write_parts(writes: list, step: int) -> None:
+    """Every part's write on this rank (with ``--async-save``: on the writer thread, at a lower CPU
+    priority than the training thread; megatron's own write threads, started from it, inherit it)."""
+    if threading.current_thread() is not threading.main_thread():
+        _lower_priority()
+        if os.environ.get(HOLD_WRITER_ENV):
+            _hold.wait()
     for fn, args, kwargs in writes:
         if _enospc_injected(step):
             _fail_like_a_full_disk(args)
             continue
         fn(*args, **kwargs)
+
+
+def _lower_priority() -> None:
+    """This thread's niceness (Linux: per thread; elsewhere it would be the whole process's: left)."""
+    if sys.platform.startswith("linux"):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICENESS)
 
 
 def _enospc_injected(step: int) -> bool:
@@ -111,13 +168,49 @@ def run_now(request, *, tmp: str, root: str, step: int) -> None:
         request.execute_sync()
 
 
+class _WriterThread:
+    """megatron's ``AsyncCaller`` contract (schedule, collective done-check, close) over a thread of
+    the training process instead of a forked process (why: the module docstring)."""
+
+    def __init__(self):
+        self.thread: threading.Thread | None = None
+
+    def schedule_async_call(self, request) -> None:
+        if request.async_fn is None:
+            return
+        self.thread = threading.Thread(target=request.async_fn, args=request.async_fn_args,
+                                       kwargs=request.async_fn_kwargs, name="mimo-sft-checkpoint-writer", daemon=True)
+        self.thread.start()
+
+    def is_current_async_call_done(self, blocking: bool = False, no_dist: bool = False) -> bool:
+        """Whether every rank's writer is done (one small all-reduce; ``blocking``: after joining ours)."""
+        from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCaller
+
+        if blocking:
+            self.close()
+        alive = int(self.thread is not None and self.thread.is_alive())
+        done = not alive if no_dist else bool(AsyncCaller.sync_all_async_calls(self, alive))
+        if done:
+            self.close()
+        return done
+
+    def close(self, abort: bool = False) -> None:
+        if self.thread is not None and not abort:
+            self.thread.join()
+        self.thread = None
+
+
 class PendingSaves:
     """The run's background saves (``--async-save``): at most one in flight."""
 
     def __init__(self):
         from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
-        self._queue = AsyncCallsQueue(persistent=False)
+        class _Queue(AsyncCallsQueue):  # megatron's queue and finalization order, our writer thread
+            def _get_async_caller(self):
+                return _WriterThread()
+
+        self._queue = _Queue(persistent=False)
         self._current: dict | None = None
 
     @property
@@ -127,16 +220,19 @@ class PendingSaves:
     def start(self, request, *, tmp: str, root: str, step: int) -> None:
         """Start ``request``'s writes in the background (every rank); a previous save is finished first."""
         self.wait()
+        _hold.clear()
         self._queue.schedule_async_request(request)
         self._current = {"tmp": tmp, "root": root, "step": step}
 
     def poll(self) -> None:
         """Publish the pending save if every rank's writer is done. Collective (one small all-reduce)
         while a save is pending; free otherwise (every rank has the same saves pending)."""
+        _hold.set()
         self._finalize(blocking=False)
 
     def wait(self) -> None:
         """Finish and publish the pending save (every rank): before the next save and before the run ends."""
+        _hold.set()
         self._finalize(blocking=True)
 
     def _finalize(self, *, blocking: bool) -> None:
