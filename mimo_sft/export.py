@@ -5,7 +5,9 @@ model once in this process at TP=1 with both modules on the meta device (names a
 reads its weights one decoder layer / vision block at a time (megatron reshards whatever layout the
 run used) and converts each group back to Hugging Face names and layouts into shards planned as
 transformers plans them (``model.export.export_weights``: host memory of about one layer plus one
-shard, no GPU). A LoRA checkpoint is merged on a whole host-memory model (``model.lora_export``).
+shard, no GPU). A LoRA checkpoint is exported the same way, each group's base weights read from the
+source folder and its adapters merged in (``model.lora_export.merged_weight_reader``); only
+``--adapter-only`` builds the model whole in host memory.
 ``finetune --export-hf`` calls the same function in rank 0's process once training has ended.
 
 Why this module sits at the top of the package, beside ``cli.py``: it joins two layers that must not
@@ -42,7 +44,8 @@ def export_checkpoint(checkpoint: str, out_dir: str, *, hf_model: str | None = N
     except ValueError as err:
         raise UserError(str(err)) from None
     from mimo_sft.model.export import EXPORT_DTYPES, export_weights
-    from mimo_sft.train.checkpoint import load_model_weights, model_weight_reader, read_meta, resolve_checkpoint
+    from mimo_sft.train.checkpoint import (load_model_weights, model_weight_reader, read_meta, resolve_checkpoint,
+                                           stored_state_keys)
 
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise UserError(f"--out {out_dir} is a file; choose a folder to write the Hugging Face checkpoint into")
@@ -57,13 +60,16 @@ def export_checkpoint(checkpoint: str, out_dir: str, *, hf_model: str | None = N
     if dtype not in EXPORT_DTYPES:
         raise UserError(f"--dtype {dtype}: choose one of {', '.join(EXPORT_DTYPES)}")
     torch_dtype = EXPORT_DTYPES[dtype][0]
+    read = model_weight_reader(ckpt)
     if meta.get("lora"):
-        from mimo_sft.model.lora_export import export_lora
+        from mimo_sft.model.lora_export import export_peft, merged_weight_reader
 
-        export_lora(lambda model: load_model_weights(model, ckpt), src, out_dir, meta["lora"], adapter_only=adapter_only,
-                    dtype=torch_dtype, max_shard_bytes=max_shard)
-        return out_dir
-    if adapter_only:
+        if adapter_only:
+            export_peft(lambda model: load_model_weights(model, ckpt), src, out_dir, meta["lora"])
+            return out_dir
+        read = merged_weight_reader(read, stored_state_keys(ckpt), src, meta["lora"])
+    elif adapter_only:
         raise UserError(f"--adapter-only: {ckpt} is a full fine-tuning checkpoint (no LoRA adapters); export it without --adapter-only")
-    export_weights(model_weight_reader(ckpt), src, out_dir, dtype=torch_dtype, max_shard_bytes=max_shard)
+    export_weights(read, src, out_dir, dtype=torch_dtype, max_shard_bytes=max_shard)
     return out_dir
+

@@ -4,7 +4,11 @@ Hugging Face weights.
 
     .venv/bin/python scripts/bench_checkpoint.py [--text-hidden 1024] [--text-layers 12] [--nproc 2]
     .venv/bin/python scripts/bench_checkpoint.py --suite load
-    .venv/bin/python scripts/bench_checkpoint.py --suite export [--before GIT_REV]
+    .venv/bin/python scripts/bench_checkpoint.py --suite export [--before GIT_REV] [--lora]
+    .venv/bin/python scripts/bench_checkpoint.py --suite gil
+
+``--suite gil``: whether the async save's writer thread slows a Python-bound loop (the GIL; in this
+process, no model): :func:`gil_suite`.
 
 ``--suite load``: 2 colocated ranks, language tp 2 + images dp 2, the same model with its
 safetensors weights. Each rank's peak extra RSS while its language weights are copied into the built
@@ -17,7 +21,9 @@ stage read first (before; the same reader, its groups merged into one dict).
 shards, and bf16 in 50MB shards) in a fresh process per row, sampled as above (peak extra RSS over the process's RSS before
 the export, its anonymous part, and the time). ``--before GIT_REV`` (default ``9b562d4``, main before
 the streamed export) runs the same call on that revision's code (a ``git archive`` copy): the export
-that built the whole model in host memory.
+that built the whole model in host memory. ``--lora``: the step is a LoRA run's (``--lora-rank 8``:
+language adapters, the vision tower training) and the export merges it; before ``b8ace25`` that merge
+built the whole model in host memory.
 
 Writes a Qwen2.5-VL whose language model is real-width (``make_tiny_qwen_vl.py --text-hidden 1024
 --text-layers 12 --intermediate 4096``: about 0.19B language parameters; the vision tower stays
@@ -304,7 +310,8 @@ def export_worker(ckpt: str, out: str, label: str, dtype: str, shard_size: str =
 def export_suite(a, py, env, work, model, data) -> None:
     args = ["--hf-model", model, "--dataset-path", data, "--seq-length", str(a.seq_length), "--micro-batch-size", "1",
             "--global-batch-size", "1", "--train-iters", "1", "--no-tensorboard", "--component", "language=dp=1",
-            "--component", "images=dp=1", "--output-dir", os.path.join(work, "run")]
+            "--component", "images=dp=1", "--output-dir", os.path.join(work, "run"),
+            *(["--lora-rank", "8"] if a.lora else [])]
     torchrun = os.path.join(os.path.dirname(py), "torchrun")
     run_session([torchrun, "--nproc-per-node", "1", "-m", "mimo_sft", "finetune", *args], cwd=ROOT, env=env,
                 log=os.path.join(work, "finetune.log"))
@@ -312,10 +319,12 @@ def export_suite(a, py, env, work, model, data) -> None:
     before = _archive(a.before, work)
     print("| export | dtype | safetensors files | peak extra RSS MB | of it anonymous (RssAnon) MB | s |")
     print("|---|---|---|---|---|---|")
-    rows = [(f"whole model in host memory (before, {a.before})", before, "fp32", "-"),
-            (f"whole model in host memory (before, {a.before})", before, "bf16", "-"),
-            ("streamed, 200MB shards", ROOT, "fp32", "200MB"), ("streamed, 200MB shards", ROOT, "bf16", "200MB"),
-            ("streamed, 50MB shards", ROOT, "bf16", "50MB")]
+    what = "LoRA merged, " if a.lora else ""
+    old_shards = "200MB" if a.lora else "-"  # the LoRA 'before' (b8ace25) already wrote shards
+    rows = [(f"{what}whole model in host memory (before, {a.before})", before, "fp32", old_shards),
+            (f"{what}whole model in host memory (before, {a.before})", before, "bf16", old_shards),
+            (f"{what}streamed, 200MB shards", ROOT, "fp32", "200MB"), (f"{what}streamed, 200MB shards", ROOT, "bf16", "200MB"),
+            (f"{what}streamed, 50MB shards", ROOT, "bf16", "50MB")]
     for i, (label, tree, dtype, shard) in enumerate(rows):
         out = os.path.join(work, f"hf_{i}")
         code = EXPORT_WORKER.format(tree=tree, scripts=os.path.join(ROOT, "scripts"), ckpt=ckpt, out=out, label=label,
@@ -323,6 +332,50 @@ def export_suite(a, py, env, work, model, data) -> None:
         log = os.path.join(work, f"export_{i}.log")
         run_session([py, "-c", code], cwd=work, env=env, log=log)
         print("\n".join(ln for ln in open(log).read().splitlines() if ln.startswith(f"| {label} |")), flush=True)
+
+
+def gil_suite(tensor_mb: int = 256, files: int = 4) -> int:
+    """Whether the background writer thread takes the GIL from a Python-bound training loop (a GPU
+    step is launch-bound: the Python thread issuing kernels is the step). A loop of small tensor ops
+    on the main thread, timed in chunks of 500, alone and while a thread at the writer's niceness writes
+    ``files`` tensors of ``tensor_mb`` MB the way megatron's writer does (``torch.save`` into the open
+    file, then ``fsync``)."""
+    import torch
+
+    from mimo_sft.train.checkpoint_write import _lower_priority
+
+    torch.set_num_threads(1)
+    big = torch.randn(tensor_mb * 2 ** 20 // 4)
+    folder = tempfile.mkdtemp(prefix="bench_checkpoint_gil_")
+
+    def chunk() -> float:
+        x, t0 = torch.randn(64, 64), time.perf_counter()
+        for _ in range(500):
+            x = (x @ x).tanh()
+        return time.perf_counter() - t0
+
+    def writer() -> None:
+        _lower_priority()
+        for i in range(files):
+            with open(os.path.join(folder, f"{i}.pt"), "wb") as fh:
+                torch.save(big, fh)
+                os.fsync(fh.fileno())
+
+    alone = [chunk() for _ in range(20)]
+    thread = threading.Thread(target=writer)
+    t0 = time.perf_counter()
+    thread.start()
+    during = []
+    while thread.is_alive():
+        during.append(chunk())
+    wrote = time.perf_counter() - t0
+    shutil.rmtree(folder, ignore_errors=True)
+    a, b = statistics.median(alone), statistics.median(during)
+    print("| loop of 500 small ops | chunks | median s | ratio |")
+    print("|---|---|---|---|")
+    print(f"| alone | {len(alone)} | {a:.4f} | 1.00 |")
+    print(f"| while a writer thread saves {files} x {tensor_mb} MB ({wrote:.1f} s) | {len(during)} | {b:.4f} | {b / a:.2f} |")
+    return 0
 
 
 def _print_table(gathered) -> None:
@@ -359,8 +412,10 @@ def main() -> int:
     p.add_argument("--text-layers", type=int, default=12)
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--seq-length", type=int, default=128)
-    p.add_argument("--suite", choices=("save", "load", "export"), default="save")
+    p.add_argument("--suite", choices=("save", "load", "export", "gil"), default="save")
     p.add_argument("--async-only", action="store_true", help="--suite save: only the --async-save row and the step times")
+    p.add_argument("--lora", action="store_true", help="--suite export: a LoRA run (--lora-rank 8, the vision tower "
+                   "training), exported merged; measure 'before' with --before b8ace25 (the whole-model merge)")
     p.add_argument("--before", default="9b562d4", help="--suite export/load: the git revision measured as 'before'")
     p.add_argument("--worker", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     p.add_argument("--load-worker", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
@@ -371,6 +426,8 @@ def main() -> int:
     if a.load_worker is not None:
         mode, *args = a.load_worker
         return load_worker(args, mode)
+    if a.suite == "gil":
+        return gil_suite()
     py, env = sys.executable, bench_env()
     if a.async_only:
         env["BENCH_ASYNC_ONLY"] = "1"

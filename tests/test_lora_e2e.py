@@ -7,11 +7,13 @@ the vision tower and projector are frozen and the adapters are all that trains. 
 step 1 gives A no gradient: steps 1 and 2 are compared (step 2's A gradients are non-zero).
 """
 
+import functools
 import json
 import math
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -24,6 +26,36 @@ TARGETS = "linear_qkv,linear_proj,linear_fc1,linear_fc2,vision_attn,vision_mlp,m
 BASE = ["--seq-length", "192", "--micro-batch-size", "4", "--global-batch-size", "8", "--lr", "1e-2",
         "--lr-warmup-iters", "0", "--lr-decay-style", "constant", "--no-tensorboard", "--dataloader-type", "cyclic",
         "--seed", "7", "--no-in-batch-packing", "--lora-rank", "4", "--lora-alpha", "8", "--lora-target-modules", TARGETS]
+
+
+#: the merged export as it was before it streamed: the whole LoRA model built in host memory with the
+#: source's weights, the checkpoint loaded into it, every adapter folded in (``merge_lora``), then written
+IN_MEMORY_MERGE = """
+import sys
+from mimo_sft.model.export import EXPORT_DTYPES, export_model
+from mimo_sft.model.lora import merge_lora
+from mimo_sft.model.lora_export import build_lora_model
+from mimo_sft.train.checkpoint import load_model_weights, read_meta, resolve_checkpoint
+ck = resolve_checkpoint(sys.argv[1])
+meta = read_meta(ck)
+model, _info, _spec = build_lora_model(meta["hf_model"], meta["lora"])
+load_model_weights(model, ck)
+merge_lora(model)
+export_model(model, meta["hf_model"], sys.argv[2], dtype=EXPORT_DTYPES[meta.get("dtype", "fp32")][0])
+"""
+
+
+def assert_export_equals_in_memory_merge(checkpoint, export_dir):
+    """The streamed merged export (one group at a time, base weights from the source folder) is bit for
+    bit the whole-model merge."""
+    from safetensors.torch import load_file
+
+    ref = new_dir("lora_in_memory_merge")
+    subprocess.run([sys.executable, "-c", IN_MEMORY_MERGE, checkpoint, ref], check=True, capture_output=True)
+    x, y = load_file(export_dir + "/model.safetensors"), load_file(ref + "/model.safetensors")
+    assert set(x) == set(y) and all(x[k].dtype == y[k].dtype and torch.equal(x[k], y[k]) for k in x), \
+        [k for k in x if k not in y or not torch.equal(x[k], y[k])][:5]
+    return x
 
 
 def run(name, nproc, components, extra=(), iters=2):
@@ -114,6 +146,38 @@ def test_checkpoint_holds_adapters_and_resume_is_bit_exact(reference):
                    check=True, capture_output=True)
     x, y = load_file(export_dir + "/model.safetensors"), load_file(cli + "/model.safetensors")
     assert set(x) == set(y) and all(torch.equal(x[k], y[k]) for k in x)
+    assert_export_equals_in_memory_merge(resumed + "/checkpoints", cli)
+
+
+@functools.lru_cache(maxsize=None)
+def _tiny_qwen3_vl() -> str:
+    from mimo_sft.testing.tiny_checkpoint import write_tiny_checkpoint
+
+    return str(write_tiny_checkpoint(Path(new_dir("lora_tiny_qwen3_vl")) / "m", seed=0, family="qwen3_vl", text_layers=2))
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+def test_merged_export_of_the_default_recipe_streams_onto_the_base_weights(family):
+    """Language adapters with the vision tower and projector training (the default with LoRA): the
+    checkpoint holds the adapters and the whole tower; the merged export reads each group's base weights
+    from the source folder (each family's decoder layers, Qwen3-VL's DeepStack mergers), the trained
+    tower from the checkpoint, folds the adapters in, and equals the whole-model merge bit for bit --
+    in bf16, the run's dtype, so every merged weight is rounded once."""
+    from safetensors.torch import load_file
+
+    src = tiny_model() if family == "qwen2_5_vl" else _tiny_qwen3_vl()
+    out = new_dir(f"lora_default_recipe_{family}")
+    flags = [*BASE[:-2], "--component", "language=dp=1", "--component", "images=dp=1", "--hf-model", src,
+             "--dataset-path", demo_data(), "--output-dir", out, "--train-iters", "1", "--dtype", "bf16",
+             "--export-hf", out + "/hf"]
+    torchrun(1, flags)
+    tensors = checkpoint_tensors(out + "/checkpoints/iter_0000001")
+    assert any(k.startswith("modality_submodules.images") and ".lora_" not in k for k in tensors)
+    merged = assert_export_equals_in_memory_merge(out + "/checkpoints", out + "/hf")
+    base = load_file(os.path.join(src, "model.safetensors"))
+    changed = {k for k in merged if not torch.equal(merged[k], base[k].to(merged[k].dtype))}
+    assert any(".visual." in k or k.startswith("visual.") for k in changed), "the trained tower is exported"
+    assert any("q_proj" in k for k in changed) and all(merged[k].dtype == torch.bfloat16 for k in merged)
 
 
 def test_default_targets_with_a_frozen_tower_resume_and_export_adapters():

@@ -1,12 +1,14 @@
 """Export a LoRA run: merged into a Hugging Face folder, or as a PEFT adapter folder.
 
-Both start from the same single-process TP-1 model: the base weights read from the source HF
-folder, LoRA applied with the checkpoint's settings, and the checkpoint's tensors loaded on top by
-the caller (``mimo_sft.export`` joins this with ``train.checkpoint``; model/ never imports train/).
-
-* merged: ``model.lora.merge_lora`` folds ``scaling * B A`` into each weight, then the ordinary
-  HF writer (``model.export.export_model``) runs: the folder loads in transformers as any export.
-* ``--adapter-only``: ``adapter_config.json`` + ``adapter_model.safetensors`` in PEFT's format for
+* merged (:func:`merged_weight_reader`): streamed as a full run's export is
+  (``model.export.export_weights``), one group at a time -- a decoder layer, a vision block: its base
+  weights read from the source HF folder, the checkpoint's tensors (what trained) on top, each adapter
+  folded in as ``model.lora.merge_lora`` folds it (``W + scaling * B A`` in fp32). Host memory: one
+  group and one shard, never the model; bit for bit the whole-model merge (tests/test_lora_e2e.py).
+* ``--adapter-only`` (:func:`export_peft`): the single-process TP-1 model built from the source's
+  weights, LoRA applied with the checkpoint's settings, the checkpoint loaded on top by the caller
+  (``mimo_sft.export`` joins this with ``train.checkpoint``; model/ never imports train/), then
+  ``adapter_config.json`` + ``adapter_model.safetensors`` in PEFT's format for
   the family's transformers model (``Qwen2_5_VLForConditionalGeneration``, ``Qwen3VLForConditionalGeneration``). megatron fuses layers that HF keeps apart, and one fused
   LoRA is exactly several PEFT LoRAs that share A: ``linear_qkv`` -> ``q_proj``/``k_proj``/``v_proj``
   (B's rows split per query group as the weight's are, ``decoder_weights.split_qkv``),
@@ -38,19 +40,25 @@ LANGUAGE_PATH = "model.language_model.layers.{i}."
 VISION_PATH = "model.visual."
 
 
+def base_weights(src_hf_dir: str):
+    """The source folder's weights (``HFCheckpoint``), which a LoRA checkpoint builds on."""
+    from mimo_sft.model.hf_checkpoint import HFCheckpoint
+
+    try:
+        return HFCheckpoint(src_hf_dir)
+    except UserError:
+        raise UserError(f"--hf-model {src_hf_dir}: a LoRA checkpoint holds only its adapters; its base weights "
+                        f"(*.safetensors) must be in this folder") from None
+
+
 def build_lora_model(src_hf_dir: str, lora: dict):
     """The 1-rank TP-1 model of ``src_hf_dir`` (its HF weights, host memory) with the adapters of a
     checkpoint whose meta.json ``"lora"`` entry is ``lora``; the caller loads the checkpoint into it."""
     from mimo_sft.config.schema import ModelConfig
     from mimo_sft.model.builder import build_single_process_model
-    from mimo_sft.model.hf_checkpoint import HFCheckpoint
     from mimo_sft.model.lora import apply_lora
 
-    try:
-        HFCheckpoint(src_hf_dir)
-    except UserError:
-        raise UserError(f"--hf-model {src_hf_dir}: a LoRA checkpoint holds only its adapters; its base weights "
-                        f"(*.safetensors) must be in this folder") from None
+    base_weights(src_hf_dir)
     spec = LoraSpec.from_dict(lora)
     mc = ModelConfig(freeze_vision=bool(lora.get("freeze_vision")), freeze_projector=bool(lora.get("freeze_projector")),
                      freeze_language=bool(lora.get("freeze_language")))
@@ -59,19 +67,73 @@ def build_lora_model(src_hf_dir: str, lora: dict):
     return model, info, spec
 
 
-def export_lora(load_weights: Callable[[torch.nn.Module], None], src_hf_dir: str, out_dir: str, lora: dict, *,
-                adapter_only: bool = False, dtype: torch.dtype | None = None, **shards) -> dict:
-    """Write ``out_dir`` from a LoRA checkpoint: merged HF folder (in ``dtype``; ``shards``: ``max_shard_bytes``),
-    or (``adapter_only``) a PEFT folder."""
-    from mimo_sft.model.export import export_model
-    from mimo_sft.model.lora import merge_lora
-
+def export_peft(load_weights: Callable[[torch.nn.Module], None], src_hf_dir: str, out_dir: str, lora: dict) -> dict:
+    """``--adapter-only``: write ``out_dir`` as a PEFT folder from a LoRA checkpoint (its adapters and
+    trained base weights are small next to the model, but the model is built whole in host memory)."""
     model, info, spec = build_lora_model(src_hf_dir, lora)
     load_weights(model)
-    if adapter_only:
-        return write_peft_adapter(model, info, spec, src_hf_dir, out_dir)
-    merge_lora(model)
-    return export_model(model, src_hf_dir, out_dir, dtype=dtype, **shards)
+    return write_peft_adapter(model, info, spec, src_hf_dir, out_dir)
+
+
+def merged_weight_reader(read_stored: Callable, stored: Callable, src_hf_dir: str, lora: dict) -> Callable:
+    """``read(model, keys)`` for ``model.export.export_weights``: a LoRA run's merged weights for those
+    state keys of the 1-rank TP-1 model, one group (a decoder layer, a vision block) at a time -- the
+    base weights read from ``src_hf_dir`` as the streamed load reads them, the tensors the checkpoint
+    holds (``read_stored(model, keys)``; ``stored(model) -> set`` of the state keys it holds) on top,
+    then each adapted weight ``W + scaling * B A`` in fp32, as ``model.lora.merge_lora`` folds it.
+    Host memory: one group and its adapters, never the model.
+    """
+    from mimo_sft.model.export import _meta_model
+    from mimo_sft.model.hf_checkpoint import read_config_json
+    from mimo_sft.model.lora import apply_lora, lora_modules
+    from mimo_sft.model.registry import get_family
+
+    base = base_weights(src_hf_dir)
+    raw = read_config_json(src_hf_dir)
+    adapter = get_family(raw, hf_dir=src_hf_dir)
+    hf_cfg = adapter.load_hf_config(src_hf_dir, raw)
+    padded_vocab = adapter.info(hf_cfg, tp=1).padded_vocab_size
+    vision_prefix = adapter._vision_prefix(base.prefix_style)
+    lora_model = _meta_model(src_hf_dir)  # the checkpoint's adapter keys: the model with LoRA, no memory
+    with torch.device("meta"):
+        apply_lora(lora_model, LoraSpec.from_dict(lora), seed=0)
+    scaling = {name: module.lora_scaling for name, module in lora_modules(lora_model)}
+    held = stored(lora_model)
+
+    def base_language(keys: list) -> dict:
+        """The base weights of ``keys`` (GPTModel names): one decoder layer's, or the edges'."""
+        layer = re.match(r"decoder\.layers\.(\d+)\.", keys[0])
+        where = (dict(layer_offset=int(layer.group(1)), num_local_layers=1, pre_process=False, post_process=False)
+                 if layer else dict(layer_offset=0, num_local_layers=0, pre_process=True, post_process=True))
+        got: dict = {}
+        for group in adapter.load_language(base, hf_cfg, tp_rank=0, tp=1, padded_vocab=padded_vocab, **where):
+            got.update(group)
+        if layer:
+            got = {k.replace("decoder.layers.0.", f"decoder.layers.{layer.group(1)}.", 1): v for k, v in got.items()}
+        return {k: got[k] for k in keys}
+
+    def read(_model, keys: list) -> dict:
+        language = [k for k in keys if k.startswith("language_model.")]
+        out = {}
+        if language:
+            part = base_language([k[len("language_model."):] for k in language])
+            out.update({"language_model." + k: v for k, v in part.items()})
+        for k in keys:
+            if k.startswith(f"modality_submodules.{IMAGES}.encoders."):  # the tower's names are HF's, under its prefix
+                out[k] = base.read(vision_prefix + k.split(".", 4)[4])
+        missing = [k for k in keys if k not in out]
+        assert not missing, f"export: no base weight read for {missing[:3]}"
+        out.update(read_stored(lora_model, [k for k in keys if k in held]))
+        for k in keys:
+            owner = k[: -len(".weight")] if k.endswith(".weight") else None
+            if owner in scaling:
+                ab = read_stored(lora_model, [owner + ".lora_a", owner + ".lora_b"])
+                delta = (ab[owner + ".lora_b"].float() @ ab[owner + ".lora_a"].float()) * scaling[owner]
+                out[k] = out[k].float() + delta
+        base.close()
+        return out
+
+    return read
 
 
 def _trained_base(model) -> list[str]:

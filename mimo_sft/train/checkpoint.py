@@ -215,6 +215,22 @@ def model_weight_reader(ckpt: str):
     return read
 
 
+def stored_state_keys(ckpt: str):
+    """``stored(model) -> set``: the ``state_dict`` keys of ``model`` whose tensors the checkpoint's
+    ``model/`` holds (a LoRA checkpoint holds only what trained), from its metadata alone."""
+    from megatron.core import dist_checkpointing
+
+    folder = os.path.join(ckpt, "model")
+
+    def stored(model) -> set:
+        present = set(dist_checkpointing.load_tensors_metadata(folder).keys())
+        with unwrapped(model) as bare:
+            sharded = bare.sharded_state_dict()
+        return {k for k, v in sharded.items() if getattr(v, "key", None) in present}
+
+    return stored
+
+
 def restore(cfg, ctx) -> tuple[int, int]:
     """Load what the run starts from into the built model and optimizer; returns (step, consumed).
 
