@@ -69,6 +69,14 @@ def test_checkpoint_writing_notes():
     _, notes = _problems(_layout("language=dp=2", "images=dp=2") + ["--async-save", "--save-interval", "2",
                                                                     "--save-reshardable", "--use-distributed-optimizer"])
     assert notes == []
+    # LoRA keeps the plain optimizer: nothing to reshard, and its checkpoints name no distributed format
+    _, notes = _problems(_layout("language=dp=2", "images=dp=2") + ["--save-interval", "2", "--save-reshardable",
+                                                                    "--use-distributed-optimizer", "--lora-rank", "8"])
+    assert any("--save-reshardable has no effect with LoRA" in n for n in notes)
+    from mimo_sft.train.checkpoint_optimizer import save_format
+
+    assert save_format(load_config(_layout("language=dp=2", "images=dp=2") + ["--lora-rank", "8"])) is None
+    assert save_format(load_config(_layout("language=dp=2", "images=dp=2"))) == "dp_reshardable"
 
 
 def _info(*args):

@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import os
 
+from mimo_sft.config.lora import distributed_optimizer_in_use
+
 #: the distributed optimizer's DP-only format (``train.checkpoint_optimizer``): its flat buffers
 #: follow each module's TP/PP-local parameters
 DP_ONLY_FORMAT = "dp_reshardable"
@@ -60,9 +62,10 @@ def c24_checkpoint_writing(ctx):
     if c.async_save and not c.save_interval:
         yield ("--async-save without --save-interval: the only save is the final one, which the run waits for; "
                "add --save-interval N for background saves", "note")
-    if c.save_reshardable and not ctx.cfg.optimizer.use_distributed_optimizer:
-        yield ("--save-reshardable has no effect without the distributed optimizer: a plain optimizer's "
-               "checkpoint resumes on any layout", "note")
+    if c.save_reshardable and not distributed_optimizer_in_use(ctx.cfg):
+        why = "with LoRA (its optimizer is the plain one)" if ctx.cfg.optimizer.use_distributed_optimizer else \
+            "without the distributed optimizer"
+        yield (f"--save-reshardable has no effect {why}: a plain optimizer's checkpoint resumes on any layout", "note")
     if c.load_checkpoint and ctx.specs and os.path.isdir(c.load_checkpoint):
         meta = find_meta(c.load_checkpoint)
         problem = reshard_problem(meta, ctx.specs) if meta else None

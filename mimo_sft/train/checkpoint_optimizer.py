@@ -38,8 +38,11 @@ OLDER_FORMAT = FULLY_RESHARDABLE
 
 
 def save_format(cfg) -> str | None:
-    """The distributed optimizer's format this run saves (None: plain optimizer)."""
-    if not cfg.optimizer.use_distributed_optimizer:
+    """The distributed optimizer's format this run saves (None: plain optimizer, also with LoRA,
+    which keeps the plain one whatever ``--use-distributed-optimizer`` says)."""
+    from mimo_sft.config.lora import distributed_optimizer_in_use
+
+    if not distributed_optimizer_in_use(cfg):
         return None
     return FULLY_RESHARDABLE if cfg.checkpoint.save_reshardable else DP_RESHARDABLE
 
