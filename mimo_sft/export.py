@@ -6,8 +6,8 @@ reads its weights one decoder layer / vision block at a time (megatron reshards 
 run used) and converts each group back to Hugging Face names and layouts into shards planned as
 transformers plans them (``model.export.export_weights``: host memory of about one layer plus one
 shard, no GPU). A LoRA checkpoint is exported the same way, each group's base weights read from the
-source folder and its adapters merged in (``model.lora_export.merged_weight_reader``); only
-``--adapter-only`` builds the model whole in host memory.
+source folder and its adapters merged in (``model.lora_export.merged_weight_reader``);
+``--adapter-only`` holds just the checkpoint's adapters and trained weights (``export_peft``).
 ``finetune --export-hf`` calls the same function in rank 0's process once training has ended.
 
 Why this module sits at the top of the package, beside ``cli.py``: it joins two layers that must not
@@ -44,8 +44,7 @@ def export_checkpoint(checkpoint: str, out_dir: str, *, hf_model: str | None = N
     except ValueError as err:
         raise UserError(str(err)) from None
     from mimo_sft.model.export import EXPORT_DTYPES, export_weights
-    from mimo_sft.train.checkpoint import (load_model_weights, model_weight_reader, read_meta, resolve_checkpoint,
-                                           stored_state_keys)
+    from mimo_sft.train.checkpoint import model_weight_reader, read_meta, resolve_checkpoint, stored_state_keys
 
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise UserError(f"--out {out_dir} is a file; choose a folder to write the Hugging Face checkpoint into")
@@ -65,7 +64,7 @@ def export_checkpoint(checkpoint: str, out_dir: str, *, hf_model: str | None = N
         from mimo_sft.model.lora_export import export_peft, merged_weight_reader
 
         if adapter_only:
-            export_peft(lambda model: load_model_weights(model, ckpt), src, out_dir, meta["lora"])
+            export_peft(read, stored_state_keys(ckpt), src, out_dir, meta["lora"])
             return out_dir
         read = merged_weight_reader(read, stored_state_keys(ckpt), src, meta["lora"])
     elif adapter_only:

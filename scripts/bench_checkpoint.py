@@ -279,11 +279,11 @@ sys.path.insert(0, {tree!r})
 import mimo_sft  # this revision's package, imported before the bench script puts its own first
 sys.path.insert(0, {scripts!r})
 import bench_checkpoint as bench
-bench.export_worker({ckpt!r}, {out!r}, {label!r}, {dtype!r}, {shard!r})
+bench.export_worker({ckpt!r}, {out!r}, {label!r}, {dtype!r}, {shard!r}, {adapter_only!r})
 """
 
 
-def export_worker(ckpt: str, out: str, label: str, dtype: str, shard_size: str = "200MB") -> None:
+def export_worker(ckpt: str, out: str, label: str, dtype: str, shard_size: str = "200MB", adapter_only: bool = False) -> None:
     import inspect
 
     from mimo_sft.export import export_checkpoint
@@ -297,6 +297,8 @@ def export_worker(ckpt: str, out: str, label: str, dtype: str, shard_size: str =
     from transformers import AutoModelForImageTextToText  # noqa: F401
 
     kw = {"shard_size": shard_size} if "shard_size" in inspect.signature(export_checkpoint).parameters else {}
+    if adapter_only:
+        kw = {"adapter_only": True}
     mem = PeakMemory()
     t0 = time.perf_counter()
     export_checkpoint(ckpt, out, dtype=dtype, **kw)
@@ -325,10 +327,14 @@ def export_suite(a, py, env, work, model, data) -> None:
             (f"{what}whole model in host memory (before, {a.before})", before, "bf16", old_shards),
             (f"{what}streamed, 200MB shards", ROOT, "fp32", "200MB"), (f"{what}streamed, 200MB shards", ROOT, "bf16", "200MB"),
             (f"{what}streamed, 50MB shards", ROOT, "bf16", "50MB")]
-    for i, (label, tree, dtype, shard) in enumerate(rows):
+    rows = [(*row, False) for row in rows]
+    if a.lora:  # the PEFT folder: adapters and the trained tower (before: on the whole model)
+        rows += [(f"LoRA --adapter-only, whole model in host memory (before, {a.before})", before, "fp32", "-", True),
+                 ("LoRA --adapter-only, the checkpoint's tensors on a meta-device model", ROOT, "fp32", "-", True)]
+    for i, (label, tree, dtype, shard, adapter_only) in enumerate(rows):
         out = os.path.join(work, f"hf_{i}")
         code = EXPORT_WORKER.format(tree=tree, scripts=os.path.join(ROOT, "scripts"), ckpt=ckpt, out=out, label=label,
-                                    dtype=dtype, shard=shard)
+                                    dtype=dtype, shard=shard, adapter_only=adapter_only)
         log = os.path.join(work, f"export_{i}.log")
         run_session([py, "-c", code], cwd=work, env=env, log=log)
         print("\n".join(ln for ln in open(log).read().splitlines() if ln.startswith(f"| {label} |")), flush=True)

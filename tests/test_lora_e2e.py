@@ -28,34 +28,46 @@ BASE = ["--seq-length", "192", "--micro-batch-size", "4", "--global-batch-size",
         "--seed", "7", "--no-in-batch-packing", "--lora-rank", "4", "--lora-alpha", "8", "--lora-target-modules", TARGETS]
 
 
-#: the merged export as it was before it streamed: the whole LoRA model built in host memory with the
-#: source's weights, the checkpoint loaded into it, every adapter folded in (``merge_lora``), then written
-IN_MEMORY_MERGE = """
+#: the exports as they were before they streamed: the whole LoRA model built in host memory with the
+#: source's weights and the checkpoint loaded into it, then written as a PEFT folder (argv 3, when given)
+#: and merged (every adapter folded in, ``merge_lora``) as a Hugging Face folder (argv 2)
+IN_MEMORY_EXPORTS = """
 import sys
 from mimo_sft.model.export import EXPORT_DTYPES, export_model
 from mimo_sft.model.lora import merge_lora
-from mimo_sft.model.lora_export import build_lora_model
+from mimo_sft.model.lora_export import build_lora_model, write_peft_adapter
 from mimo_sft.train.checkpoint import load_model_weights, read_meta, resolve_checkpoint
 ck = resolve_checkpoint(sys.argv[1])
 meta = read_meta(ck)
-model, _info, _spec = build_lora_model(meta["hf_model"], meta["lora"])
+model, info, spec = build_lora_model(meta["hf_model"], meta["lora"])
 load_model_weights(model, ck)
+if len(sys.argv) > 3:
+    write_peft_adapter(model, info, spec, meta["hf_model"], sys.argv[3])
 merge_lora(model)
 export_model(model, meta["hf_model"], sys.argv[2], dtype=EXPORT_DTYPES[meta.get("dtype", "fp32")][0])
 """
 
 
-def assert_export_equals_in_memory_merge(checkpoint, export_dir):
-    """The streamed merged export (one group at a time, base weights from the source folder) is bit for
-    bit the whole-model merge."""
+def _same_tensors(file_a, file_b) -> dict:
     from safetensors.torch import load_file
 
-    ref = new_dir("lora_in_memory_merge")
-    subprocess.run([sys.executable, "-c", IN_MEMORY_MERGE, checkpoint, ref], check=True, capture_output=True)
-    x, y = load_file(export_dir + "/model.safetensors"), load_file(ref + "/model.safetensors")
+    x, y = load_file(file_a), load_file(file_b)
     assert set(x) == set(y) and all(x[k].dtype == y[k].dtype and torch.equal(x[k], y[k]) for k in x), \
         [k for k in x if k not in y or not torch.equal(x[k], y[k])][:5]
     return x
+
+
+def assert_exports_equal_in_memory_ones(checkpoint, export_dir, adapter_dir=None):
+    """The streamed merged export (one group at a time, base weights from the source folder) is bit for
+    bit the whole-model merge; the PEFT folder (``adapter_dir``: the adapters and trained weights read
+    onto a meta-device model) is the whole model's, tensors and config."""
+    ref, ref_adapter = new_dir("lora_in_memory_merge"), new_dir("lora_in_memory_adapter")
+    subprocess.run([sys.executable, "-c", IN_MEMORY_EXPORTS, checkpoint, ref, *([ref_adapter] if adapter_dir else [])],
+                   check=True, capture_output=True)
+    if adapter_dir:
+        _same_tensors(adapter_dir + "/adapter_model.safetensors", ref_adapter + "/adapter_model.safetensors")
+        assert json.load(open(adapter_dir + "/adapter_config.json")) == json.load(open(ref_adapter + "/adapter_config.json"))
+    return _same_tensors(export_dir + "/model.safetensors", ref + "/model.safetensors")
 
 
 def run(name, nproc, components, extra=(), iters=2):
@@ -146,7 +158,7 @@ def test_checkpoint_holds_adapters_and_resume_is_bit_exact(reference):
                    check=True, capture_output=True)
     x, y = load_file(export_dir + "/model.safetensors"), load_file(cli + "/model.safetensors")
     assert set(x) == set(y) and all(torch.equal(x[k], y[k]) for k in x)
-    assert_export_equals_in_memory_merge(resumed + "/checkpoints", cli)
+    assert_exports_equal_in_memory_ones(resumed + "/checkpoints", cli)
 
 
 @functools.lru_cache(maxsize=None)
@@ -162,7 +174,8 @@ def test_merged_export_of_the_default_recipe_streams_onto_the_base_weights(famil
     checkpoint holds the adapters and the whole tower; the merged export reads each group's base weights
     from the source folder (each family's decoder layers, Qwen3-VL's DeepStack mergers), the trained
     tower from the checkpoint, folds the adapters in, and equals the whole-model merge bit for bit --
-    in bf16, the run's dtype, so every merged weight is rounded once."""
+    in bf16, the run's dtype, so every merged weight is rounded once. The PEFT folder, with the trained
+    tower as ``modules_to_save``, equals the whole model's too."""
     from safetensors.torch import load_file
 
     src = tiny_model() if family == "qwen2_5_vl" else _tiny_qwen3_vl()
@@ -173,7 +186,11 @@ def test_merged_export_of_the_default_recipe_streams_onto_the_base_weights(famil
     torchrun(1, flags)
     tensors = checkpoint_tensors(out + "/checkpoints/iter_0000001")
     assert any(k.startswith("modality_submodules.images") and ".lora_" not in k for k in tensors)
-    merged = assert_export_equals_in_memory_merge(out + "/checkpoints", out + "/hf")
+    adapter = out + "/adapter"
+    subprocess.run([sys.executable, "-m", "mimo_sft", "export", "--checkpoint", out + "/checkpoints", "--out", adapter,
+                    "--adapter-only"], check=True, capture_output=True)
+    assert json.load(open(adapter + "/adapter_config.json"))["modules_to_save"], "the trained tower is saved whole"
+    merged = assert_exports_equal_in_memory_ones(out + "/checkpoints", out + "/hf", adapter)
     base = load_file(os.path.join(src, "model.safetensors"))
     changed = {k for k in merged if not torch.equal(merged[k], base[k].to(merged[k].dtype))}
     assert any(".visual." in k or k.startswith("visual.") for k in changed), "the trained tower is exported"

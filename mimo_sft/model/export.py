@@ -175,17 +175,16 @@ def export_model(model, src_hf_dir: str, out_dir: str, **kw) -> dict:
     return export_hf(model.state_dict(), src_hf_dir, out_dir, **kw)
 
 
-def _meta_model(src_hf_dir: str):
-    """The 1-rank TP=1 model of ``src_hf_dir`` on the meta device: its state names and shapes, and its
-    ``sharded_state_dict`` (the checkpoint's keys), for no memory."""
+def meta_model(src_hf_dir: str):
+    """The 1-rank TP=1 model of ``src_hf_dir`` on the meta device and its ``ModelInfo``: its state names
+    and shapes, and its ``sharded_state_dict`` (the checkpoint's keys), for no memory."""
     from mimo_sft.model.builder import build_mimo_model
     from mimo_sft.parallel.bootstrap import start_single_process
 
     state = start_single_process("cpu")  # megatron's process state is made outside the meta context
     with torch.device("meta"):
-        model, _info = build_mimo_model(src_hf_dir, layout=state.layout, parallel_state=state, random_init=True,
-                                        cpu_init=True, config_overrides={"perform_initialization": False})
-    return model
+        return build_mimo_model(src_hf_dir, layout=state.layout, parallel_state=state, random_init=True,
+                                cpu_init=True, config_overrides={"perform_initialization": False})
 
 
 def export_weights(read_weights: Callable[[torch.nn.Module, list], dict], src_hf_dir: str, out_dir: str, *,
@@ -199,7 +198,7 @@ def export_weights(read_weights: Callable[[torch.nn.Module, list], dict], src_hf
     """
     limit = shard_size_bytes(max_shard_bytes)
     adapter, hf_cfg, style, copied = _prepare_out_dir(src_hf_dir, out_dir, dtype)
-    model = _meta_model(src_hf_dir)
+    model, _info = meta_model(src_hf_dir)
     state = {k: v for k, v in model.state_dict().items() if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")}
     planned = [(keys, _to_hf(adapter, hf_cfg, style, {k: state[k] for k in keys}, dtype)) for keys in group_by_block(state)]
     planned = [(keys, hf) for keys, hf in planned if hf]

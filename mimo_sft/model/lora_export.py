@@ -5,10 +5,10 @@
   weights read from the source HF folder, the checkpoint's tensors (what trained) on top, each adapter
   folded in as ``model.lora.merge_lora`` folds it (``W + scaling * B A`` in fp32). Host memory: one
   group and one shard, never the model; bit for bit the whole-model merge (tests/test_lora_e2e.py).
-* ``--adapter-only`` (:func:`export_peft`): the single-process TP-1 model built from the source's
-  weights, LoRA applied with the checkpoint's settings, the checkpoint loaded on top by the caller
-  (``mimo_sft.export`` joins this with ``train.checkpoint``; model/ never imports train/), then
-  ``adapter_config.json`` + ``adapter_model.safetensors`` in PEFT's format for
+* ``--adapter-only`` (:func:`export_peft`): the 1-rank TP-1 model on the meta device with LoRA
+  applied as the checkpoint's settings say, only the checkpoint's tensors (adapters, trained base
+  weights) read into it by the caller's reader (``mimo_sft.export`` joins this with
+  ``train.checkpoint``; model/ never imports train/), then ``adapter_config.json`` + ``adapter_model.safetensors`` in PEFT's format for
   the family's transformers model (``Qwen2_5_VLForConditionalGeneration``, ``Qwen3VLForConditionalGeneration``). megatron fuses layers that HF keeps apart, and one fused
   LoRA is exactly several PEFT LoRAs that share A: ``linear_qkv`` -> ``q_proj``/``k_proj``/``v_proj``
   (B's rows split per query group as the weight's are, ``decoder_weights.split_qkv``),
@@ -53,7 +53,8 @@ def base_weights(src_hf_dir: str):
 
 def build_lora_model(src_hf_dir: str, lora: dict):
     """The 1-rank TP-1 model of ``src_hf_dir`` (its HF weights, host memory) with the adapters of a
-    checkpoint whose meta.json ``"lora"`` entry is ``lora``; the caller loads the checkpoint into it."""
+    checkpoint whose meta.json ``"lora"`` entry is ``lora``; the caller loads the checkpoint into it.
+    The whole-model form the streamed exports are tested against (bit for bit), not used by them."""
     from mimo_sft.config.schema import ModelConfig
     from mimo_sft.model.builder import build_single_process_model
     from mimo_sft.model.lora import apply_lora
@@ -67,12 +68,34 @@ def build_lora_model(src_hf_dir: str, lora: dict):
     return model, info, spec
 
 
-def export_peft(load_weights: Callable[[torch.nn.Module], None], src_hf_dir: str, out_dir: str, lora: dict) -> dict:
-    """``--adapter-only``: write ``out_dir`` as a PEFT folder from a LoRA checkpoint (its adapters and
-    trained base weights are small next to the model, but the model is built whole in host memory)."""
-    model, info, spec = build_lora_model(src_hf_dir, lora)
-    load_weights(model)
-    return write_peft_adapter(model, info, spec, src_hf_dir, out_dir)
+def export_peft(read_stored: Callable, stored: Callable, src_hf_dir: str, out_dir: str, lora: dict) -> dict:
+    """``--adapter-only``: write ``out_dir`` as a PEFT folder from a LoRA checkpoint, holding in host
+    memory only what the checkpoint holds -- the adapters and the base weights that trained -- on the
+    1-rank model built on the meta device (``read_stored`` / ``stored``: as :func:`merged_weight_reader`).
+    A LoRA checkpoint holds exactly what trained, so that is what is marked trainable."""
+    lora_model, info = _meta_lora_model(src_hf_dir, lora)
+    held = sorted(stored(lora_model))
+    tensors = read_stored(lora_model, held)
+    for name, param in list(lora_model.named_parameters()):
+        owner, _, leaf = name.rpartition(".")
+        module = lora_model.get_submodule(owner) if owner else lora_model
+        if name in tensors:
+            module._parameters[leaf] = torch.nn.Parameter(tensors.pop(name), requires_grad=True)
+        else:
+            param.requires_grad_(False)
+    return write_peft_adapter(lora_model, info, LoraSpec.from_dict(lora), src_hf_dir, out_dir)
+
+
+def _meta_lora_model(src_hf_dir: str, lora: dict):
+    """The 1-rank TP-1 model of ``src_hf_dir`` with the checkpoint's adapters, on the meta device (no
+    memory: its state names, shapes and the checkpoint's keys), and its ``ModelInfo``."""
+    from mimo_sft.model.export import meta_model
+    from mimo_sft.model.lora import apply_lora
+
+    model, info = meta_model(src_hf_dir)
+    with torch.device("meta"):
+        apply_lora(model, LoraSpec.from_dict(lora), seed=0)
+    return model, info
 
 
 def merged_weight_reader(read_stored: Callable, stored: Callable, src_hf_dir: str, lora: dict) -> Callable:
@@ -83,9 +106,8 @@ def merged_weight_reader(read_stored: Callable, stored: Callable, src_hf_dir: st
     then each adapted weight ``W + scaling * B A`` in fp32, as ``model.lora.merge_lora`` folds it.
     Host memory: one group and its adapters, never the model.
     """
-    from mimo_sft.model.export import _meta_model
     from mimo_sft.model.hf_checkpoint import read_config_json
-    from mimo_sft.model.lora import apply_lora, lora_modules
+    from mimo_sft.model.lora import lora_modules
     from mimo_sft.model.registry import get_family
 
     base = base_weights(src_hf_dir)
@@ -94,9 +116,7 @@ def merged_weight_reader(read_stored: Callable, stored: Callable, src_hf_dir: st
     hf_cfg = adapter.load_hf_config(src_hf_dir, raw)
     padded_vocab = adapter.info(hf_cfg, tp=1).padded_vocab_size
     vision_prefix = adapter._vision_prefix(base.prefix_style)
-    lora_model = _meta_model(src_hf_dir)  # the checkpoint's adapter keys: the model with LoRA, no memory
-    with torch.device("meta"):
-        apply_lora(lora_model, LoraSpec.from_dict(lora), seed=0)
+    lora_model, _info = _meta_lora_model(src_hf_dir, lora)  # the checkpoint's adapter keys
     scaling = {name: module.lora_scaling for name, module in lora_modules(lora_model)}
     held = stored(lora_model)
 
