@@ -105,7 +105,7 @@ class PeakMemory:
                     self.child_peak = max(self.child_peak, child.memory_full_info().uss)
                 except psutil.Error:
                     pass
-            time.sleep(self.interval)
+            self._stop.wait(self.interval)
 
     def stop(self) -> tuple[int, int]:
         self._stop.set()
