@@ -77,6 +77,17 @@ def test_parse_profile_steps():
     assert parse_profile_steps(None, 10) is None
 
 
+def test_a_run_resumed_past_the_profile_range_says_so(capsys, tmp_path):
+    from mimo_sft.train.profile import StepProfiler
+
+    for start, said in ((5, True), (4, False), (2, False)):
+        StepProfiler(steps=(3, 5), ranks=None, rank=0, folder=str(tmp_path), modules={}).say_if_passed(start)
+        out = capsys.readouterr().out
+        assert ("--profile-steps 3:5 is before this run's first step (6)" in out and "from 6 on" in out) == said, out
+    StepProfiler(steps=(3, 5), ranks=frozenset({1}), rank=0, folder=str(tmp_path), modules={}).say_if_passed(9)
+    assert capsys.readouterr().out == ""  # not a profiled rank
+
+
 def test_ddp_configs_overlap_only_the_language_model():
     from mimo_sft.train.setup import ddp_config_for
 

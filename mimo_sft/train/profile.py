@@ -157,6 +157,13 @@ class StepProfiler:
                    ranks=parse_profile_ranks(lg.profile_ranks, world_size), rank=rank,
                    folder=profile_folder(cfg), modules=modules)
 
+    def say_if_passed(self, start: int) -> None:
+        """A run resumed at step ``start`` (its next step is ``start + 1``) past the whole profile range
+        records nothing: say so once, with what to pass instead, rather than write no trace in silence."""
+        if self.enabled and start >= self.steps[1]:
+            print(f"mimo-sft: rank {self.rank}: --profile-steps {self.steps[0]}:{self.steps[1]} is before this "
+                  f"run's first step ({start + 1}): nothing is profiled; pass steps from {start + 1} on", flush=True)
+
     def _profiled(self, step: int) -> bool:
         return self.enabled and self.steps[0] <= step <= self.steps[1]
 

@@ -175,6 +175,7 @@ class Trainer:
         self.best_loss = read_meta(os.path.join(self.save_dir, best)).get("valid_loss") if best else None
         self.profiler = StepProfiler.from_config(cfg, rank=self.rank, world_size=layout.world_size,
                                                  modules=self._profiled_modules())
+        self.profiler.say_if_passed(self.step)  # after resume(): a range the checkpoint is already past
         self.peak_tflops = cfg.logging.peak_tflops or (peak_tflops_for(runtime.device_name()) if runtime.on_gpu() else None)
         self._announce()
 
