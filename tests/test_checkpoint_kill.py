@@ -10,7 +10,9 @@ from train_helpers import demo_data, metrics, new_dir, tiny_model, torchrun
 
 pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("dist")]
 
-POINTS = ["start", "after_model", "before_meta", "before_rename", "after_rename", "after_latest"]
+#: before any part is written, once every part is on disk (before meta.json), before and after the rename,
+#: after ``latest`` moved
+POINTS = ["start", "before_meta", "before_rename", "after_rename", "after_latest"]
 
 
 def _args(out, iters, components=("language=dp=1", "images=dp=1")):

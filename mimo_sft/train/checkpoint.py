@@ -90,7 +90,6 @@ def save_checkpoint(root: str, *, step: int, consumed_samples: int, ctx, extra_m
     box = [None]
 
     def publish_when_written():  # every rank, once every rank's parts are on disk
-        kill_point("after_model", step)
         if rank == 0:
             kill_point("before_meta", step)
             with open(os.path.join(tmp, "meta.json"), "w") as fh:

@@ -32,7 +32,7 @@ LATEST = "latest"
 BEST = "best"
 META = "meta.json"
 _NAME = re.compile(r"^iter_(\d{7})(?:\.v(\d+))?$")
-#: test hook: ``POINT:STEP`` names a point of a save (``start``, ``after_model``, ``before_meta``,
+#: test hook: ``POINT:STEP`` names a point of a save (``start``, ``before_meta``,
 #: ``before_rename``, ``after_rename``, ``after_latest``) and the step whose save SIGKILLs itself
 #: there -- how the tests prove that a save killed anywhere leaves the previous checkpoint loadable
 KILL_AT_ENV = "MIMO_SFT_TEST_KILL_AT"
