@@ -71,4 +71,3 @@ def export_checkpoint(checkpoint: str, out_dir: str, *, hf_model: str | None = N
         raise UserError(f"--adapter-only: {ckpt} is a full fine-tuning checkpoint (no LoRA adapters); export it without --adapter-only")
     export_weights(read, src, out_dir, dtype=torch_dtype, max_shard_bytes=max_shard)
     return out_dir
-

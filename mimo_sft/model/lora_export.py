@@ -111,12 +111,10 @@ def merged_weight_reader(read_stored: Callable, stored: Callable, src_hf_dir: st
     from mimo_sft.model.registry import get_family
 
     base = base_weights(src_hf_dir)
-    raw = read_config_json(src_hf_dir)
-    adapter = get_family(raw, hf_dir=src_hf_dir)
-    hf_cfg = adapter.load_hf_config(src_hf_dir, raw)
-    padded_vocab = adapter.info(hf_cfg, tp=1).padded_vocab_size
+    adapter = get_family(read_config_json(src_hf_dir), hf_dir=src_hf_dir)
+    lora_model, info = _meta_lora_model(src_hf_dir, lora)  # the checkpoint's adapter keys; TP-1 config and vocab
+    hf_cfg, padded_vocab = info.hf_config, info.padded_vocab_size
     vision_prefix = adapter._vision_prefix(base.prefix_style)
-    lora_model, _info = _meta_lora_model(src_hf_dir, lora)  # the checkpoint's adapter keys
     scaling = {name: module.lora_scaling for name, module in lora_modules(lora_model)}
     held = stored(lora_model)
 
@@ -143,13 +141,13 @@ def merged_weight_reader(read_stored: Callable, stored: Callable, src_hf_dir: st
                 out[k] = base.read(vision_prefix + k.split(".", 4)[4])
         missing = [k for k in keys if k not in out]
         assert not missing, f"export: no base weight read for {missing[:3]}"
-        out.update(read_stored(lora_model, [k for k in keys if k in held]))
-        for k in keys:
-            owner = k[: -len(".weight")] if k.endswith(".weight") else None
-            if owner in scaling:
-                ab = read_stored(lora_model, [owner + ".lora_a", owner + ".lora_b"])
-                delta = (ab[owner + ".lora_b"].float() @ ab[owner + ".lora_a"].float()) * scaling[owner]
-                out[k] = out[k].float() + delta
+        adapted = {k: k[: -len(".weight")] for k in keys if k.endswith(".weight") and k[: -len(".weight")] in scaling}
+        trained = [k for k in keys if k in held]
+        stored_part = read_stored(lora_model, trained + [o + ab for o in adapted.values() for ab in (".lora_a", ".lora_b")])
+        out.update({k: stored_part[k] for k in trained})
+        for k, owner in adapted.items():
+            delta = (stored_part[owner + ".lora_b"].float() @ stored_part[owner + ".lora_a"].float()) * scaling[owner]
+            out[k] = out[k].float() + delta
         base.close()
         return out
 

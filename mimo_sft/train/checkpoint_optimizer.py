@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import os
 
+from mimo_sft.config.lora import distributed_optimizer_in_use
 from mimo_sft.train.checkpoint_model import encoder_replica_rank, model_sharded_state_dict
 
 OPTIMIZER_DIR = "optimizer"
@@ -40,8 +41,6 @@ OLDER_FORMAT = FULLY_RESHARDABLE
 def save_format(cfg) -> str | None:
     """The distributed optimizer's format this run saves (None: plain optimizer, also with LoRA,
     which keeps the plain one whatever ``--use-distributed-optimizer`` says)."""
-    from mimo_sft.config.lora import distributed_optimizer_in_use
-
     if not distributed_optimizer_in_use(cfg):
         return None
     return FULLY_RESHARDABLE if cfg.checkpoint.save_reshardable else DP_RESHARDABLE

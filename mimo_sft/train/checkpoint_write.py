@@ -100,11 +100,13 @@ def stage(write_buckets: list) -> list:
 
     import torch
 
-    align = 64
-    sizes = [-(-t.numel() * t.element_size() // align) * align for _p, _k, (_b, ts) in write_buckets for _i, t in ts]
-    if not sizes:
+    def padded(t) -> int:  # each slice starts 64-byte aligned
+        return -(-t.numel() * t.element_size() // 64) * 64
+
+    total = sum(padded(t) for _p, _k, (_b, ts) in write_buckets for _i, t in ts)
+    if not total:
         return write_buckets
-    arena = mmap.mmap(-1, max(sum(sizes), align))
+    arena = mmap.mmap(-1, total)
     offset = 0
     for _path, _key, (_bytes, tensors) in write_buckets:
         for i, (item, tensor) in enumerate(tensors):
@@ -113,7 +115,7 @@ def stage(write_buckets: list) -> list:
             copy = raw.view(tensor.dtype).view(tensor.shape)
             copy.copy_(tensor.detach())
             tensors[i] = (item, copy)
-            offset += -(-nbytes // align) * align
+            offset += padded(tensor)
     return write_buckets
 
 
