@@ -59,7 +59,7 @@ def _wants_help(args: list[str]) -> bool:
 @app.command(context_settings=FLAG_COMMAND)
 def validate(ctx: typer.Context) -> None:
     """Dry run: load the config exactly as finetune does, run every check, print layout and verdict."""
-    from mimo_sft.config.checks import check_config
+    from mimo_sft.validate import check_config
     from mimo_sft.config.loader import dump_config, load_config
     from mimo_sft.config.report import print_report
 
@@ -182,7 +182,7 @@ def export(
     from mimo_sft.quiet import quiet_libraries
 
     quiet_libraries()
-    from mimo_sft.export import export_checkpoint
+    from mimo_sft.train.export import export_checkpoint
 
     try:
         path = export_checkpoint(checkpoint, out, hf_model=hf_model, adapter_only=adapter_only, dtype=dtype,
@@ -205,7 +205,7 @@ def checkpoint_info(
 ) -> None:
     """Step, layout, dtype, optimizer, sizes per module -- and whether it resumes on --component's layout. Reads no tensor."""
     from mimo_sft.parallel.components import parse_component
-    from mimo_sft.train.checkpoint_info import describe, format_info
+    from mimo_sft.train.checkpoint.info import describe, format_info
 
     try:
         info = describe(folder, [parse_component(c) for c in component] or None)

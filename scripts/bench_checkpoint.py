@@ -162,11 +162,11 @@ def _timed_step(trainer) -> tuple[float, int, float, float]:
 def worker(args: list[str], out_dir: str) -> int:
     import torch.distributed as dist
 
-    from mimo_sft.config.checks import require_valid
+    from mimo_sft.validate import require_valid
     from mimo_sft.config.loader import load_config
     from mimo_sft.quiet import quiet_libraries
-    from mimo_sft.train.checkpoint import save_checkpoint
-    from mimo_sft.train.checkpoint_write import PendingSaves
+    from mimo_sft.train.checkpoint.save import save_checkpoint
+    from mimo_sft.train.checkpoint.write import PendingSaves
     from mimo_sft.train.trainer import Trainer
 
     quiet_libraries()
@@ -215,7 +215,7 @@ def load_worker(args: list[str], label: str) -> int:
     import torch.distributed as dist
 
     import mimo_sft.model.builder as builder
-    from mimo_sft.config.checks import require_valid
+    from mimo_sft.validate import require_valid
     from mimo_sft.config.loader import load_config
     from mimo_sft.quiet import quiet_libraries
     from mimo_sft.train.trainer import Trainer
@@ -286,14 +286,14 @@ bench.export_worker({ckpt!r}, {out!r}, {label!r}, {dtype!r}, {shard!r}, {adapter
 def export_worker(ckpt: str, out: str, label: str, dtype: str, shard_size: str = "200MB", adapter_only: bool = False) -> None:
     import inspect
 
-    from mimo_sft.export import export_checkpoint
+    from mimo_sft.train.export import export_checkpoint
     from mimo_sft.quiet import quiet_libraries
 
     quiet_libraries()
     import mimo_sft.parallel  # noqa: F401  (megatron imports through its triton stand-in)
     import megatron.core  # noqa: F401  the libraries' own memory is in the baseline, not in the export's figure
     import mimo_sft.model.builder  # noqa: F401
-    import mimo_sft.train.checkpoint  # noqa: F401
+    import mimo_sft.train.checkpoint.save  # noqa: F401
     from transformers import AutoModelForImageTextToText  # noqa: F401
 
     kw = {"shard_size": shard_size} if "shard_size" in inspect.signature(export_checkpoint).parameters else {}
@@ -348,7 +348,7 @@ def gil_suite(tensor_mb: int = 256, files: int = 4) -> int:
     file, then ``fsync``)."""
     import torch
 
-    from mimo_sft.train.checkpoint_write import _lower_priority
+    from mimo_sft.train.checkpoint.write import _lower_priority
 
     torch.set_num_threads(1)
     big = torch.randn(tensor_mb * 2 ** 20 // 4)

@@ -131,7 +131,7 @@ def _tp_worker(rank, tp, port, hf_dir, tokens, dtype_name, queue):
                       LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
     import torch
 
-    from mimo_sft.config.checks import read_hf_config
+    from mimo_sft.config.checks.context import read_hf_config
     from mimo_sft.memory import activations as act
     from mimo_sft.memory.dims import TextDims
     from mimo_sft.parallel import runtime
@@ -206,7 +206,7 @@ def main(argv=None) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "2")
     import torch
 
-    from mimo_sft.config.checks import read_hf_config
+    from mimo_sft.config.checks.context import read_hf_config
     from mimo_sft.memory.dims import TextDims, VisionDims
     from mimo_sft.testing.tiny_checkpoint import preset_config
 

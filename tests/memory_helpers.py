@@ -20,7 +20,7 @@ def _main_param_numel(optimizer) -> int:
 def worker_rank_state(rank: int, world: int, flags: list) -> dict:
     """For each module on this rank: held / trainable parameter counts, grad-buffer numel (unpadded)
     and dtype, optimizer main-weight numel, and this rank's language pp stage."""
-    from mimo_sft.config.checks import require_valid
+    from mimo_sft.validate import require_valid
     from mimo_sft.config.loader import load_config
     from mimo_sft.parallel.layout import LANGUAGE
     from mimo_sft.train.setup import build_model_and_optimizer, build_state

@@ -6,7 +6,7 @@ import os
 import pytest
 
 from mimo_sft.errors import UserError
-from mimo_sft.train.checkpoint import LATEST, resolve_checkpoint
+from mimo_sft.train.checkpoint.files import LATEST, resolve_checkpoint
 
 
 def make_ckpt(root, step, *, complete=True):
@@ -45,7 +45,7 @@ def test_not_a_checkpoint(tmp_path):
 
 
 # ---- publishing: latest always names a complete checkpoint ------------------------------------------
-from mimo_sft.train.checkpoint_files import complete_checkpoints, latest_name, prune, publish  # noqa: E402
+from mimo_sft.train.checkpoint.files import complete_checkpoints, latest_name, prune, publish  # noqa: E402
 
 
 def _finished_tmp(root, step, marker):

@@ -13,8 +13,8 @@ import sys
 
 import pytest
 
-from mimo_sft.config.checks import check_config
-from mimo_sft.config.checks_checkpoint import reshard_problem
+from mimo_sft.validate import check_config
+from mimo_sft.config.checks.checkpoint import reshard_problem
 from mimo_sft.config.loader import load_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -73,7 +73,7 @@ def test_checkpoint_writing_notes():
     _, notes = _problems(_layout("language=dp=2", "images=dp=2") + ["--save-interval", "2", "--save-reshardable",
                                                                     "--use-distributed-optimizer", "--lora-rank", "8"])
     assert any("--save-reshardable has no effect with LoRA" in n for n in notes)
-    from mimo_sft.train.checkpoint_optimizer import save_format
+    from mimo_sft.train.checkpoint.optimizer import save_format
 
     assert save_format(load_config(_layout("language=dp=2", "images=dp=2") + ["--lora-rank", "8"])) is None
     assert save_format(load_config(_layout("language=dp=2", "images=dp=2"))) == "dp_reshardable"

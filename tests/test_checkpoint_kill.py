@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from mimo_sft.train.checkpoint_files import complete_checkpoints, resolve_checkpoint
+from mimo_sft.train.checkpoint.files import complete_checkpoints, resolve_checkpoint
 from train_helpers import demo_data, metrics, new_dir, tiny_model, torchrun
 
 pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("dist")]

@@ -4,7 +4,8 @@ import json
 
 import pytest
 
-from mimo_sft.config.checks import CHECKS, check_config, require_valid
+from mimo_sft.config.checks.registry import CHECKS
+from mimo_sft.validate import check_config, require_valid
 from mimo_sft.config.loader import load_config
 from mimo_sft.errors import UserError
 

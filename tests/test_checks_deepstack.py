@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from mimo_sft.config.checks import check_config
-from mimo_sft.config.checks_deepstack import deepstack_layer_count
+from mimo_sft.validate import check_config
+from mimo_sft.config.checks.deepstack import deepstack_layer_count
 from mimo_sft.config.loader import load_config
 
 

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from mimo_sft.config.checks import check_config
+from mimo_sft.validate import check_config
 from mimo_sft.config.loader import load_config
 
 LAYOUT = ["--component", "language=tp=2,pp=2,dp=1,rank_offset=0", "--component", "images=dp=1,rank_offset=4",

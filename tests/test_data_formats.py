@@ -232,7 +232,7 @@ def test_image_part_without_reference(pics):
 
 
 def test_json_text_values_decoded_but_plain_paths_kept():
-    from mimo_sft.data.sources import _image_list
+    from mimo_sft.data.image_refs import image_list as _image_list
 
     assert _image_list('"images/a.png"') == ["images/a.png"]
     assert _image_list('["b.png", "c.png"]') == ["b.png", "c.png"]

@@ -17,7 +17,7 @@ SHARD = 64 * 1024  # bytes: the tiny model makes several shards
 def _save_dist_checkpoint(model, folder: str) -> str:
     from megatron.core import dist_checkpointing
 
-    from mimo_sft.train.checkpoint_model import model_sharded_state_dict
+    from mimo_sft.train.checkpoint.model import model_sharded_state_dict
 
     os.makedirs(os.path.join(folder, "model"))
     dist_checkpointing.save(model_sharded_state_dict(model), os.path.join(folder, "model"))
@@ -48,7 +48,7 @@ def test_bf16_export_streams_layers_into_transformers_shards(tmp_path):
     from mimo_sft.config.schema import ModelConfig
     from mimo_sft.model import build_single_process_model
     from mimo_sft.model.export import export_weights
-    from mimo_sft.train.checkpoint import model_weight_reader
+    from mimo_sft.train.checkpoint.save import model_weight_reader
 
     src = make_tiny_hf(str(tmp_path / "src"), tie=False, kv_heads=2)
     model, info = build_single_process_model(src, model_cfg=ModelConfig(dtype="bf16"))
@@ -97,7 +97,7 @@ def test_streamed_export_keeps_nested_names_tied_embeddings_and_removes_stale_sh
     from mimo_sft.model import build_single_process_model
     from mimo_sft.model.export import export_weights
     from mimo_sft.model.hf_checkpoint import HFCheckpoint
-    from mimo_sft.train.checkpoint import model_weight_reader
+    from mimo_sft.train.checkpoint.save import model_weight_reader
 
     src = make_tiny_hf(str(tmp_path / "src"), tie=True, kv_heads=1, layout="nested", shards=2)
     model, _ = build_single_process_model(src)
@@ -120,7 +120,7 @@ def test_streamed_export_keeps_nested_names_tied_embeddings_and_removes_stale_sh
 @pytest.mark.parametrize("size,ok", [("5GB", True), ("500MB", True), ("65536", True), ("0", False), ("big", False),
                                       ("-5GB", False)])
 def test_check_34_export_shard_size(size, ok):
-    from mimo_sft.config.checks import check_config
+    from mimo_sft.validate import check_config
     from mimo_sft.config.loader import load_config
 
     cfg = load_config(["--component", "language=dp=1", "--component", "images=dp=1", "--export-shard-size", size])
@@ -150,7 +150,7 @@ def test_qwen3_vl_streamed_export_reads_each_group_and_equals_the_in_memory_expo
     from mimo_sft.model.export import export_weights
     from mimo_sft.model.hf_checkpoint import HFCheckpoint
     from mimo_sft.testing.tiny_checkpoint import write_tiny_checkpoint
-    from mimo_sft.train.checkpoint import model_weight_reader
+    from mimo_sft.train.checkpoint.save import model_weight_reader
 
     src = str(write_tiny_checkpoint(tmp_path / "src", family="qwen3_vl", seed=0))
     model, info = build_single_process_model(src)

@@ -10,8 +10,9 @@ import sys
 
 import pytest
 
-from mimo_sft.config import checks, families
-from mimo_sft.config.checks import check_config
+from mimo_sft.config import families
+from mimo_sft.config.checks import context as check_context, layout as layout_checks, model as model_checks
+from mimo_sft.validate import check_config
 from mimo_sft.config.families import EncoderLimits, FamilySpec, LanguageDims
 from mimo_sft.config.loader import flag_table, load_config
 from mimo_sft.config.schema import ModelConfig
@@ -29,8 +30,8 @@ def _run(code: str) -> str:
 
 
 def test_descriptors_and_config_import_neither_torch_nor_megatron():
-    out = _run("import sys, mimo_sft.config.families, mimo_sft.config.schema, mimo_sft.config.checks, "
-               "mimo_sft.config.loader; "
+    out = _run("import sys, mimo_sft.config.families, mimo_sft.config.schema, mimo_sft.config.checks.registry, "
+               "mimo_sft.validate, mimo_sft.config.loader; "
                f"print([m for m in {HEAVY!r} if m in sys.modules])")
     assert out == "[]"
 
@@ -41,7 +42,8 @@ def test_schema_choices_and_supported_types_come_from_the_descriptors():
     assert flag_table()["--model-family"].choices == choices
     assert "qwen2_5_vl" in families.family_names() and "qwen2_5_vl" in families.model_types()
     assert families.QWEN2_5_VL.modalities == ("images",)
-    assert not hasattr(checks, "SUPPORTED_MODEL_TYPES") and not hasattr(checks, "FAMILY_MODALITIES")
+    for mod in (check_context, layout_checks, model_checks):
+        assert not hasattr(mod, "SUPPORTED_MODEL_TYPES") and not hasattr(mod, "FAMILY_MODALITIES")
 
 
 def _problems(tmp_path, config: dict, *components: str) -> list[str]:
@@ -114,7 +116,7 @@ def test_one_constant_per_module_name():
 
     assert (layout.LANGUAGE, layout.IMAGES) == ("language", "images")
     assert family.IMAGES is layout.IMAGES
-    for path in ("mimo_sft/config/checks.py", "mimo_sft/config/families.py", "mimo_sft/model/family.py",
+    for path in ("mimo_sft/config/checks/layout.py", "mimo_sft/config/checks/context.py", "mimo_sft/config/families.py", "mimo_sft/model/family.py",
                  "mimo_sft/model/builder.py", "mimo_sft/model/qwen2_5_vl.py", "mimo_sft/plan/__init__.py"):
         tree = ast.parse(open(os.path.join(ROOT, path)).read())
         defined = {t.id for n in ast.walk(tree) if isinstance(n, ast.Assign) for t in n.targets

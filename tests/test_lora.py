@@ -7,7 +7,7 @@ import torch
 from typer.testing import CliRunner
 
 from mimo_sft.cli import app
-from mimo_sft.config.checks import check_config
+from mimo_sft.validate import check_config
 from mimo_sft.config.loader import config_from_dict, load_config
 from mimo_sft.errors import UserError
 
@@ -72,7 +72,7 @@ def test_yaml_takes_a_list_of_targets():
 
 
 def test_which_checkpoints_a_run_may_start_from():
-    from mimo_sft.train.checkpoint_lora import check_lora_compatible
+    from mimo_sft.train.checkpoint.lora import check_lora_compatible
 
     def model(**kw):
         return load_config([f"--{k.replace('_', '-')}={v}" for k, v in kw.items()]).model

@@ -36,7 +36,8 @@ import sys
 from mimo_sft.model.export import EXPORT_DTYPES, export_model
 from mimo_sft.model.lora import merge_lora
 from mimo_sft.model.lora_export import build_lora_model, write_peft_adapter
-from mimo_sft.train.checkpoint import load_model_weights, read_meta, resolve_checkpoint
+from mimo_sft.train.checkpoint.files import read_meta, resolve_checkpoint
+from mimo_sft.train.checkpoint.save import load_model_weights
 ck = resolve_checkpoint(sys.argv[1])
 meta = read_meta(ck)
 model, info, spec = build_lora_model(meta["hf_model"], meta["lora"])
@@ -237,7 +238,7 @@ def test_exports_reproduce_training_logits_in_transformers_and_peft(reference):
 
     from mimo_sft.model.check import compare, hf_forward, hf_position_ids, mimo_forward, random_batch
     from mimo_sft.model.lora_export import build_lora_model
-    from mimo_sft.train.checkpoint import load_model_weights
+    from mimo_sft.train.checkpoint.save import load_model_weights
 
     ck = reference + "/checkpoints/iter_0000004"
     merged, adapter = new_dir("lora_merged"), new_dir("lora_adapter")

@@ -20,7 +20,8 @@ from typer.testing import CliRunner
 from dist_utils import run_distributed
 from memory_helpers import worker_rank_state
 from mimo_sft.cli import app
-from mimo_sft.config.checks import check_config, read_hf_config
+from mimo_sft.config.checks.context import read_hf_config
+from mimo_sft.validate import check_config
 from mimo_sft.config.loader import load_config
 from mimo_sft.config.lora import LoraSpec
 from mimo_sft.memory import activations as act

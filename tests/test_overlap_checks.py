@@ -8,8 +8,8 @@ import torch
 from typer.testing import CliRunner
 
 from mimo_sft.cli import app
-from mimo_sft.config.checks import check_config
-from mimo_sft.config.checks_overlap import overlap_param_gather_in_use, parse_profile_steps
+from mimo_sft.validate import check_config
+from mimo_sft.config.checks.overlap import overlap_param_gather_in_use, parse_profile_steps
 from mimo_sft.config.loader import load_config
 
 GOOD = ["--component", "language=dp=2", "--component", "images=dp=2,rank_offset=2", "--micro-batch-size", "4",

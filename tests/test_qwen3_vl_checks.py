@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from mimo_sft.config.checks import check_config
+from mimo_sft.validate import check_config
 from mimo_sft.config.loader import load_config
 from mimo_sft.errors import UserError
 

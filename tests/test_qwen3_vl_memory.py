@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mimo_sft.config.checks import read_hf_config
+from mimo_sft.config.checks.context import read_hf_config
 from mimo_sft.memory import activations as act
 from mimo_sft.memory.dims import (TextDims, VisionDims, language_params, language_stage_params, vision_lora_params,
                                   vision_params)
@@ -95,7 +95,7 @@ def test_shipped_qwen3_vl_config_validates_and_fits(q3_8b):
     forecast it quotes is the one validate prints (language 68.1, images 12.9 GiB)."""
     import os
 
-    from mimo_sft.config.checks import check_config
+    from mimo_sft.validate import check_config
     from mimo_sft.config.loader import load_config
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -122,7 +122,7 @@ def _assert_exports_in_bf16(ckpt):
     from safetensors.torch import load_file
     from transformers import AutoModelForImageTextToText
 
-    from mimo_sft.export import export_checkpoint
+    from mimo_sft.train.export import export_checkpoint
 
     as_bf16 = export_checkpoint(ckpt, new_dir("export_bf16"))
     as_fp32 = export_checkpoint(ckpt, new_dir("export_fp32"), dtype="fp32")

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from dist_utils import free_port
-from mimo_sft.train.checkpoint_files import complete_checkpoints, resolve_checkpoint
+from mimo_sft.train.checkpoint.files import complete_checkpoints, resolve_checkpoint
 from mimo_sft.train.stopping import StopPolicy, resume_command
 from train_helpers import ROOT, TORCHRUN, demo_data, metrics, new_dir, tiny_model, torchrun
 

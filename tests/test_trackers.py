@@ -8,7 +8,7 @@ import os
 import pytest
 
 from mimo_sft.config import trackers as tracker_cfg
-from mimo_sft.config.checks import check_config
+from mimo_sft.validate import check_config
 from mimo_sft.config.schema import ExperimentConfig, LoggingConfig
 from mimo_sft.train.metrics import MetricsLogger
 from mimo_sft.train.trackers import open_trackers

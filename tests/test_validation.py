@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from data_fixtures import demo_dataset_dir, tiny_checkpoint_dir
-from mimo_sft.config.checks import check_config
+from mimo_sft.validate import check_config
 from mimo_sft.config.loader import load_config
 from mimo_sft.config.schema import DataConfig
 from mimo_sft.errors import UserError
@@ -173,7 +173,7 @@ def test_a_validation_sample_whose_images_do_not_fit_is_refused_not_replaced():
 # ---- --save-best: the best checkpoint survives pruning ------------------------------------------------
 
 def _published(root, step):
-    from mimo_sft.train.checkpoint_files import publish
+    from mimo_sft.train.checkpoint.files import publish
 
     tmp = os.path.join(root, f"iter_{step:07d}.tmp")
     os.makedirs(os.path.join(tmp, "model"))
@@ -183,7 +183,7 @@ def _published(root, step):
 
 
 def test_best_is_never_pruned_and_the_old_best_goes_once_replaced(tmp_path):
-    from mimo_sft.train.checkpoint_files import BEST, complete_checkpoints, latest_name, mark_best
+    from mimo_sft.train.checkpoint.files import BEST, complete_checkpoints, latest_name, mark_best
 
     root = str(tmp_path)
     names = lambda: [n for _s, _v, n in complete_checkpoints(root)]  # noqa: E731

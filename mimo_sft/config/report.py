@@ -5,7 +5,7 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
-from mimo_sft.config.checks import CheckResult
+from mimo_sft.config.checks.registry import CheckResult
 from mimo_sft.config.schema import ExperimentConfig
 
 

@@ -21,6 +21,7 @@ import os
 from pathlib import Path
 from typing import Any, Iterator
 
+from mimo_sft.data.image_refs import arrow_storage, image_list, path_of, walk_arrow
 from mimo_sft.errors import UserError
 
 #: rows converted to Python objects at a time (a slice of a chunk; memory stays this small)
@@ -46,13 +47,12 @@ def _row_ids(start: int, n: int):
 
 def content_refs(source) -> Iterator[tuple[int, Any]]:
     """(row, reference) of every image named inside message content, in row order, slice by slice."""
-    from mimo_sft.data.sources import _walk_arrow
 
     if source.schema != "messages":
         return
     for start, arr in _slices(source.ds.data.table.column(source.text_column)):
         out: list = []
-        _walk_arrow(arr, _row_ids(start, len(arr)), out)
+        walk_arrow(arr, _row_ids(start, len(arr)), out)
         yield from sorted(out, key=lambda x: x[0])
 
 
@@ -61,12 +61,11 @@ def _slice_paths(column, rows) -> list[tuple[int, str]]:
     import pyarrow as pa
     import pyarrow.compute as pc
 
-    from mimo_sft.data.sources import _image_list, _path_of, _storage
 
-    column = _storage(column)
+    column = arrow_storage(column)
     if pa.types.is_list(column.type) or pa.types.is_large_list(column.type):
         rows = pc.take(rows, pc.list_parent_indices(column))
-        column = _storage(pc.list_flatten(column))
+        column = arrow_storage(pc.list_flatten(column))
     if pa.types.is_struct(column.type):
         names = [column.type.field(i).name for i in range(column.type.num_fields)]
         if "path" not in names:
@@ -81,7 +80,7 @@ def _slice_paths(column, rows) -> list[tuple[int, str]]:
     # plain paths, or JSON text (a Json feature) holding a path, a list of paths or a dict
     valid = pc.is_valid(column)
     return [(row, p) for row, value in zip(pc.filter(rows, valid).to_pylist(), pc.filter(column, valid).to_pylist())
-            for p in map(_path_of, _image_list(value)) if p is not None]
+            for p in map(path_of, image_list(value)) if p is not None]
 
 
 def image_paths(source) -> Iterator[tuple[int, str]]:
@@ -89,10 +88,9 @@ def image_paths(source) -> Iterator[tuple[int, str]]:
 
     Paths come from the images column, or for a dataset without one from the message content.
     """
-    from mimo_sft.data.sources import _path_of
 
     if source.images_column is None:
-        yield from ((row, p) for row, ref in content_refs(source) if (p := _path_of(ref)) is not None)
+        yield from ((row, p) for row, ref in content_refs(source) if (p := path_of(ref)) is not None)
         return
     for start, arr in _slices(source.ds.data.table.column(source.images_column)):
         yield from _slice_paths(arr, _row_ids(start, len(arr)))

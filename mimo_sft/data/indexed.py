@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import Callable, Mapping
 
-from mimo_sft.data.loader import _ERROR_KEY, _STATS_KEY, MicroBatchDataset
+from mimo_sft.data.microbatch import ERROR_KEY, STATS_KEY, MicroBatchDataset
 from mimo_sft.data.reorder import planning
 from mimo_sft.errors import BadSampleError, UserError
 
@@ -83,9 +83,9 @@ class IndexReorderedDataset(MicroBatchDataset):
             if self.need_pixels:
                 mine = [self.add_pixels(s) for s in mine]
         except UserError as err:  # crosses worker processes as data, re-raised as one line
-            return {_ERROR_KEY: str(err)}
+            return {ERROR_KEY: str(err)}
         batch = self.collate(mine, self.need_pixels)
         stats = {k: v for k, v in info.items() if k not in _PLAN_ONLY}
         stats.update(order=info["order"], reorder_exchange_s=0.0, reorder_wait_s=0.0, reorder_bytes=0)
-        batch[_STATS_KEY] = stats
+        batch[STATS_KEY] = stats
         return batch

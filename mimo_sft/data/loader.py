@@ -21,18 +21,13 @@ from typing import Iterator
 
 import torch
 
-from mimo_sft.data.preprocess import SamplePreprocessor, TruncatedImageError, collate
+from mimo_sft.data.microbatch import ERROR_KEY, MicroBatchDataset, MicroBatchIterator, identity, worker_init
+from mimo_sft.data.preprocess import SamplePreprocessor
 from mimo_sft.data.sampler import CanonicalSampler
 from mimo_sft.data.sources import SFTSource, load_sft_dataset
-from mimo_sft.errors import BadSampleError, UserError
+from mimo_sft.errors import UserError
 
 log = logging.getLogger("mimo_sft.data")
-
-_ERROR_KEY = "__user_error__"
-#: what a worker reports beside a micro-batch (bad samples, images decoded); the iterator pops it
-_SIDE_KEY = "__data_report__"
-_STATS_KEY = "__reorder_stats__"
-
 
 def model_token_info(model_dir: str | os.PathLike) -> dict:
     """Special token ids and vision geometry from the checkpoint's config.json (no transformers)."""
@@ -54,144 +49,6 @@ def model_token_info(model_dir: str | os.PathLike) -> dict:
         }
     except KeyError as err:
         raise UserError(f"model.hf_model: {path} lacks {err}; is this a Qwen2.5-VL checkpoint?") from None
-
-
-class MicroBatchDataset(torch.utils.data.Dataset):
-    """Item = one rank-local micro-batch: ``ds[list_of_indices]`` -> design.md dict.
-
-    ``max_bad_samples > 0``: a sample whose image cannot be read becomes a stand-in of the same row
-    (:meth:`encode`) and is reported beside the batch (``__bad_samples__``), for the iterator to
-    count, name and limit; 0 refuses it (one line), as before.
-    """
-
-    def __init__(self, source: SFTSource, pre: SamplePreprocessor, *, need_pixels: bool, on_truncation: str = "drop",
-                 pad_to_seq_length: bool = True, keep_slice: tuple[int, int] | None = None, max_bad_samples: int = 0,
-                 pixel_slice: tuple[int, int] | None = None):
-        self.source, self.pre = source, pre
-        self.need_pixels = need_pixels
-        self.on_truncation = on_truncation
-        self.pad_to_seq_length = pad_to_seq_length
-        self.keep_slice = keep_slice
-        self.max_bad_samples = max_bad_samples
-        #: colocated layouts: only the samples at these positions of the (kept) micro-batch are
-        #: decoded -- this rank's encoder slice; the batch's pixels are then that slice's only
-        self.pixel_slice = pixel_slice
-        self.dropped = 0
-        self._bad: list[tuple[int, str | None, str, str]] = []  # (index, path, reason, stage)  # of the item being built
-
-    def __len__(self) -> int:
-        return len(self.source)
-
-    def encode(self, idx: int, *, need_pixels: bool | None = None) -> dict:
-        """Encode sample idx, replacing it by the next sample that fits if its images would be cut."""
-        need = self.need_pixels if need_pixels is None else need_pixels
-        n = len(self.source)
-        j = int(idx)
-        for _ in range(n):
-            messages, refs = self.source[j]
-            try:
-                return self._encode_or_stand_in(messages, refs, j, need)
-            except TruncatedImageError as err:
-                if self.on_truncation == "error":
-                    raise UserError(f"{err}; raise --seq-length, lower --max-pixels, or use --on-truncation drop") from None
-                self.dropped += 1
-                log.warning("dropped sample %d (image tokens end at %d > --seq-length %d), using sample %d instead; "
-                            "%d dropped so far in this process", j, err.needed, err.seq_length, (j + 1) % n, self.dropped)
-                j = (j + 1) % n
-        raise UserError(f"no sample of the dataset fits in --seq-length {self.pre.seq_length}; raise it or lower --max-pixels")
-
-    def _encode_or_stand_in(self, messages, refs, j: int, need: bool) -> dict:
-        """The sample, or (bad image, ``--max-bad-samples`` > 0) its stand-in: a missing or unreadable
-        file (seen by every rank, headers are read everywhere) gives the text-only, zero-loss row; a
-        header that reads but pixels that do not decode (seen only where pixels are decoded) keep
-        the text and get zero pixels of the same grid, so every rank agrees on the sample's tokens."""
-        try:
-            return self.pre.encode(messages, refs, j, need_pixels=need)
-        except BadSampleError as err:
-            if self.max_bad_samples <= 0:
-                raise
-            self._bad.append((j, err.path, err.reason, getattr(err, "stage", "header")))
-            if getattr(err, "stage", None) != "pixels":
-                return self.pre.text_only_stand_in(messages, j)
-            sample = self.pre.encode(messages, refs, j, need_pixels=False)
-            sample["pixel_values"], sample["image_grid_thw"] = self.pre.blank_pixels(sample["grids"])
-            sample["blank_images"] = len(sample["grids"])
-            return sample
-
-    def collate(self, samples: list[dict], need_pixels: bool) -> dict:
-        batch = collate(samples, pad_id=self.pre.pad_id, need_pixels=need_pixels, pixel_dim=self.pre.pixel_dim,
-                        seq_length=self.pre.seq_length if self.pad_to_seq_length else None)
-        decoded = sum(len(s["grids"]) - s.get("blank_images", 0) for s in samples if "pixel_values" in s)
-        batch[_SIDE_KEY] = {"bad_samples": self._bad, "images_decoded": decoded if need_pixels else 0}
-        self._bad = []
-        return batch
-
-    def __getitem__(self, indices) -> dict:
-        self._bad = []
-        lo, hi = self.keep_slice if self.keep_slice is not None else (0, len(indices))
-        p0, p1 = (lo + self.pixel_slice[0], lo + self.pixel_slice[1]) if self.pixel_slice else (lo, hi)
-        try:  # positions outside the kept range are encoded too (non-scalable DP reads everything)
-            samples = [self.encode(i, need_pixels=self.need_pixels and p0 <= k < p1) for k, i in enumerate(indices)]
-        except UserError as err:  # crosses worker processes as data, re-raised as one line
-            return {_ERROR_KEY: str(err)}
-        return self.collate(samples[lo:hi], self.need_pixels)
-
-
-def _identity(x):
-    return x
-
-
-def _worker_init(_worker_id: int) -> None:
-    """One intra-op thread per worker: workers already run in parallel, and torch's thread pool in
-    each of them oversubscribes the cores (measured slower on a 2-core machine)."""
-    torch.set_num_threads(1)
-
-
-class MicroBatchIterator:
-    """Endless iterator of micro-batch dicts; ``UserError`` from any worker is raised here as one line.
-
-    It also keeps the data report of what it served: images decoded, and the bad samples skipped
-    (each named once in the log; more distinct ones than ``max_bad_samples`` stop the run with one
-    line naming them). ``last_report`` is the last micro-batch's, ``images_decoded`` /
-    ``bad_samples`` the running totals of this process.
-    """
-
-    def __init__(self, loader, sampler: CanonicalSampler, dataset: MicroBatchDataset):
-        self.loader, self.sampler, self.dataset = loader, sampler, dataset
-        self._it = iter(loader)
-        self.images_decoded = 0
-        self.bad_samples: dict[int, tuple[str | None, str]] = {}
-        self.bad_by_stage = {"header": 0, "pixels": 0}  # header: every rank sees it; pixels: decoding ranks only
-        self.last_report: dict = {"bad_samples": [], "images_decoded": 0}
-        self.last_stats: dict = {}  # index-mode reordering: the plan figures of the last micro-batch
-
-    def __iter__(self):
-        return self
-
-    def __next__(self) -> dict:
-        batch = next(self._it)
-        if _ERROR_KEY in batch:
-            raise UserError(batch[_ERROR_KEY])
-        report = batch.pop(_SIDE_KEY, None) or {"bad_samples": [], "images_decoded": 0}
-        self.last_stats = batch.pop(_STATS_KEY, {})
-        self.last_report = report
-        self.images_decoded += report["images_decoded"]
-        for index, path, reason, stage in report["bad_samples"]:
-            if index in self.bad_samples:
-                continue
-            self.bad_samples[index] = (path, reason)
-            self.bad_by_stage[stage] += 1
-            log.warning("skipped bad sample %d (%s): %s; %d skipped so far (--max-bad-samples %d)", index, path or
-                        "in-dataset bytes", reason, len(self.bad_samples), self.dataset.max_bad_samples)
-        if len(self.bad_samples) > self.dataset.max_bad_samples:
-            named = "; ".join(f"{i} ({p or 'in-dataset bytes'})" for i, (p, _r) in sorted(self.bad_samples.items()))
-            raise UserError(f"{len(self.bad_samples)} samples have unreadable images, more than --max-bad-samples "
-                            f"{self.dataset.max_bad_samples}: samples {named}; fix or remove those images, or raise "
-                            "--max-bad-samples")
-        return batch
-
-    def shutdown(self) -> None:
-        """Nothing to stop (the DataLoader's workers end with it); the feed calls this on any source."""
 
 
 def build_preprocessor(data_cfg, model_dir) -> SamplePreprocessor:
@@ -257,9 +114,9 @@ def build_microbatch_iterator(data_cfg, *, model_dir, micro_batch_size: int, can
     if warning:
         log.warning(warning)
     loader = torch.utils.data.DataLoader(
-        dataset, sampler=sampler, batch_size=None, collate_fn=_identity, num_workers=workers,
+        dataset, sampler=sampler, batch_size=None, collate_fn=identity, num_workers=workers,
         persistent_workers=workers > 0, prefetch_factor=2 if workers > 0 else None,
-        worker_init_fn=_worker_init if workers > 0 else None, pin_memory=pin_memory,
+        worker_init_fn=worker_init if workers > 0 else None, pin_memory=pin_memory,
         # its own generator: starting an iterator draws a base seed, which must not move the global
         # torch RNG (a resumed run starts its iterator at another step than the continuous run)
         generator=torch.Generator().manual_seed(seed),
@@ -337,7 +194,7 @@ class _MetaDataset(torch.utils.data.Dataset):
         try:
             return [self.one(int(i)) for i in self.chunks[k]]
         except UserError as err:
-            return {_ERROR_KEY: str(err)}
+            return {ERROR_KEY: str(err)}
 
     def one(self, i: int) -> SampleMeta:
         messages, refs = self.source[i]
@@ -360,12 +217,12 @@ def sample_metadata(data_cfg, *, model_dir, indices=None, num_workers: int = 0, 
     if num_workers <= 0:
         items: Iterator = (ds[k] for k in range(len(ds)))
     else:
-        items = iter(torch.utils.data.DataLoader(ds, batch_size=None, collate_fn=_identity, num_workers=num_workers,
-                                                 worker_init_fn=_worker_init))
+        items = iter(torch.utils.data.DataLoader(ds, batch_size=None, collate_fn=identity, num_workers=num_workers,
+                                                 worker_init_fn=worker_init))
     out = []
     for item in items:
         if isinstance(item, dict):
-            raise UserError(item[_ERROR_KEY])
+            raise UserError(item[ERROR_KEY])
         out.extend(item)
     return out
 

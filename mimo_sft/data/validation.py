@@ -24,8 +24,8 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
-from mimo_sft.config.checks_eval import parse_valid_split as config_valid_split
-from mimo_sft.data.loader import MicroBatchDataset, MicroBatchIterator, _identity, _worker_init
+from mimo_sft.config.checks.validation import parse_valid_split as config_valid_split
+from mimo_sft.data.microbatch import MicroBatchDataset, MicroBatchIterator, identity, worker_init
 from mimo_sft.data.preprocess import SamplePreprocessor
 from mimo_sft.data.sources import SFTSource, load_sft_dataset
 from mimo_sft.errors import UserError
@@ -206,9 +206,9 @@ class ValidationReader:
                                   pad_to_seq_length=pad_to_seq_length, keep_slice=keep, pixel_slice=pixel_slice)
         self.dataset = _ValidationBatches(inner, keep)
         self.loader = torch.utils.data.DataLoader(
-            self.dataset, sampler=self.sampler, batch_size=None, collate_fn=_identity, num_workers=num_workers,
+            self.dataset, sampler=self.sampler, batch_size=None, collate_fn=identity, num_workers=num_workers,
             persistent_workers=num_workers > 0, prefetch_factor=2 if num_workers > 0 else None,
-            worker_init_fn=_worker_init if num_workers > 0 else None, generator=torch.Generator().manual_seed(0))
+            worker_init_fn=worker_init if num_workers > 0 else None, generator=torch.Generator().manual_seed(0))
 
     @property
     def micro_batches(self) -> int:

@@ -12,7 +12,7 @@ its ``model.safetensors.index.json`` (``model.export_shards``), so
 converted shapes, then asks the caller for one group of weights at a time (a decoder layer, a vision
 block, an embedding), converts and casts it, and hands it to the shard writer, which writes each
 shard once complete. Host memory: about one group plus one shard, never the model. Reading the
-checkpoint is ``train.checkpoint``'s business; ``mimo_sft.export`` joins the two (model/ never imports
+checkpoint is ``train.checkpoint``'s business; ``mimo_sft.train.export`` joins the two (model/ never imports
 train/).
 """
 

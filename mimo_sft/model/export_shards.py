@@ -32,8 +32,8 @@ _FILENAME_PATTERN = SAFE_SINGLE.replace(".safetensors", "{suffix}.safetensors")
 
 
 def shard_size_bytes(size) -> int:
-    """``--export-shard-size`` -> bytes (the rule is check 34's, ``config.checks_checkpoint``); UserError when bad."""
-    from mimo_sft.config.checks_checkpoint import shard_size_bytes as parse
+    """``--export-shard-size`` -> bytes (the rule is check 34's, ``config.checks.checkpoint``); UserError when bad."""
+    from mimo_sft.config.checks.checkpoint import shard_size_bytes as parse
 
     try:
         return parse(size)

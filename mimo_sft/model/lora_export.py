@@ -7,7 +7,7 @@
   group and one shard, never the model; bit for bit the whole-model merge (tests/test_lora_e2e.py).
 * ``--adapter-only`` (:func:`export_peft`): the 1-rank TP-1 model on the meta device with LoRA
   applied as the checkpoint's settings say, only the checkpoint's tensors (adapters, trained base
-  weights) read into it by the caller's reader (``mimo_sft.export`` joins this with
+  weights) read into it by the caller's reader (``mimo_sft.train.export`` joins this with
   ``train.checkpoint``; model/ never imports train/), then ``adapter_config.json`` + ``adapter_model.safetensors`` in PEFT's format for
   the family's transformers model (``Qwen2_5_VLForConditionalGeneration``, ``Qwen3VLForConditionalGeneration``). megatron fuses layers that HF keeps apart, and one fused
   LoRA is exactly several PEFT LoRAs that share A: ``linear_qkv`` -> ``q_proj``/``k_proj``/``v_proj``

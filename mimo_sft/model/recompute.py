@@ -1,6 +1,6 @@
 """Activation recomputation and sequence parallelism: the model's side of ``--recompute-*`` and
 ``--sequence-parallel`` (the rules that refuse bad combinations are checks 21 and 22,
-``config.checks_memory``).
+``config.checks.memory``).
 
 * Language: megatron's own ``TransformerConfig`` settings (``recompute_granularity`` 'selective'
   with ``recompute_modules``, or 'full' with ``recompute_method`` uniform/block and

@@ -91,7 +91,7 @@ def split_plan_args(args: list[str]) -> tuple[PlanOptions, list[str]]:
 
 def _valid_layout(cfg):
     """The layout, or one UserError line naming the first problem training would refuse."""
-    from mimo_sft.config.checks import check_config
+    from mimo_sft.validate import check_config
 
     result = check_config(cfg, for_run=True)
     # check 23 forecasts the worst case; the plan forecasts this data's heaviest micro-batch instead

@@ -36,7 +36,8 @@ def data_workload(cfg, layout, mbs_list, traces: dict, merge: int) -> Workload:
 def plan_memory(cfg, layout, mbs_list, traces: dict) -> dict | None:
     """Check 23 on the data: ``{"forecast", "budget_bytes", "budget_source", "problems"}``, or None
     when it cannot forecast (no config.json, a layout the other checks refuse)."""
-    from mimo_sft.config.checks import check_config, read_hf_config
+    from mimo_sft.config.checks.context import read_hf_config
+    from mimo_sft.validate import check_config
 
     hf = read_hf_config(cfg.model.hf_model)
     if hf is None or "vision_config" not in hf:

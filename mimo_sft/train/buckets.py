@@ -2,7 +2,7 @@
 
 With ``--overlap-grad-reduce`` megatron reduces the language model's gradients bucket by bucket
 (``--ddp-bucket-size`` parameters each; without overlap, one bucket). The distributed optimizer's
-default checkpoint form (``dp_reshardable``, ``train.checkpoint_optimizer``) stores its flat buffers
+default checkpoint form (``dp_reshardable``, ``train.checkpoint.optimizer``) stores its flat buffers
 per bucket, so a resume must cut the buckets as the save did: :func:`language_bucket_size` takes the
 checkpoint's bucket size (``meta.json``'s ``language_ddp_bucket_size``; a checkpoint without it was
 saved as one bucket) over this run's flags, and says so when they differ. ``--save-reshardable``
@@ -36,8 +36,8 @@ def requested_bucket_size(cfg) -> Optional[int]:
 def language_bucket_size(cfg, *, announce: bool) -> Optional[int]:
     """The language model's bucket size: the flags', except on a resume of a distributed-optimizer
     checkpoint in the DP-reshardable form, whose buffers only load into the buckets they were saved in."""
-    from mimo_sft.train.checkpoint_files import read_meta, resolve_checkpoint
-    from mimo_sft.train.checkpoint_optimizer import DP_RESHARDABLE, saved_format
+    from mimo_sft.train.checkpoint.files import read_meta, resolve_checkpoint
+    from mimo_sft.train.checkpoint.optimizer import DP_RESHARDABLE, saved_format
 
     wanted = requested_bucket_size(cfg)
     path = cfg.checkpoint.load_checkpoint

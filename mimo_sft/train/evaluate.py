@@ -124,8 +124,8 @@ def evaluate_command(args: list[str]) -> int:
     """``mimo-sft evaluate``: every rank loads the config, runs the checks, builds the layout, loads
     the weights and joins one evaluation; the metrics rank prints the result. A checkpoint's base
     model (``hf_model`` in its meta.json) is the default ``--hf-model``."""
-    from mimo_sft.train.checkpoint_files import read_meta, resolve_checkpoint
-    from mimo_sft.train.run import launch_checked
+    from mimo_sft.train.checkpoint.files import read_meta, resolve_checkpoint
+    from mimo_sft.train.launch import launch_checked
 
     as_json = "--json" in args
     args = [a for a in args if a != "--json"]
@@ -144,9 +144,9 @@ def _evaluate(cfg, layout, as_json: bool) -> int:
     from mimo_sft.data.validation import split_sources, valid_flag
     from mimo_sft.data.sources import load_sft_dataset
     from mimo_sft.parallel.bootstrap import start_world
-    from mimo_sft.train.checkpoint import load_model_weights
-    from mimo_sft.train.checkpoint_files import read_meta, resolve_checkpoint
-    from mimo_sft.train.checkpoint_lora import check_lora_compatible
+    from mimo_sft.train.checkpoint.save import load_model_weights
+    from mimo_sft.train.checkpoint.files import read_meta, resolve_checkpoint
+    from mimo_sft.train.checkpoint.lora import check_lora_compatible
     from mimo_sft.train.setup import build_model_and_optimizer, build_state
     from mimo_sft.train.step import StepRunner
 

@@ -39,7 +39,7 @@ from typing import Optional
 import torch
 from torch.autograd.profiler import record_function
 
-from mimo_sft.config.checks_overlap import parse_profile_ranks, parse_profile_steps, profile_folder
+from mimo_sft.config.checks.overlap import parse_profile_ranks, parse_profile_steps, profile_folder
 
 
 class _OpenRange:

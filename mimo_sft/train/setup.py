@@ -18,7 +18,7 @@ from typing import Any, Optional
 import torch
 
 from mimo_sft.config.schema import ExperimentConfig
-from mimo_sft.config.checks_overlap import overlap_param_gather_in_use
+from mimo_sft.config.checks.overlap import overlap_param_gather_in_use
 from mimo_sft.config.lora import LoraSpec, distributed_optimizer_in_use
 from mimo_sft.parallel import runtime  # first: importing mimo_sft.parallel makes megatron importable
 from mimo_sft.parallel.groups import ParallelState, build_parallel_state
@@ -170,7 +170,7 @@ def _lr_overrides(o) -> dict:
     ``--min-lr`` scaled by the same ratio, so the schedule keeps its shape), only where they differ from
     ``--lr``: a run without them has megatron's own groups. (megatron builds a module's groups from the
     union over the ranks building at the same time, which depends on the layout when modules' groups
-    differ; ``train.checkpoint_optimizer.align_param_groups`` pairs them on another layout's resume.)"""
+    differ; ``train.checkpoint.optimizer.align_param_groups`` pairs them on another layout's resume.)"""
     from megatron.core.optimizer import get_standard_config_overrides
     from megatron.core.optimizer.optimizer_config import ParamKey
 

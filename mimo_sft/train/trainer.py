@@ -44,9 +44,9 @@ from mimo_sft.parallel import runtime
 from mimo_sft.parallel.bootstrap import start_world
 from mimo_sft.parallel.groups import ParallelState
 from mimo_sft.parallel.layout import LANGUAGE, Layout
-from mimo_sft.train.checkpoint import restore, save_checkpoint, save_gradients
-from mimo_sft.train.checkpoint_files import BEST, latest_name, mark_best, read_meta, resolve_checkpoint
-from mimo_sft.train.checkpoint_write import PendingSaves
+from mimo_sft.train.checkpoint.save import restore, save_checkpoint, save_gradients
+from mimo_sft.train.checkpoint.files import BEST, latest_name, mark_best, read_meta, resolve_checkpoint
+from mimo_sft.train.checkpoint.write import PendingSaves
 from mimo_sft.train.evaluate import EvalResult, Evaluator
 from mimo_sft.train.feed import Feed, build_feed, checked_source
 from mimo_sft.train.flops import peak_tflops_for
@@ -118,7 +118,7 @@ class Trainer:
 
     def _export_failed(self, err: Exception) -> str:
         """One line for an export that failed after training: what was kept, where, and the retry."""
-        from mimo_sft.train.checkpoint_files import latest_name
+        from mimo_sft.train.checkpoint.files import latest_name
 
         kept = latest_name(self.save_dir)
         where = os.path.join(self.save_dir, kept) if kept else self.save_dir
@@ -413,7 +413,7 @@ class Trainer:
         ``parallel.bootstrap``), so the export never holds more than one copy of the model and never
         waits on (or keeps waiting) any other rank.
         """
-        from mimo_sft.export import export_checkpoint
+        from mimo_sft.train.export import export_checkpoint
 
         self.ctx.model = self.ctx.optimizer = self.ctx.modules = None
         self.runner.model = self.runner.modules = None

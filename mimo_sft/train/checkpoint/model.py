@@ -1,6 +1,6 @@
 """The model's side of a checkpoint: wrapper-free sharded state dicts and the layout signature.
 
-Shared by :mod:`checkpoint` (weights, meta) and :mod:`checkpoint_optimizer` (whose map is built
+Shared by :mod:`checkpoint` (weights, meta) and :mod:`optimizer` (whose map is built
 from the same model state dict), so that neither imports the other.
 """
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
-from mimo_sft.train.checkpoint_lora import has_lora, trainable_entries
+from mimo_sft.train.checkpoint.lora import has_lora, trainable_entries
 
 
 def layout_signature(layout) -> list[dict]:

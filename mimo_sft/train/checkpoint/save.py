@@ -1,30 +1,30 @@
 """Checkpoints of a run's state: a run killed mid-save never loses the previous one, and a run
 resumes on any layout.
 
-Layout of ``SAVE_DIR`` (folder rules, fsync order and pruning: :mod:`checkpoint_files`)::
+Layout of ``SAVE_DIR`` (folder rules, fsync order and pruning: :mod:`files`)::
 
     latest                 -> text file naming the newest complete checkpoint ("iter_0000020")
     iter_0000020/
         meta.json          step, consumed samples, layout, source model, config
         model/             megatron dist-checkpoint of MimoModel.sharded_state_dict (layout-free;
-                           a LoRA run's holds only what trains: :mod:`checkpoint_lora`)
+                           a LoRA run's holds only what trains: :mod:`lora`)
         optimizer/         megatron dist-checkpoint of MimoOptimizer.sharded_state_dict (layout-free):
                            Adam moments and step, param groups, the fp32 main weights of a bf16 run
-                           (:mod:`checkpoint_optimizer`)
+                           (:mod:`optimizer`)
         rank_00000.pt      this rank's RNG streams (Python, numpy, torch, device, megatron's tracker)
     iter_0000020.v2/       a re-save of step 20 (a resumed run reached it again); replaces iter_0000020
     iter_0000030.tmp/      a save in progress: never read, removed by the next save of that step
 
 Every rank writes (and fsyncs) its own shards into ``iter_N.tmp``, in parallel (megatron's fully
-parallel save; ``--async-save``: from host copies, on a writer thread while training goes on, :mod:`checkpoint_write`);
+parallel save; ``--async-save``: from host copies, on a writer thread while training goes on, :mod:`write`);
 once every rank's writes are done rank 0 writes ``meta.json`` and publishes the folder: fsync,
 rename, ``latest`` replaced atomically, and only then older copies removed
-(:func:`checkpoint_files.publish`). A partial ``.tmp`` folder is never
+(:func:`files.publish`). A partial ``.tmp`` folder is never
 picked up, and ``latest`` always names a complete checkpoint.
 
 Weights and optimizer state are megatron dist-checkpoints, so ``--load-checkpoint`` continues on
 another layout (language/encoder DP, TP, PP, colocated or not; a distributed optimizer's default
-DP-only form only on its saved TP/PP, :mod:`checkpoint_optimizer`) with the same weights, Adam state,
+DP-only form only on its saved TP/PP, :mod:`optimizer`) with the same weights, Adam state,
 step, LR schedule (a function of the step) and data position (``consumed_samples``: every layout
 reads the same global batches). Only the RNG streams are per rank: restored when the layout is
 the one the checkpoint was saved with (then a resume is bit-exact), restarted from the seed on
@@ -41,16 +41,15 @@ import torch
 import torch.distributed as dist
 
 from mimo_sft.config.lora import distributed_optimizer_in_use
-from mimo_sft.config.checks_checkpoint import reshard_problem
+from mimo_sft.config.checks.checkpoint import reshard_problem
 from mimo_sft.errors import UserError
 from mimo_sft.parallel import runtime
-from mimo_sft.train.checkpoint_files import (LATEST, fsync_file, iter_dir, kill_point, publish, read_meta,  # noqa: F401
-                                             resolve_checkpoint)
-from mimo_sft.train.checkpoint_optimizer import (OPTIMIZER_DIR, has_optimizer, load_optimizer, optimizer_save_request,
+from mimo_sft.train.checkpoint.files import fsync_file, iter_dir, kill_point, publish, read_meta, resolve_checkpoint
+from mimo_sft.train.checkpoint.optimizer import (OPTIMIZER_DIR, has_optimizer, load_optimizer, optimizer_save_request,
                                                  save_format, saved_format)
-from mimo_sft.train.checkpoint_write import PendingSaves, one_request, part_request, run_now
-from mimo_sft.train.checkpoint_lora import check_lora_compatible, has_lora, lora_load_entries, lora_meta
-from mimo_sft.train.checkpoint_model import (encoder_replica_rank, layout_signature, model_sharded_state_dict,  # noqa: F401
+from mimo_sft.train.checkpoint.write import PendingSaves, one_request, part_request, run_now
+from mimo_sft.train.checkpoint.lora import check_lora_compatible, has_lora, lora_load_entries, lora_meta
+from mimo_sft.train.checkpoint.model import (encoder_replica_rank, layout_signature, model_sharded_state_dict,
                                              unwrapped)
 
 
@@ -58,7 +57,7 @@ def save_checkpoint(root: str, *, step: int, consumed_samples: int, ctx, extra_m
                     keep_last: int | None = None, pending: PendingSaves | None = None, on_published=None) -> str | None:
     """Collective: every rank calls it. Returns the published folder (see the module docstring), or
     None when ``pending`` is given: the save then completes in the background and
-    ``on_published(folder)`` runs (every rank) once it is published (:mod:`checkpoint_write`).
+    ``on_published(folder)`` runs (every rank) once it is published (:mod:`write`).
 
     ``keep_last`` defaults to the run's ``--keep-last-checkpoints``.
     """
@@ -165,7 +164,7 @@ def load_model_weights(model, ckpt: str, *, pretrained: bool = False) -> None:
 
     A model with LoRA adapters loads every tensor the checkpoint holds (a LoRA checkpoint: its
     adapters and unfrozen weights on top of the base weights the model was built with; a full one:
-    base weights) and requires what ``checkpoint_lora.lora_load_entries`` says (``pretrained``:
+    base weights) and requires what ``lora.lora_load_entries`` says (``pretrained``:
     ``--pretrained-checkpoint``).
     """
     from megatron.core import dist_checkpointing
@@ -188,14 +187,14 @@ def model_weight_reader(ckpt: str):
     """``read(model, keys) -> {key: tensor}``: the checkpoint's weights for those ``state_dict`` keys
     of ``model`` (any layout; a meta-device model will do: its ``sharded_state_dict`` names the
     tensors, host buffers of their shapes are made for just these keys), reading only the stored
-    chunks of those tensors (``checkpoint_read``). The streamed export
+    chunks of those tensors (``read``). The streamed export
     (``model.export.export_weights``) reads one decoder layer at a time with it.
     """
     from dataclasses import replace
 
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 
-    from mimo_sft.train.checkpoint_read import read_model_part
+    from mimo_sft.train.checkpoint.read import read_model_part
 
     folder = os.path.join(ckpt, "model")
     cache: dict = {}

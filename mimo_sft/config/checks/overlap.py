@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 from typing import Optional
 
-from mimo_sft.config.checks_paths import folder_problem
+from mimo_sft.config.checks.paths import folder_problem
 from mimo_sft.config.lora import distributed_optimizer_in_use
 
 

@@ -36,7 +36,7 @@ def export_checkpoint(checkpoint: str, out_dir: str, *, hf_model: str | None = N
     fine-tuning checkpoint is exported streamed, one decoder layer at a time (``model.export``).
     Returns ``out_dir``.
     """
-    from mimo_sft.config.checks_checkpoint import shard_size_bytes
+    from mimo_sft.config.checks.checkpoint import shard_size_bytes
     from mimo_sft.config.schema import CheckpointConfig
 
     try:  # before torch is imported: a bad flag answers at once
@@ -44,7 +44,8 @@ def export_checkpoint(checkpoint: str, out_dir: str, *, hf_model: str | None = N
     except ValueError as err:
         raise UserError(str(err)) from None
     from mimo_sft.model.export import EXPORT_DTYPES, export_weights
-    from mimo_sft.train.checkpoint import model_weight_reader, read_meta, resolve_checkpoint, stored_state_keys
+    from mimo_sft.train.checkpoint.files import read_meta, resolve_checkpoint
+    from mimo_sft.train.checkpoint.save import model_weight_reader, stored_state_keys
 
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise UserError(f"--out {out_dir} is a file; choose a folder to write the Hugging Face checkpoint into")

@@ -38,7 +38,7 @@ import sys
 import threading
 
 from mimo_sft.errors import UserError
-from mimo_sft.train.checkpoint_files import latest_name
+from mimo_sft.train.checkpoint.files import latest_name
 
 #: test hook: a background writer starts writing only after the next poll (the training step after the
 #: save has updated every weight and moment), so a test sees whether the snapshot is the saved step's

@@ -5,15 +5,15 @@ torch-dist ``.metadata`` (the index megatron's writer leaves next to the shards)
 tensor's global shape and dtype, summed here per module. No tensor is read, and neither megatron
 nor a process group is needed, so it answers in about a second for a checkpoint of any size.
 ``--component`` asks whether the checkpoint resumes on that layout (the rule of check 24,
-:func:`config.checks_checkpoint.reshard_problem`).
+:func:`config.checks.checkpoint.reshard_problem`).
 """
 
 from __future__ import annotations
 
 import os
 
-from mimo_sft.config.checks_checkpoint import reshard_problem
-from mimo_sft.train.checkpoint_files import read_meta, resolve_checkpoint
+from mimo_sft.config.checks.checkpoint import reshard_problem
+from mimo_sft.train.checkpoint.files import read_meta, resolve_checkpoint
 
 PARTS = ("model", "optimizer")
 

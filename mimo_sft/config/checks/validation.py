@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 from typing import Optional, Union
 
+from mimo_sft.config.checks.context import looks_local
+
 
 def parse_valid_split(text) -> Optional[Union[int, float]]:
     """``"16"`` -> 16 samples, ``"0.1"`` -> a fraction, None when unset; ValueError with the reason
@@ -42,7 +44,7 @@ def c28_validation(ctx):
         parse_valid_split(d.valid_split)
     except ValueError as e:
         yield str(e)
-    if d.valid_dataset_path and not os.path.exists(d.valid_dataset_path) and _looks_local(d.valid_dataset_path):
+    if d.valid_dataset_path and not os.path.exists(d.valid_dataset_path) and looks_local(d.valid_dataset_path):
         yield (f"--valid-dataset-path {d.valid_dataset_path}: not found; give a parquet/json/jsonl file or folder, "
                f"or a save_to_disk folder")
     if t.eval_interval is not None and t.eval_interval < 1:
@@ -56,9 +58,3 @@ def c28_validation(ctx):
         if given:
             yield (f"{', '.join(given)} without a validation set: add --valid-dataset-path PATH or "
                    f"--valid-split N|FRACTION")
-
-
-def _looks_local(path: str) -> bool:
-    from mimo_sft.config.checks import _looks_local as looks_local
-
-    return looks_local(path)

@@ -1,4 +1,4 @@
-"""Checks 24 and 34: checkpoint-writing settings, whether ``--load-checkpoint`` can resume on this
+"""Checks 15, 24 and 34: the checkpoint flags, checkpoint-writing settings, whether ``--load-checkpoint`` can resume on this
 layout, and the export's shard size.
 
 The resharding rule lives here, pure (a checkpoint's ``meta.json`` against a layout), so that
@@ -13,7 +13,7 @@ import os
 
 from mimo_sft.config.lora import distributed_optimizer_in_use
 
-#: the distributed optimizer's DP-only format (``train.checkpoint_optimizer``): its flat buffers
+#: the distributed optimizer's DP-only format (``train.checkpoint.optimizer``): its flat buffers
 #: follow each module's TP/PP-local parameters
 DP_ONLY_FORMAT = "dp_reshardable"
 
@@ -55,6 +55,25 @@ def _latest(root: str) -> str | None:
             return fh.read().strip() or None
     except OSError:
         return None
+
+
+def c15_checkpoints(ctx):
+    c = ctx.cfg.checkpoint
+    if c.load_checkpoint and ctx.cfg.model.pretrained_checkpoint:
+        yield ("--load-checkpoint and --pretrained-checkpoint are exclusive: resume a run with "
+               "--load-checkpoint, or start fresh from weights with --pretrained-checkpoint")
+    if c.no_save:
+        t = ctx.cfg.train
+        needs = [flag for flag, value in (("--save", c.save), ("--save-interval", c.save_interval),
+                                          ("--export-hf", c.export_hf), ("--exit-signal-handler", t.exit_signal_handler),
+                                          ("--exit-interval", t.exit_interval),
+                                          ("--exit-duration-in-mins", t.exit_duration_in_mins)) if value]
+        if needs:
+            yield (f"--no-save with {', '.join(needs)}: those write or need a checkpoint; drop --no-save to keep "
+                   f"the weights, or drop {', '.join(needs)}")
+    for flag, path in (("--load-checkpoint", c.load_checkpoint), ("--pretrained-checkpoint", ctx.cfg.model.pretrained_checkpoint)):
+        if path and not os.path.isdir(path):
+            yield f"{flag} {path}: folder not found"
 
 
 def c24_checkpoint_writing(ctx):

@@ -4,7 +4,7 @@ A LoRA checkpoint's ``model/`` holds only the tensors that train (adapters, plus
 freeze flags leave trainable), so it is small; ``meta.json`` names the base model (``hf_model``)
 and records the LoRA settings and freeze flags (``"lora"``). Loading builds the base model from
 the HF weights as usual and reads the checkpoint's tensors on top of it. The optimizer state's keys
-follow the model's (``checkpoint_optimizer`` builds its map from the same filtered state dict).
+follow the model's (``optimizer`` builds its map from the same filtered state dict).
 
 Kept apart from ``checkpoint.py`` so that full fine-tuning's code path reads as before; these
 helpers only act where the model has adapters or the checkpoint says it was a LoRA run.

@@ -19,7 +19,7 @@ would be lost. Each module's common part is therefore saved as one more object o
 (``optimizer.mimo.<module>.common``), written by the module's rank (tp 0, pp 0, dp 0).
 
 The model sharded state dict the optimizer's map is built from must hold the very parameter
-objects the optimizer steps: the wrapper-free one of ``checkpoint_model.model_sharded_state_dict``.
+objects the optimizer steps: the wrapper-free one of ``model.model_sharded_state_dict``.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from __future__ import annotations
 import os
 
 from mimo_sft.config.lora import distributed_optimizer_in_use
-from mimo_sft.train.checkpoint_model import encoder_replica_rank, model_sharded_state_dict
+from mimo_sft.train.checkpoint.model import encoder_replica_rank, model_sharded_state_dict
 
 OPTIMIZER_DIR = "optimizer"
 _COMMON = "_mimo_sft_common"
@@ -96,8 +96,8 @@ def _zero_padding(node) -> None:
 
 def optimizer_save_request(folder: str, ctx):
     """Collective: the write of this rank's shards of every module's optimizer state under ``folder``
-    (a megatron ``AsyncRequest``: :mod:`checkpoint_write`)."""
-    from mimo_sft.train.checkpoint_write import part_request
+    (a megatron ``AsyncRequest``: :mod:`write`)."""
+    from mimo_sft.train.checkpoint.write import part_request
 
     sd = _optimizer_sharded_state_dict(ctx, is_loading=False, sharding=save_format(ctx.cfg))
     return part_request(sd, folder)

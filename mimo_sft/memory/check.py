@@ -1,4 +1,7 @@
-"""Check 23: the memory forecast of every module's most loaded rank fits one GPU.
+"""Check 23's body: the memory forecast of every module's most loaded rank fits one GPU.
+
+It lives here, beside the forecast, and reaches the numbered checks as ``CheckContext.forecaster``
+(``mimo_sft.validate`` passes it), so that config/ never imports memory/.
 
 Runs ``memory.forecast`` on ``--hf-model``'s config.json (no weights read) for the checked layout;
 a GPU group over ``--gpu-memory-gb`` (default: this machine's GPU, else 80 GiB) is an error that
@@ -14,6 +17,9 @@ import json
 import os
 
 from mimo_sft.config import families
+from mimo_sft.memory.fixes import over_budget_messages
+from mimo_sft.memory.forecast import forecast_memory, max_pixels_of
+from mimo_sft.memory.gpu import gpu_budget_bytes
 from mimo_sft.parallel.layout import LANGUAGE
 
 
@@ -45,11 +51,8 @@ def _forecastable(ctx) -> bool:
     return cfg.train.micro_batch_size >= 1 and cfg.train.global_batch_size >= 1 and cfg.data.seq_length >= 1
 
 
-def c23_memory(ctx):
-    from mimo_sft.memory.fixes import over_budget_messages
-    from mimo_sft.memory.forecast import forecast_memory, max_pixels_of
-    from mimo_sft.memory.gpu import gpu_budget_bytes
-
+def forecast_check(ctx):
+    """Check 23's findings for ``ctx`` (a ``config.checks.context.CheckContext``); sets ``ctx.memory``."""
     gb = ctx.cfg.train.gpu_memory_gb
     if gb is not None and not gb > 0:
         yield f"--gpu-memory-gb={gb} must be > 0 (the memory of one GPU in GiB, e.g. 80)"

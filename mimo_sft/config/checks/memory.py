@@ -1,6 +1,9 @@
-"""Checks 21 (activation recomputation) and 22 (sequence parallelism), registered in ``config.checks``.
+"""Checks 21 (activation recomputation), 22 (sequence parallelism) and 23 (the memory forecast fits the GPU).
 
-Pure like the other checks: the context is ``config.checks.CheckContext``; the language layer count
+Check 23's body is ``memory.check.forecast_check``, handed in as ``ctx.forecaster`` (config/ never imports
+memory/, which reads config/'s schema).
+
+Pure like the other checks: the context is ``config.checks.context.CheckContext``; the language layer count
 comes from ``--hf-model``'s config.json through the family descriptor when it is there. Each finding
 is an error message, or ``(message, "note")``.
 """
@@ -118,3 +121,8 @@ def c22_sequence_parallel(ctx):
         yield (f"--seq-length {d.seq_length} is not a multiple of language tp={lang.tp}, which "
                f"--sequence-parallel splits every row's positions over; use --seq-length {fit}, or "
                f"--in-batch-packing (packed sequences are padded to a multiple of tp)")
+
+
+def c23_memory(ctx):
+    assert ctx.forecaster is not None, "check_config needs forecaster= (mimo_sft.validate passes memory.check's)"
+    yield from ctx.forecaster(ctx)

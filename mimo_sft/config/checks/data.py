@@ -1,0 +1,64 @@
+"""Checks 13, 14, 17 and 19: reordering, scalable data parallelism, the dataset flags, in-batch packing."""
+
+from __future__ import annotations
+
+import os
+
+from mimo_sft.config.checks.context import looks_local
+
+
+def c13_reorder(ctx):
+    r = ctx.cfg.reorder
+    if not r.enabled:
+        return
+    if not ctx.cfg.parallel.scalable_dp:
+        yield "--intra-microbatch-reorder needs --scalable-dp (each rank must hold only its shard)"
+    if not ctx.cfg.data.pad_to_seq_length:
+        yield ("--intra-microbatch-reorder needs --pad-to-seq-length: exchanged samples are concatenated "
+               "into one micro-batch, so every rank must pad to the same width")
+    if r.encoder_cost_weight < 0 or r.language_cost_weight < 0:
+        yield "--reorder-encoder-cost-weight and --reorder-language-cost-weight must be >= 0"
+    elif r.encoder_cost_weight == 0 and r.language_cost_weight == 0:
+        yield "both reorder cost weights are 0; set --reorder-encoder-cost-weight (only their ratio matters)"
+    if r.window_size < 1:
+        yield f"--reorder-window-size={r.window_size} must be >= 1"
+    if ctx.layout is not None and all(s.dp == 1 for s in ctx.specs):
+        yield ("--intra-microbatch-reorder with every module at dp=1 has nothing to balance", "note")
+
+
+def c14_scalable_dp(ctx):
+    if not ctx.cfg.parallel.scalable_dp:
+        return
+    d = ctx.cfg.data
+    if not d.drop_last:
+        yield "--scalable-dp needs --drop-last: every canonical group must be full in every micro-batch"
+    for s in ctx.specs:
+        if s.etp > 1:
+            yield f"{s.name}.etp={s.etp}: expert tensor parallelism > 1 is rejected with --scalable-dp; set etp=1"
+
+
+def c17_data(ctx):
+    d = ctx.cfg.data
+    if d.dataset_path is None:
+        if ctx.for_run:
+            yield "no dataset: give --dataset-path (parquet/json/jsonl file or folder, or a save_to_disk folder)"
+        else:
+            yield ("--dataset-path not given: the data was not checked (finetune needs it)", "note")
+    elif not os.path.exists(d.dataset_path) and looks_local(d.dataset_path):
+        yield f"--dataset-path {d.dataset_path}: not found; give a parquet/json/jsonl file or folder, or a save_to_disk folder"
+    if d.min_pixels is not None and d.max_pixels is not None and d.min_pixels > d.max_pixels:
+        yield f"--min-pixels={d.min_pixels} is above --max-pixels={d.max_pixels}"
+    if d.max_image_pixels < 0:
+        yield f"--max-image-pixels={d.max_image_pixels} must be >= 0 (0: no limit)"
+    if d.image_root and not os.path.isdir(d.image_root):
+        yield f"--image-root {d.image_root}: folder not found"
+
+
+def c19_packing(ctx):
+    d, m = ctx.cfg.data, ctx.cfg.model
+    if not d.in_batch_packing:
+        return
+    if m.attention_backend != "sdpa":
+        yield (f"--in-batch-packing with --attention-backend {m.attention_backend}: megatron's local core attention "
+               f"cannot keep packed samples apart; use --attention-backend sdpa (the default), or "
+               f"--no-in-batch-packing to compute padded rows")

@@ -1,0 +1,116 @@
+"""Image references inside dataset rows: where a row names its images, and the path a reference points at.
+
+Shared by the source adapter (``data.sources``: a sample's images) and the file check (``data.file_check``:
+every referenced path exists before step 0), so neither imports the other. Pure Python over Arrow arrays
+and decoded JSON; images are never opened here.
+"""
+
+from __future__ import annotations
+
+import json
+
+INLINE_KEYS = ("image", "url", "path")  # where Qwen / transformers chat messages name an image
+INLINE_HINT = r'"(image|url|path)"\s*:'  # JSON text that may hold such a part (cheap pre-filter)
+
+
+def decode_json_text(value):
+    """The object a JSON-text value encodes; any other value unchanged.
+
+    Why: when rows of a JSON file give one key different shapes (LLaVA's ``"image": "a.png"`` next
+    to ``"image": ["b.png", "c.png"]``), ``datasets`` stores that column as JSON text, so Arrow
+    holds ``'"a.png"'``. Only text that starts like JSON and parses is decoded: ``a.png`` stays a path.
+    """
+    if isinstance(value, str) and value[:1] in ('"', "[", "{"):
+        try:
+            return json.loads(value)
+        except ValueError:
+            pass
+    return value
+
+
+def image_list(raw) -> list:
+    """One images-column value (None, one reference, a list, or JSON text of those) as a list."""
+    raw = decode_json_text(raw)
+    if raw is None:
+        return []
+    if not isinstance(raw, (list, tuple)):
+        raw = [raw]
+    return [decode_json_text(r) for r in raw if r is not None]
+
+
+def part_ref(part):
+    """The image a content part names inline (``{"type": "image", "image"|"url"|"path": ...}``), or None."""
+    if not isinstance(part, dict):
+        return None
+    kind = part.get("type")
+    keys = INLINE_KEYS if kind == "image" else ("image",) if kind is None else ()
+    for key in keys:
+        value = part.get(key)
+        if value is not None and not (isinstance(value, str) and not value):
+            return value
+    return None
+
+
+def path_of(ref) -> str | None:
+    """The file path a stored reference points at, or None for in-dataset bytes and data URIs."""
+    if isinstance(ref, dict):
+        return None if ref.get("bytes") else ref.get("path")
+    if isinstance(ref, str) and not ref.startswith("data:"):
+        return ref
+    return None
+
+
+def walk_json(value, row: int, out: list) -> None:
+    """Collect ``(row, ref)`` of the inline image parts inside decoded JSON (lists/dicts)."""
+    if isinstance(value, list):
+        for v in value:
+            walk_json(v, row, out)
+    elif isinstance(value, dict):
+        ref = part_ref(value)
+        if ref is not None:
+            out.append((row, ref))
+            return
+        for v in value.values():
+            if isinstance(v, (list, dict)):
+                walk_json(v, row, out)
+
+
+def arrow_storage(arr):
+    """An Arrow array without its extension wrapper: ``datasets``' Json feature is ``arrow.json`` over strings."""
+    import pyarrow as pa
+
+    while isinstance(arr.type, pa.BaseExtensionType):
+        arr = arr.storage
+    return arr
+
+
+def walk_arrow(arr, rows, out: list) -> None:
+    """Collect ``(row, ref)`` of inline image parts under an Arrow array, whatever its nesting.
+
+    Why Arrow: this scans the whole dataset when it opens; only the parts that carry an
+    image/url/path value (or JSON text mentioning one) are converted to Python objects.
+    """
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    is_json = getattr(arr.type, "extension_name", None) == "arrow.json"  # plain text is never parsed
+    arr = arrow_storage(arr)
+    t = arr.type
+    if pa.types.is_list(t) or pa.types.is_large_list(t):
+        walk_arrow(pc.list_flatten(arr), pc.take(rows, pc.list_parent_indices(arr)), out)
+    elif pa.types.is_struct(t):
+        names = [t.field(i).name for i in range(t.num_fields)]
+        keys = [k for k in INLINE_KEYS if k in names]
+        if keys:  # content parts: convert only those naming something
+            has = pc.is_valid(pc.struct_field(arr, keys[0]))
+            for k in keys[1:]:
+                has = pc.or_(has, pc.is_valid(pc.struct_field(arr, k)))
+            for row, part in zip(pc.filter(rows, has).to_pylist(), pc.filter(arr, has).to_pylist()):
+                walk_json(part, row, out)
+        for name in names:
+            if name not in INLINE_KEYS:
+                walk_arrow(pc.struct_field(arr, name), rows, out)
+    elif is_json and (pa.types.is_string(t) or pa.types.is_large_string(t)):  # Json feature: parts as text
+        hit = pc.fill_null(pc.match_substring_regex(arr, INLINE_HINT), False)
+        for row, text in zip(pc.filter(rows, hit).to_pylist(), pc.filter(arr, hit).to_pylist()):
+            walk_json(decode_json_text(text), row, out)

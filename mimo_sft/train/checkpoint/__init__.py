@@ -1,0 +1,13 @@
+"""A run's checkpoints: what is saved, how it is written, how it is read back (on any layout).
+
+- ``save``: ``save_checkpoint`` / ``restore`` / ``load_model_weights`` / ``save_gradients`` -- the entry points
+  the trainer, ``evaluate`` and the export call; the folder layout is in its docstring.
+- ``files``: folder rules (``iter_N``, ``.tmp``, ``latest``), fsync order, publish and pruning, ``meta.json``.
+- ``write``: the save's host copy and writer thread (``--async-save``), megatron's save requests.
+- ``read``: chunked reads of stored tensors (the streamed export reads one group at a time).
+- ``model`` / ``optimizer``: the model's and the optimizer's sharded state dicts, layout signatures and formats.
+- ``lora``: which tensors a LoRA run saves, and which checkpoints a LoRA run may start from.
+- ``info``: ``mimo-sft checkpoint-info`` -- what a folder holds and whether it resumes on a layout (no torch).
+
+Nothing is re-exported here: importing ``files`` or ``info`` must not import megatron.
+"""

@@ -1,0 +1,82 @@
+"""How a ``finetune`` or ``evaluate`` rank starts and fails: load and check the config on every rank (before
+any process group exists, so a bad layout is refused on every rank with the same message), check how it was
+launched (a multi-rank layout needs torchrun; one rank also runs without it), then run the body. A user
+error on any rank is printed as one line and the rank exits with status 2; torchrun then stops the others,
+so nothing hangs.
+
+Apart from ``train.run`` (the ``finetune`` entry) so that ``train.evaluate`` can start the same way without
+importing the trainer that imports it.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+
+from mimo_sft.config.loader import load_config
+from mimo_sft.errors import UserError
+from mimo_sft.parallel.bootstrap import launch_rank_world, launched_by_torchrun, require_launcher
+from mimo_sft.validate import require_valid
+
+
+def launch_checked(args: list[str], body, *, refuse_reused_output_dir: bool = False) -> int:
+    """Load and check the config on every rank, then ``body(cfg, layout)``; errors as described above
+    (shared by ``finetune`` and ``evaluate``)."""
+    rank, world = launch_rank_world()
+    torchrun = launched_by_torchrun()
+    try:
+        cfg = load_config(args)
+        if torchrun and cfg.parallel.world_size not in (None, world):
+            raise UserError(f"--world-size {cfg.parallel.world_size} but torchrun started {world} processes; "
+                            f"drop --world-size or start {cfg.parallel.world_size} processes")
+        result = require_valid(cfg, world_size=world if torchrun else None, for_run=True)
+        require_launcher(result.layout.world_size)
+        if refuse_reused_output_dir:
+            _refuse_reused_output_dir(cfg, cfg.logging.output_dir)
+    except UserError as e:
+        if rank == 0:
+            for p in e.problems:
+                print(f"error: {p}", file=sys.stderr)
+        return 2
+    try:
+        from mimo_sft.quiet import quiet_libraries
+
+        quiet_libraries()
+        return body(cfg, result.layout)
+    except UserError as e:
+        _abort(f"error: [rank {rank}] {e}", 2)
+    except KeyboardInterrupt:
+        _abort(f"[rank {rank}] interrupted", 130)
+    except Exception as e:  # noqa: BLE001 - decide between "a peer died" and "our bug"
+        text = str(e)
+        if any(s in text for s in PEER_FAILURE_MARKERS):
+            _abort(f"error: [rank {rank}] stopped because another rank failed (see its error above)", 1)
+        traceback.print_exc()
+        _abort(f"error: [rank {rank}] internal error: {type(e).__name__}: {text.splitlines()[0] if text else ''}", 1)
+
+
+#: what gloo/NCCL report on the surviving ranks when a peer process has died
+PEER_FAILURE_MARKERS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
+                        "NCCL communicator was aborted", "ProcessGroupNCCL is aborted")
+
+
+def _abort(message: str, code: int):
+    """Print one line and leave at once: a failed rank must not linger in teardown (process-group
+    destructors, loader workers), because torchrun stops the other ranks only when this one exits."""
+    print(message, file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(code)
+
+
+def _refuse_reused_output_dir(cfg, out_dir: str) -> None:
+    """A fresh run must not append to another run's metrics or move its ``latest`` checkpoint back."""
+    if cfg.checkpoint.load_checkpoint:
+        return
+    save_dir = cfg.checkpoint.save or os.path.join(out_dir, "checkpoints")
+    traces = [p for p in (os.path.join(out_dir, "metrics.jsonl"), os.path.join(save_dir, "latest")) if os.path.exists(p)]
+    if traces:
+        resume = (f"resume it with --load-checkpoint {save_dir}, or " if os.path.exists(os.path.join(save_dir, "latest"))
+                  else "")
+        raise UserError(f"--output-dir {out_dir} already holds a run ({traces[0]}); {resume}choose a new --output-dir "
+                        f"(or delete the old one)")

@@ -1,0 +1,26 @@
+"""The numbered checks with check 23's forecast wired in: what ``validate``, ``finetune``, ``evaluate`` and
+``plan`` call.
+
+``config.checks.registry.check_config`` takes check 23's body as an argument because the forecast
+(``memory/``) reads the config schema (``config/``): an arrow from config/ to memory/ would close a circle.
+This module sits above both and is the one place that joins them. Pure like both: no torch, no megatron.
+"""
+
+from __future__ import annotations
+
+from mimo_sft.config.checks import registry
+from mimo_sft.config.checks.registry import CheckResult
+from mimo_sft.config.schema import ExperimentConfig
+from mimo_sft.memory.check import forecast_check
+
+__all__ = ["CheckResult", "check_config", "require_valid"]
+
+
+def check_config(cfg: ExperimentConfig, **kw) -> CheckResult:
+    """Every numbered check (see ``config.checks.registry.check_config``), check 23 included."""
+    return registry.check_config(cfg, forecaster=forecast_check, **kw)
+
+
+def require_valid(cfg: ExperimentConfig, **kw) -> CheckResult:
+    """``check_config`` that raises one ``UserError`` listing every problem (``finetune``, ``evaluate``)."""
+    return registry.require_valid(cfg, forecaster=forecast_check, **kw)
