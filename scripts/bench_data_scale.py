@@ -129,7 +129,7 @@ def bytes_table(args) -> None:
 
     from mimo_sft.data.preprocess import SamplePreprocessor
     from mimo_sft.plan.simulate import MicroBatchLoad, exchange_bytes
-    from mimo_sft.data.reorder import planning
+    from mimo_sft.data.reorder import window_plan
 
     ip = Qwen2VLImageProcessorPil(patch_size=14, merge_size=2, temporal_patch_size=2, min_pixels=3136,
                                   max_pixels=12845056)
@@ -155,7 +155,7 @@ def bytes_table(args) -> None:
             patches = [0.0 if rng.random() < 0.25 else float(rng.randint(1_000_000, 4_000_000) // 196 // 4 * 4)
                        for _ in range(mbs)]
             loads.append(MicroBatchLoad(list(range(mbs)), patches, [0.0] * mbs, [int(p > 0) for p in patches]))
-        orders = [planning.window_orders([mb.patches], dp)[0] for mb in loads]
+        orders = [window_plan.window_orders([mb.patches], dp)[0] for mb in loads]
         dps = {"images": dp, "language": dp}
         moved = sum(sum(1 for k, i in enumerate(o) if k // (mbs // dp) != i // (mbs // dp)) for o in orders)
         fp32 = exchange_bytes(loads, orders, dp_sizes=dps, seq_length=4096, patch_bytes=4 * 1176)

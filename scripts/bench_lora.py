@@ -20,16 +20,16 @@ state). Step time is the median over steps after the first.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from mimo_sft.testing.bench_runs import bench_env, run_session  # noqa: E402
+from mimo_sft.testing.bench_runs import (  # noqa: E402
+    bench_env, finetune_command, language_size_flags, read_metrics, run_session, write_inputs)
+
 TARGETS = "linear_qkv,linear_proj,linear_fc1,linear_fc2"
 
 
@@ -38,14 +38,6 @@ def settings(rank: int) -> list[tuple[str, list[str]]]:
     return [("full fine-tuning", []),
             (f"LoRA r={rank}, vision + projector trained", lora),
             (f"LoRA r={rank}, adapters only", [*lora, "--freeze-vision", "--freeze-projector"])]
-
-
-def _env() -> dict:
-    return bench_env()
-
-
-def _run(cmd: list[str], env: dict, log: str) -> None:
-    run_session(cmd, cwd=ROOT, env=env, log=log)
 
 
 def count_trainable(model_dir: str, flags: list[str]) -> tuple[int, int]:
@@ -74,26 +66,22 @@ def main() -> None:
     ap.add_argument("--micro-batch-size", type=int, default=4)
     ap.add_argument("--samples", type=int, default=64)
     args = ap.parse_args()
-    py, env = sys.executable, _env()
+    env = bench_env()
     work = tempfile.mkdtemp(prefix="bench_lora_")
-    model, data = os.path.join(work, "model"), os.path.join(work, "data")
-    subprocess.run([py, "scripts/make_tiny_qwen_vl.py", model, "--text-hidden", str(args.text_hidden),
-                    "--text-layers", str(args.text_layers), "--intermediate", str(4 * args.text_hidden),
-                    "--heads", "8", "--kv-heads", "2"], cwd=ROOT, check=True, capture_output=True, env=env)
-    subprocess.run([py, "scripts/make_demo_data.py", data, "--samples", str(args.samples)],
-                   cwd=ROOT, check=True, capture_output=True, env=env)
-    torchrun = os.path.join(os.path.dirname(py), "torchrun")
+    model, data = write_inputs(work, root=ROOT, env=env, data_flags=["--samples", str(args.samples)],
+                               model_flags=[*language_size_flags(args.text_hidden, args.text_layers),
+                                            "--heads", "8", "--kv-heads", "2"])
     rows = []
     for name, flags in settings(args.rank):
         out = os.path.join(work, str(len(rows)))
-        cmd = [torchrun, "--nproc-per-node", "2", "-m", "mimo_sft", "finetune", "--hf-model", model,
-               "--dataset-path", data, "--output-dir", out, "--component", "language=tp=2,dp=1",
-               "--component", "images=dp=2", "--scalable-dp", "--seq-length", str(args.seq_length),
-               "--micro-batch-size", str(args.micro_batch_size), "--global-batch-size", str(2 * args.micro_batch_size),
-               "--train-iters", str(args.steps), "--dataloader-type", "cyclic", "--lr", "1e-4", "--no-tensorboard",
-               "--save-interval", str(10**9), *flags]
-        _run(cmd, env, os.path.join(work, f"log_{len(rows)}.txt"))
-        m = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+        cmd = finetune_command(2, [
+            "--hf-model", model, "--dataset-path", data, "--output-dir", out, "--component", "language=tp=2,dp=1",
+            "--component", "images=dp=2", "--scalable-dp", "--seq-length", str(args.seq_length),
+            "--micro-batch-size", str(args.micro_batch_size), "--global-batch-size", str(2 * args.micro_batch_size),
+            "--train-iters", str(args.steps), "--dataloader-type", "cyclic", "--lr", "1e-4", "--no-tensorboard",
+            "--save-interval", str(10**9), *flags])
+        run_session(cmd, cwd=ROOT, env=env, log=os.path.join(work, f"log_{len(rows)}.txt"))
+        m = read_metrics(out, skip_first=False)
         later = m[1:]
         trainable, total = count_trainable(model, flags)
         rows.append((name, trainable, total, max(r["peak_memory_bytes"] for r in m) / 2**20,

@@ -3,7 +3,7 @@
 
   (a) balance quality on random bimodal image costs: heaviest rank over the optimum (exact branch
       and bound where it is cheap, else a lower bound, which makes the ratio an upper estimate)
-      for no reordering, plain equal-count LPT, and ours (``planning.balanced_groups``);
+      for no reordering, plain equal-count LPT, and ours (``assign.balanced_groups``);
   (b) the exchange over real gloo groups: MB/s of serialize + all_to_all_single + reassemble
       against a raw all_to_all_single of a ready byte buffer with the same splits;
   (c) planning time for 64 samples, and the DP-1 local permutation of 4 realistic samples;
@@ -11,8 +11,9 @@
       of ``balanced_index_order`` against plain heap LPT of the same costs, quality against the
       lower bounds, and the work the planner counted (candidate swaps examined per sample).
 
-  (e) with ``--baseline FILE``: plan time and quality of another ``planning.py`` (say, the one
-      before issue 16, taken from git) against ours, dp 8-256 x 8 samples per rank.
+  (e) with ``--baseline FILE``: plan time and quality of another ``assign.py`` (or of the
+      ``planning.py`` it was split from, say the one before issue 16, taken from git) against
+      ours, dp 8-256 x 8 samples per rank.
 
 Usage: python scripts/bench_reorder.py [--trials 200] [--iters 10] [--scale-trials 10]
                                        [--skip-balance] [--skip-exchange] [--skip-scale] [--scale-only]
@@ -39,7 +40,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
-from mimo_sft.data.reorder import exchange, planning, serialize  # noqa: E402
+from mimo_sft.data.reorder import assign, cost_model, exchange, load_bounds, serialize  # noqa: E402
 
 IMAGE_TOKEN_ID = 151655
 MERGE = 2
@@ -70,11 +71,11 @@ def table_balance(trials: int, seed: int) -> None:
             plan_s = []
             for _ in range(trials):
                 c = bimodal(rng, n)
-                ref = planning.optimal_max_load(c, dp) if exact else planning.lower_bound_max_load(c, dp)
+                ref = load_bounds.optimal_max_load(c, dp) if exact else load_bounds.lower_bound_max_load(c, dp)
                 res["none"].append(heaviest(c, [range(g * per, (g + 1) * per) for g in range(dp)]) / ref)
-                res["lpt"].append(heaviest(c, planning.lpt_equal_count(c, dp)) / ref)
+                res["lpt"].append(heaviest(c, assign.lpt_equal_count(c, dp)) / ref)
                 t0 = time.perf_counter()
-                groups = planning.balanced_groups(c, dp)
+                groups = assign.balanced_groups(c, dp)
                 plan_s.append(time.perf_counter() - t0)
                 res["ours"].append(heaviest(c, groups) / ref)
             cells = []
@@ -97,17 +98,17 @@ def table_scale(trials: int, seed: int) -> None:
             for _ in range(trials):
                 c = bimodal(rng, dp * per)
                 bound = max(sum(c) / dp, max(c))
-                tp = _time(lambda: planning.balanced_index_order(c, dp), 3)
-                tl = _time(lambda: planning.lpt_equal_count(c, dp), 3)
+                tp = _time(lambda: assign.balanced_index_order(c, dp), 3)
+                tl = _time(lambda: assign.lpt_equal_count(c, dp), 3)
                 plan_t.append(tp)
                 lpt_t.append(tl)
                 ratio.append(tp / tl)
-                order = planning.balanced_index_order(c, dp)
+                order = assign.balanced_index_order(c, dp)
                 top = max(sum(c[i] for i in order[g * per:(g + 1) * per]) for g in range(dp))
                 ours.append(top / bound)
-                ours_pig.append(top / planning.lower_bound_max_load(c, dp))
-                lpt.append(heaviest(c, planning.lpt_equal_count(c, dp)) / bound)
-                _grid, works = planning._balanced_grid(c, dp)
+                ours_pig.append(top / load_bounds.lower_bound_max_load(c, dp))
+                lpt.append(heaviest(c, assign.lpt_equal_count(c, dp)) / bound)
+                _grid, works = assign._balanced_grid(c, dp)
                 work.append(sum(w.examined for w in works) / (dp * per))
             print(f"| {dp} | {per} | {dp * per} | {1e3 * statistics.median(plan_t):.2f} | {1e3 * statistics.median(lpt_t):.2f} "
                   f"| {statistics.median(ratio):.1f} | {statistics.mean(ours):.5f} | {max(ours):.5f} "
@@ -115,7 +116,8 @@ def table_scale(trials: int, seed: int) -> None:
 
 
 def table_baseline(path: str, seed: int) -> None:
-    """Plan time and quality of another ``planning.py`` (e.g. the one before issue 16) next to ours."""
+    """Plan time and quality of another ``assign.py`` / older ``planning.py`` (any module with
+    ``balanced_index_order``, e.g. the one before issue 16) next to ours."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("baseline_planning", path)
@@ -133,7 +135,7 @@ def table_baseline(path: str, seed: int) -> None:
         for _ in range(trials):
             c = bimodal(rng, dp * per)
             bound = max(sum(c) / dp, max(c))
-            for key, mod in (("base", base), ("ours", planning)):
+            for key, mod in (("base", base), ("ours", assign)):
                 t0 = time.perf_counter()
                 order = mod.balanced_index_order(c, dp)
                 times[key].append(time.perf_counter() - t0)
@@ -177,7 +179,7 @@ def _exchange_worker(rank: int, world: int, port: int, per_rank: int, iters: int
     # worst case for the read order: rank 0 drew every big image
     patches = [4096 if rank == 0 else 256 for _ in range(per_rank)]
     batch = realistic_batch(range(rank * per_rank, (rank + 1) * per_rank), patches, with_pixels=True)
-    cost_fn = planning.make_cost_fn(image_token_id=IMAGE_TOKEN_ID, merge_size=MERGE)
+    cost_fn = cost_model.make_cost_fn(image_token_id=IMAGE_TOKEN_ID, merge_size=MERGE)
     times, moved = [], 0
     for it in range(iters + 2):
         dist.barrier(group)
@@ -280,9 +282,9 @@ def table_timing() -> None:
     rng = random.Random(0)
     for g in (2, 4, 8):
         costs = bimodal(rng, 64)
-        t = _time(lambda: planning.balanced_assignment(costs, g, g), 50)
+        t = _time(lambda: assign.balanced_assignment(costs, g, g), 50)
         print(f"| plan 64 samples, grid {g} | {1e3 * t:.2f} ms |")
-    cost_fn = planning.make_cost_fn(image_token_id=IMAGE_TOKEN_ID, merge_size=MERGE)
+    cost_fn = cost_model.make_cost_fn(image_token_id=IMAGE_TOKEN_ID, merge_size=MERGE)
     patches = [4096, 256, 1024, 64]  # 4 realistic samples: ~29 MB of f32 pixels
     for with_pixels in (False, True):
         batch = realistic_batch(range(4), patches, with_pixels=with_pixels)
@@ -309,7 +311,7 @@ def main() -> None:
     ap.add_argument("--skip-scale", action="store_true")
     ap.add_argument("--scale-only", action="store_true", help="only table (d) (and (e) with --baseline)")
     ap.add_argument("--baseline", metavar="PLANNING_PY",
-                    help="table (e): compare with another planning.py, e.g. "
+                    help="table (e): compare with another assign.py or an older planning.py, e.g. "
                          "`git show <rev>:mimo_sft/data/reorder/planning.py > /tmp/old_planning.py`")
     args = ap.parse_args()
     torch.set_num_threads(1)

@@ -17,16 +17,15 @@ forecast of a GPU, where NCCL runs on its own streams beside the compute kernels
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from mimo_sft.testing.bench_runs import bench_env, run_session  # noqa: E402
+from mimo_sft.testing.bench_runs import (  # noqa: E402
+    bench_env, colocated_dp2_args, finetune_command, language_size_flags, read_metrics, run_session, write_inputs)
 
 SETTINGS = [
     ("no overlap", ["--no-overlap-grad-reduce"]),
@@ -46,27 +45,20 @@ def main() -> None:
     ap.add_argument("--bucket-size", type=int, default=1_000_000, help="--ddp-bucket-size of the overlapped rows")
     ap.add_argument("--samples", type=int, default=400)
     args = ap.parse_args()
-    py, env = sys.executable, bench_env()
+    env = bench_env()
     work = tempfile.mkdtemp(prefix="bench_step_")
-    model, data = os.path.join(work, "model"), os.path.join(work, "data")
-    subprocess.run([py, "scripts/make_tiny_qwen_vl.py", model, "--text-hidden", str(args.text_hidden),
-                    "--text-layers", str(args.text_layers), "--intermediate", str(4 * args.text_hidden)],
-                   cwd=ROOT, check=True, capture_output=True, env=env)
-    subprocess.run([py, "scripts/make_demo_data.py", data, "--samples", str(args.samples)], cwd=ROOT, check=True,
-                   capture_output=True, env=env)
-    torchrun = os.path.join(os.path.dirname(py), "torchrun")
+    model, data = write_inputs(work, root=ROOT, env=env, data_flags=["--samples", str(args.samples)],
+                               model_flags=language_size_flags(args.text_hidden, args.text_layers))
     rows = []
     for name, flags in SETTINGS:
         out = os.path.join(work, name.replace(" ", "_").replace("+", ""))
         bucket = ["--ddp-bucket-size", str(args.bucket_size)] if "--overlap-grad-reduce" in flags else []
-        cmd = [torchrun, "--nproc-per-node", "2", "-m", "mimo_sft", "finetune", "--hf-model", model,
-               "--dataset-path", data, "--output-dir", out, "--component", "language=dp=2", "--component", "images=dp=2",
-               "--scalable-dp", "--seq-length", str(args.seq_length), "--micro-batch-size", str(args.micro_batch_size),
-               "--global-batch-size", str(args.micro_batches * args.micro_batch_size), "--train-iters", str(args.steps),
-               "--dataloader-type", "cyclic", "--lr", "1e-4", "--no-tensorboard", "--no-save",
-               "--use-distributed-optimizer", *flags, *bucket]
+        run = colocated_dp2_args(model=model, data=data, out=out, seq_length=args.seq_length,
+                                 micro_batch_size=args.micro_batch_size, steps=args.steps,
+                                 global_batch_size=args.micro_batches * args.micro_batch_size)
+        cmd = finetune_command(2, [*run, "--no-save", "--use-distributed-optimizer", *flags, *bucket])
         run_session(cmd, cwd=ROOT, env=env, log=out + ".log")
-        m = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))][1:]
+        m = read_metrics(out)
         rows.append((name, statistics.median(r["step_time_s"] for r in m), min(r["step_time_s"] for r in m),
                      statistics.mean(r["tokens_per_s"] for r in m), m[-1]["loss"]))
     params = 12 * args.text_hidden ** 2 * args.text_layers

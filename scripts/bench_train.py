@@ -18,16 +18,16 @@ SDPA core, and packed (``--in-batch-packing``, SDPA). Real tokens/s counts only 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from mimo_sft.testing.bench_runs import bench_env, run_session  # noqa: E402
+from mimo_sft.testing.bench_runs import (  # noqa: E402
+    bench_env, colocated_dp2_args, finetune_command, language_size_flags, read_metrics, run_session, write_inputs)
+
 SETTINGS = [
     ("reorder off", ["--no-intra-microbatch-reorder"]),
     ("reorder on, synchronous", ["--intra-microbatch-reorder", "--no-overlap-intra-microbatch-reorder"]),
@@ -43,25 +43,18 @@ PACKING_SETTINGS = [
 
 
 def packing_suite(args) -> None:
-    py, env = sys.executable, bench_env()
+    env = bench_env()
     work = tempfile.mkdtemp(prefix="bench_packing_")
-    model, data = os.path.join(work, "model"), os.path.join(work, "data")
-    subprocess.run([py, "scripts/make_tiny_qwen_vl.py", model, "--text-hidden", str(args.text_hidden),
-                    "--text-layers", str(args.text_layers), "--intermediate", str(4 * args.text_hidden)],
-                   cwd=ROOT, check=True, capture_output=True, env=env)
-    subprocess.run([py, "scripts/make_demo_data.py", data, "--samples", str(args.samples), "--long-answers"],
-                   cwd=ROOT, check=True, capture_output=True, env=env)
-    torchrun = os.path.join(os.path.dirname(py), "torchrun")
+    model, data = write_inputs(work, root=ROOT, env=env, data_flags=["--samples", str(args.samples), "--long-answers"],
+                               model_flags=language_size_flags(args.text_hidden, args.text_layers))
     rows = []
     for name, flags in PACKING_SETTINGS:
         out = os.path.join(work, name.replace(" ", "_").replace(",", ""))
-        cmd = [torchrun, "--nproc-per-node", "2", "-m", "mimo_sft", "finetune", "--hf-model", model,
-               "--dataset-path", data, "--output-dir", out, "--component", "language=dp=2", "--component", "images=dp=2",
-               "--scalable-dp", "--seq-length", str(args.seq_length), "--micro-batch-size", str(args.micro_batch_size),
-               "--global-batch-size", str(2 * args.micro_batch_size), "--train-iters", str(args.steps),
-               "--dataloader-type", "cyclic", "--lr", "1e-4", "--no-tensorboard", *flags]
-        run_session(cmd, cwd=ROOT, env=env, log=out + ".log")
-        m = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))][1:]
+        run = colocated_dp2_args(model=model, data=data, out=out, seq_length=args.seq_length,
+                                 micro_batch_size=args.micro_batch_size, global_batch_size=2 * args.micro_batch_size,
+                                 steps=args.steps)
+        run_session(finetune_command(2, [*run, *flags]), cwd=ROOT, env=env, log=out + ".log")
+        m = read_metrics(out)
         rows.append((name, statistics.median(r["step_time_s"] for r in m), statistics.mean(r["tokens_per_s"] for r in m),
                      statistics.mean(r["padding_fraction"] for r in m), max(r["peak_memory_bytes"] for r in m) / 2**20,
                      m[-1]["loss"]))
@@ -89,24 +82,21 @@ def main() -> None:
     args = ap.parse_args()
     if args.suite == "packing":
         return packing_suite(args)
-    py = sys.executable
-    work = tempfile.mkdtemp(prefix="bench_train_")
     env = bench_env()
-    model, data = os.path.join(work, "model"), os.path.join(work, "data")
-    subprocess.run([py, "scripts/make_tiny_qwen_vl.py", model, "--vision-hidden", str(args.vision_hidden),
-                    "--vision-depth", str(args.vision_depth)], cwd=ROOT, check=True, capture_output=True, env=env)
-    subprocess.run([py, "scripts/make_demo_data.py", data, "--samples", str(args.samples)], cwd=ROOT, check=True,
-                   capture_output=True, env=env)
-    torchrun = os.path.join(os.path.dirname(py), "torchrun")
+    work = tempfile.mkdtemp(prefix="bench_train_")
+    model, data = write_inputs(work, root=ROOT, env=env, data_flags=["--samples", str(args.samples)],
+                               model_flags=["--vision-hidden", str(args.vision_hidden),
+                                            "--vision-depth", str(args.vision_depth)])
     rows = []
     for name, flags in SETTINGS:
         out = os.path.join(work, name.replace(" ", "_").replace(",", ""))
-        cmd = [torchrun, "--nproc-per-node", "4", "-m", "mimo_sft", "finetune", "--config", "configs/demo.yaml",
-               "--hf-model", model, "--dataset-path", data, "--output-dir", out, "--train-iters", str(args.steps),
-               "--micro-batch-size", str(args.micro_batch_size), "--global-batch-size", str(2 * args.micro_batch_size),
-               "--no-tensorboard", "--save-interval", str(10**9), "--no-in-batch-packing", *flags]
+        cmd = finetune_command(4, [
+            "--config", "configs/demo.yaml", "--hf-model", model, "--dataset-path", data, "--output-dir", out,
+            "--train-iters", str(args.steps), "--micro-batch-size", str(args.micro_batch_size),
+            "--global-batch-size", str(2 * args.micro_batch_size), "--no-tensorboard", "--save-interval", str(10**9),
+            "--no-in-batch-packing", *flags])
         run_session(cmd, cwd=ROOT, env=env, log=out + ".log")
-        m = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))][1:]
+        m = read_metrics(out)
         before = [r["vision_load_max_over_mean_before"] for r in m]
         after = [r["vision_load_max_over_mean_after"] for r in m if r["vision_load_max_over_mean_after"] is not None]
         rows.append((name, statistics.median(r["step_time_s"] for r in m), statistics.mean(r["tokens_per_s"] for r in m),

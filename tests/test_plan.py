@@ -61,7 +61,7 @@ def test_own_flags_are_stripped_and_parsed():
                                                             (1, 1, 4, 0.0, 1)])
 def test_trace_is_what_the_exchange_logs(lang_dp, img_dp, mbs, lang_w, window):
     """The buffer's per-micro-batch stats (planning.window_plan_info) for the same global costs."""
-    from mimo_sft.data.reorder.planning import window_plan_info
+    from mimo_sft.data.reorder.window_plan import window_plan_info
     from mimo_sft.parallel.layout import lcm
 
     rng = random.Random(lang_dp * 100 + mbs)
@@ -163,7 +163,7 @@ def test_planner_numbers_are_the_iterators_numbers():
     from mimo_sft.config.loader import load_config
     from mimo_sft.data.loader import build_microbatch_iterator, build_preprocessor
     from mimo_sft.data.reorder import make_cost_fn, make_patch_count_fn
-    from mimo_sft.data.reorder.planning import window_plan_info
+    from mimo_sft.data.reorder.window_plan import window_plan_info
     from mimo_sft.data.sources import load_sft_dataset
     from mimo_sft.plan import PlanOptions, build_plan
 

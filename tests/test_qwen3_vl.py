@@ -290,7 +290,7 @@ def test_data_path_patch_16_pixels_and_token_costs(qwen3_dir):
 
     from mimo_sft.data.preprocess import SamplePreprocessor
     from mimo_sft.data.processor import load_processor
-    from mimo_sft.data.reorder.planning import patch_counts
+    from mimo_sft.data.reorder.cost_model import patch_counts
     from mimo_sft.model.pixels import float_patches, pixel_norm_from
 
     pre = SamplePreprocessor(qwen3_dir, seq_length=512, max_pixels=320 * 256)

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from mimo_sft.data.reorder import ReorderingBuffer, make_cost_fn, make_patch_count_fn, planning
+from mimo_sft.data.reorder import ReorderingBuffer, assign, make_cost_fn, make_patch_count_fn
 from mimo_sft.errors import UserError
 from tests.reorder_helpers import IMAGE_TOKEN_ID, MERGE, assert_batch_intact, make_batch
 
@@ -37,7 +37,7 @@ def test_dp1_module_permutes_locally_in_canonical_order(window):
     outs = list(buf)
     assert len(outs) == 4 and buf.windows_done == -(-4 // window)
     for k, (src, out) in enumerate(zip(batches, outs)):
-        order = planning.balanced_index_order(COST(src), G)
+        order = assign.balanced_index_order(COST(src), G)
         assert out["sample_ids"].tolist() == [50 * k + i for i in order]
         assert_batch_intact(out, with_pixels=True)
     st = buf.last_stats

@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from mimo_sft.data.reorder import ReorderingBuffer, make_cost_fn, make_patch_count_fn, planning
+from mimo_sft.data.reorder import ReorderingBuffer, assign, make_cost_fn, make_patch_count_fn
 from tests.reorder_helpers import IMAGE_TOKEN_ID, MERGE, assert_batch_intact, make_batch, run_world
 
 pytestmark = pytest.mark.distributed
@@ -103,7 +103,7 @@ def _modules_worker(rank: int, world: int, layout: dict[str, list[int]], per_gro
             gids = _global_ids(k, mbs)
             orig = make_batch(gids, with_pixels=False, text_only=_text_only(k))
             costs = cost_fn(orig)
-            expected = [gids[i] for i in planning.balanced_index_order(costs, n_groups)]
+            expected = [gids[i] for i in assign.balanced_index_order(costs, n_groups)]
             for name, ranks in layout.items():
                 got = [i for r in range(len(ranks)) for i in merged[(s_idx, name, r)]["ids"][k]]
                 # both modules hold the same global order: sample i of canonical group g is one sample

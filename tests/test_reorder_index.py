@@ -28,7 +28,7 @@ def _iter(data, ckpt, **kw):
 
 
 def test_each_rank_gets_the_exchange_share(demo_data, tiny_ckpt):
-    from mimo_sft.data.reorder import make_cost_fn, make_patch_count_fn, permute_batch, planning
+    from mimo_sft.data.reorder import make_cost_fn, make_patch_count_fn, permute_batch, window_plan
     from mimo_sft.data.reorder.serialize import merge_samples, split_samples
 
     from mimo_sft.data.loader import model_token_info
@@ -46,7 +46,7 @@ def test_each_rank_gets_the_exchange_share(demo_data, tiny_ckpt):
         moved = 0
         for _k in range(3):
             full = next(whole)
-            order = planning.window_orders([cost_fn(full)], 4)[0]
+            order = window_plan.window_orders([cost_fn(full)], 4)[0]
             expect = split_samples(permute_batch(full, order))
             per = len(order) // dp
             got_lang = next(lang)
@@ -113,7 +113,7 @@ def test_index_mode_equals_exchange_bit_for_bit():
 def test_plan_exchange_bytes_are_the_records_training_would_send(demo_data, tiny_ckpt):
     """``plan``'s exchange byte count = the serialized size of the real records that change rank."""
     from mimo_sft.data.loader import model_token_info
-    from mimo_sft.data.reorder import make_cost_fn, planning
+    from mimo_sft.data.reorder import make_cost_fn, window_plan
     from mimo_sft.data.reorder.serialize import record_meta, record_nbytes, split_samples
     from mimo_sft.plan.simulate import MicroBatchLoad, exchange_bytes
 
@@ -127,7 +127,7 @@ def test_plan_exchange_bytes_are_the_records_training_would_send(demo_data, tiny
     total = 0
     for _k in range(4):
         vision, text = next(vis_it), next(text_it)
-        order = planning.window_orders([cost_fn(vision)], 4)[0]
+        order = window_plan.window_orders([cost_fn(vision)], 4)[0]
         recs = {"images": split_samples(vision), "language": split_samples(text)}
         want = 0
         for name, dp in dp_sizes.items():

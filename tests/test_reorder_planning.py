@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from mimo_sft.data.reorder import balance, planning, routing
+from mimo_sft.data.reorder import assign, balance, cost_model, load_bounds, routing, window_plan
 from mimo_sft.errors import UserError
 from tests.reorder_helpers import IMAGE_TOKEN_ID, MERGE, assert_batch_intact, make_batch
 
@@ -41,9 +41,9 @@ def test_exact_solver_matches_brute_force():
     for n_groups, per in [(2, 2), (2, 3), (3, 2), (2, 4)]:
         for _ in range(6):
             costs = _bimodal(rng, n_groups * per)
-            opt = planning.optimal_max_load(costs, n_groups)
+            opt = load_bounds.optimal_max_load(costs, n_groups)
             assert opt == _brute_force(costs, n_groups)
-            assert planning.lower_bound_max_load(costs, n_groups) <= opt
+            assert load_bounds.lower_bound_max_load(costs, n_groups) <= opt
 
 
 @pytest.mark.parametrize("n_groups,per", [(2, 2), (2, 4), (2, 8), (3, 3), (4, 2), (4, 3), (4, 4), (8, 2)])
@@ -52,9 +52,9 @@ def test_balance_within_005_percent_of_optimum_on_average(n_groups, per):
     ratios, lpt_ratios = [], []
     for _ in range(25):
         costs = _bimodal(rng, n_groups * per)
-        opt = planning.optimal_max_load(costs, n_groups)
-        ratios.append(_max_load(costs, planning.balanced_groups(costs, n_groups)) / opt)
-        lpt_ratios.append(_max_load(costs, planning.lpt_equal_count(costs, n_groups)) / opt)
+        opt = load_bounds.optimal_max_load(costs, n_groups)
+        ratios.append(_max_load(costs, assign.balanced_groups(costs, n_groups)) / opt)
+        lpt_ratios.append(_max_load(costs, assign.lpt_equal_count(costs, n_groups)) / opt)
     assert min(ratios) >= 1.0 - 1e-12  # the exact solver really is a lower bound
     assert sum(ratios) / len(ratios) <= 1.0005, sum(ratios) / len(ratios)  # 0.05 % on average
     # LPT is one of the small-case starts and refinement never makes a start worse
@@ -64,8 +64,8 @@ def test_balance_within_005_percent_of_optimum_on_average(n_groups, per):
 def test_refinement_fixes_a_known_lpt_miss():
     """LPT puts 9,7,1 | 8,7,5 -> 20; the optimum 19 needs a swap LPT never considers."""
     costs = [7.0, 7.0, 1.0, 5.0, 9.0, 8.0]
-    assert _max_load(costs, planning.lpt_equal_count(costs, 2)) == 20.0
-    assert _max_load(costs, planning.balanced_groups(costs, 2)) == 19.0 == planning.optimal_max_load(costs, 2)
+    assert _max_load(costs, assign.lpt_equal_count(costs, 2)) == 20.0
+    assert _max_load(costs, assign.balanced_groups(costs, 2)) == 19.0 == load_bounds.optimal_max_load(costs, 2)
 
 
 def test_order_is_a_deterministic_equal_count_permutation():
@@ -73,25 +73,25 @@ def test_order_is_a_deterministic_equal_count_permutation():
     for n_groups, per in [(1, 4), (2, 3), (3, 4), (6, 2), (8, 8)]:
         costs = _bimodal(rng, n_groups * per)
         costs[0] = costs[1]  # ties must not break determinism
-        a = planning.balanced_index_order(costs, n_groups)
-        b = planning.balanced_index_order(list(costs), n_groups)
+        a = assign.balanced_index_order(costs, n_groups)
+        b = assign.balanced_index_order(list(costs), n_groups)
         assert a == b
         assert sorted(a) == list(range(len(costs)))
-        assignment = planning.balanced_assignment(costs, n_groups, 1)
+        assignment = assign.balanced_assignment(costs, n_groups, 1)
         assert [p for _r, p in sorted(assignment, key=lambda x: x[1])] == list(range(len(costs)))
 
 
 def test_uniform_costs_keep_the_identity():
-    assert planning.balanced_index_order([5.0] * 8, 4) == list(range(8))
+    assert assign.balanced_index_order([5.0] * 8, 4) == list(range(8))
 
 
 def test_assignment_agrees_across_dp_sizes_on_the_canonical_grid():
     """Vision dp 2 and language dp 4 on grid 4: rank r of dp 2 holds exactly ranks 2r, 2r+1 of dp 4."""
     costs = _bimodal(random.Random(3), 16)
-    a2 = planning.balanced_assignment(costs, 4, 2)
-    a4 = planning.balanced_assignment(costs, 4, 4)
-    a1 = planning.balanced_assignment(costs, 4, 1)
-    order = planning.balanced_index_order(costs, 4)
+    a2 = assign.balanced_assignment(costs, 4, 2)
+    a4 = assign.balanced_assignment(costs, 4, 4)
+    a1 = assign.balanced_assignment(costs, 4, 1)
+    order = assign.balanced_index_order(costs, 4)
     for i in range(16):
         r2, p2 = a2[i]
         r4, p4 = a4[i]
@@ -104,34 +104,34 @@ def test_assignment_agrees_across_dp_sizes_on_the_canonical_grid():
 
 def test_bad_grids_are_rejected():
     with pytest.raises(ValueError):
-        planning.balanced_index_order([1.0] * 5, 2)
+        assign.balanced_index_order([1.0] * 5, 2)
     with pytest.raises(ValueError):
-        planning.balanced_assignment([1.0] * 6, 6, 4)
+        assign.balanced_assignment([1.0] * 6, 6, 4)
     with pytest.raises(ValueError):
-        planning.balanced_index_order([1.0] * 4, 0)
+        assign.balanced_index_order([1.0] * 4, 0)
     with pytest.raises(ValueError):
-        planning.rank_loads([1.0] * 4, 2, 2, order=[0, 0, 1, 2])
+        load_bounds.rank_loads([1.0] * 4, 2, 2, order=[0, 0, 1, 2])
 
 
 def test_window_routes_keep_every_sample_in_its_slot():
     rng = random.Random(5)
     window = [_bimodal(rng, 8) for _ in range(3)]
-    routes = planning.window_routes(window, 4, 2)
+    routes = window_plan.window_routes(window, 4, 2)
     assert len(routes) == 3
     for costs, route in zip(window, routes):
-        assert route == planning.balanced_assignment(costs, 4, 2)
+        assert route == assign.balanced_assignment(costs, 4, 2)
         assert sorted(route) == sorted((r, p) for r in range(2) for p in range(4))
 
 
 def test_rank_loads_and_spread():
     costs = [10.0, 9.0, 1.0, 0.0]
-    before = planning.rank_loads(costs, 2, 2)
+    before = load_bounds.rank_loads(costs, 2, 2)
     assert before == [19.0, 1.0]
-    after = planning.rank_loads(costs, 2, 2, planning.balanced_index_order(costs, 2))
+    after = load_bounds.rank_loads(costs, 2, 2, assign.balanced_index_order(costs, 2))
     assert sorted(after) == [10.0, 10.0]
-    s = planning.load_spread(before)
+    s = load_bounds.load_spread(before)
     assert s["max_over_mean"] == pytest.approx(1.9) and s["max_minus_min"] == 18.0
-    assert planning.load_spread([0.0, 0.0])["max_over_mean"] == 1.0
+    assert load_bounds.load_spread([0.0, 0.0])["max_over_mean"] == 1.0
     assert sum(after) == sum(before)
 
 
@@ -141,10 +141,10 @@ def test_costs_identical_with_and_without_pixels():
     vision = make_batch(ids, with_pixels=True)
     language = make_batch(ids, with_pixels=False)
     for lw in (0.0, 0.5):
-        fn = planning.make_cost_fn(encoder_cost_weight=1.0, language_cost_weight=lw, image_token_id=IMAGE_TOKEN_ID, merge_size=MERGE)
+        fn = cost_model.make_cost_fn(encoder_cost_weight=1.0, language_cost_weight=lw, image_token_id=IMAGE_TOKEN_ID, merge_size=MERGE)
         assert fn(vision) == fn(language)
     # patches from input_ids equal the real pixel rows per sample
-    patches = planning.make_patch_count_fn(image_token_id=IMAGE_TOKEN_ID, merge_size=MERGE)(vision)
+    patches = cost_model.make_patch_count_fn(image_token_id=IMAGE_TOKEN_ID, merge_size=MERGE)(vision)
     grid_rows = vision["image_grid_thw"].prod(-1).tolist()
     per_sample, k = [], 0
     for c in vision["image_counts"].tolist():
@@ -155,29 +155,29 @@ def test_costs_identical_with_and_without_pixels():
 
 def test_sample_cost_formula():
     fields = {"input_ids": torch.tensor([IMAGE_TOKEN_ID] * 3 + [5, 6, 0]), "attention_mask": torch.tensor([True] * 5 + [False])}
-    c = planning.sample_cost(fields, encoder_cost_weight=2.0, language_cost_weight=0.5, image_token_id=IMAGE_TOKEN_ID, merge_size=2)
+    c = cost_model.sample_cost(fields, encoder_cost_weight=2.0, language_cost_weight=0.5, image_token_id=IMAGE_TOKEN_ID, merge_size=2)
     assert c == 2.0 * 3 * 4 + 0.5 * 5
     with pytest.raises(UserError, match="both 0"):
-        planning.make_cost_fn(encoder_cost_weight=0.0, language_cost_weight=0.0, image_token_id=1, merge_size=2)
+        cost_model.make_cost_fn(encoder_cost_weight=0.0, language_cost_weight=0.0, image_token_id=1, merge_size=2)
     with pytest.raises(UserError, match=">= 0"):
-        planning.make_cost_fn(encoder_cost_weight=-1.0, image_token_id=1, merge_size=2)
+        cost_model.make_cost_fn(encoder_cost_weight=-1.0, image_token_id=1, merge_size=2)
     # only the ratio matters: scaling both weights scales every cost, so the plan is unchanged
     ids = list(range(60, 76))
     batch = make_batch(ids, with_pixels=False)
-    a = planning.make_cost_fn(encoder_cost_weight=1.0, language_cost_weight=0.25, image_token_id=IMAGE_TOKEN_ID, merge_size=MERGE)(batch)
-    b = planning.make_cost_fn(encoder_cost_weight=4.0, language_cost_weight=1.0, image_token_id=IMAGE_TOKEN_ID, merge_size=MERGE)(batch)
-    assert planning.balanced_index_order(a, 4) == planning.balanced_index_order(b, 4)
+    a = cost_model.make_cost_fn(encoder_cost_weight=1.0, language_cost_weight=0.25, image_token_id=IMAGE_TOKEN_ID, merge_size=MERGE)(batch)
+    b = cost_model.make_cost_fn(encoder_cost_weight=4.0, language_cost_weight=1.0, image_token_id=IMAGE_TOKEN_ID, merge_size=MERGE)(batch)
+    assert assign.balanced_index_order(a, 4) == assign.balanced_index_order(b, 4)
 
 
 def test_pure_modules_import_no_collectives():
-    """planning/serialize must stay importable and testable without torch.distributed or megatron."""
+    """planning (costs, assignment, windows, loads)/serialize must stay importable and testable without torch.distributed or megatron."""
     import ast
     import pathlib
 
     import mimo_sft.data.reorder as pkg
 
     root = pathlib.Path(pkg.__file__).parent
-    for name in ("planning.py", "balance.py", "serialize.py"):
+    for name in ("cost_model.py", "assign.py", "window_plan.py", "load_bounds.py", "balance.py", "serialize.py"):
         tree = ast.parse((root / name).read_text())
         mods = set()
         for node in ast.walk(tree):
@@ -225,7 +225,7 @@ def test_vectorised_refinement_matches_exhaustive_scan():
         n_groups, per = rng.choice([(2, 4), (3, 5), (4, 8), (8, 8), (2, 32), (16, 4)])
         # integer costs with many ties stress the tie-breaks
         costs = [float(rng.choice([0, 64, 64, 256, 1024, 4096, rng.randint(0, 5000)])) for _ in range(n_groups * per)]
-        start = planning.lpt_equal_count(costs, n_groups)
+        start = assign.lpt_equal_count(costs, n_groups)
         grid = np.array(start, dtype=np.int64)
         eps = 1e-12 * max(1.0, max(costs))
         work = balance.Work(budget=10**9)
@@ -253,9 +253,9 @@ def test_heap_lpt_is_the_scan_lpt():
     for _ in range(200):
         n_groups, per = rng.choice([(1, 3), (2, 2), (3, 4), (5, 3), (8, 8), (16, 2)])
         costs = [float(rng.choice([0, 7, 7, 100, rng.randint(0, 300)])) for _ in range(n_groups * per)]
-        assert planning.lpt_equal_count(costs, n_groups) == _reference_lpt(costs, n_groups)
+        assert assign.lpt_equal_count(costs, n_groups) == _reference_lpt(costs, n_groups)
     # equal costs: round robin by index
-    assert planning.lpt_equal_count([1.0] * 12, 3) == [[0, 3, 6, 9], [1, 4, 7, 10], [2, 5, 8, 11]]
+    assert assign.lpt_equal_count([1.0] * 12, 3) == [[0, 3, 6, 9], [1, 4, 7, 10], [2, 5, 8, 11]]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -334,7 +334,7 @@ def test_dp1_routes_are_the_local_permutation():
     for n_groups, n in [(1, 4), (2, 6), (4, 8)]:
         costs = [[_bimodal(rng, n) for _ in range(3)]]
         plan = routing.plan_exchange(costs, costs, [[[8] * n] * 3], dp_rank=0, n_groups=n_groups)
-        infos = planning.window_plan_info(costs[0], costs[0], n_groups=n_groups, dp_size=1, stats_dp_sizes=None)
+        infos = window_plan.window_plan_info(costs[0], costs[0], n_groups=n_groups, dp_size=1, stats_dp_sizes=None)
         assert not plan.crosses and plan.send_splits == plan.recv_splits == [0]
         for w, info in enumerate(infos):
             kept = sorted((pos, i) for ww, pos, i in plan.kept if ww == w)
@@ -354,18 +354,18 @@ def test_one_cost_formula_for_training_and_the_planner():
     from mimo_sft.plan import simulate
 
     batch = make_batch(list(range(80, 96)), with_pixels=False)
-    patches = planning.patch_counts(batch["input_ids"], image_token_id=IMAGE_TOKEN_ID, merge_size=MERGE)
+    patches = cost_model.patch_counts(batch["input_ids"], image_token_id=IMAGE_TOKEN_ID, merge_size=MERGE)
     tokens = batch["attention_mask"].sum(-1)
     for ew, lw in [(1.0, 0.0), (0.7, 0.1), (0.3, 0.9), (1.0, 1 / 3)]:
-        trained = planning.batch_costs(batch, encoder_cost_weight=ew, language_cost_weight=lw,
+        trained = cost_model.batch_costs(batch, encoder_cost_weight=ew, language_cost_weight=lw,
                                        image_token_id=IMAGE_TOKEN_ID, merge_size=MERGE)
-        plain = planning.weighted_costs([float(p) for p in patches], [float(t) for t in tokens],
+        plain = cost_model.weighted_costs([float(p) for p in patches], [float(t) for t in tokens],
                                         encoder_cost_weight=ew, language_cost_weight=lw)
         mb = simulate.MicroBatchLoad(list(range(16)), [float(p) for p in patches], [float(t) for t in tokens])
         assert trained == plain == simulate.costs_of(mb, ew, lw)
         assert trained == [ew * float(p) + lw * float(t) for p, t in zip(patches, tokens)]
     with pytest.raises(ValueError, match="token counts"):
-        planning.weighted_costs([1.0], None, encoder_cost_weight=1.0, language_cost_weight=0.5)
+        cost_model.weighted_costs([1.0], None, encoder_cost_weight=1.0, language_cost_weight=0.5)
 
 
 @pytest.mark.parametrize("dp,n_slots,n_local,n_groups", [(2, 2, 3, 2), (3, 2, 2, 6), (4, 3, 2, 4)])
@@ -374,7 +374,7 @@ def test_pack_all_to_all_unpack_in_one_process(dp, n_slots, n_local, n_groups):
     canonical slice, byte for byte, and a byte missing from the wire is caught."""
     from mimo_sft.data.reorder import exchange, serialize
 
-    cost_fn = planning.make_cost_fn(encoder_cost_weight=1.0, image_token_id=IMAGE_TOKEN_ID, merge_size=MERGE)
+    cost_fn = cost_model.make_cost_fn(encoder_cost_weight=1.0, image_token_id=IMAGE_TOKEN_ID, merge_size=MERGE)
     ids = [[list(range(100 * w + n_local * r, 100 * w + n_local * (r + 1))) for w in range(n_slots)] for r in range(dp)]
     wins = [exchange._split_window([make_batch(s, with_pixels=True) for s in ids[r]], cost_fn, None) for r in range(dp)]
     gathered = exchange._Gathered(costs=[w.costs for w in wins], loads=[w.loads for w in wins],

@@ -45,6 +45,8 @@ The tiny checkpoint and the synthetic demo dataset used by tests and the demo li
 
 from __future__ import annotations
 
+from mimo_sft.lazy_exports import lazy_getattr
+
 _EXPORTS = {
     "build_microbatch_iterator": "mimo_sft.data.loader",
     "sample_metadata": "mimo_sft.data.loader",
@@ -65,11 +67,5 @@ _EXPORTS = {
 
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name):
-    """Lazy exports: ``import mimo_sft.data`` stays cheap (no transformers/datasets until used)."""
-    if name in _EXPORTS:
-        import importlib
-
-        return getattr(importlib.import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module 'mimo_sft.data' has no attribute {name!r}")
+# lazy: ``import mimo_sft.data`` stays cheap (no transformers/datasets until a name is used)
+__getattr__ = lazy_getattr(__name__, _EXPORTS)

@@ -4,7 +4,7 @@ The exchange (``data.reorder.exchange``) has every rank read its canonical shard
 all-gather the costs and ship the samples the balanced plan moves (51-69 % of them at DP 4-16, as
 fp32 patches). Here every rank instead reads the *cheap* part of the whole global micro-batch --
 the text path, driven by image headers, exactly what language-only ranks already compute -- and
-runs the same planner on the same costs (:func:`planning.window_plan_info`, the one place that
+runs the same planner on the same costs (:func:`window_plan.window_plan_info`, the one place that
 decides a layout). Every rank therefore knows the whole assignment without talking, and then
 decodes the pixels of only the samples it owns, in canonical order. No byte crosses ranks, no
 thread, no process group.
@@ -24,7 +24,7 @@ from __future__ import annotations
 from typing import Callable, Mapping
 
 from mimo_sft.data.microbatch import ERROR_KEY, STATS_KEY, MicroBatchDataset
-from mimo_sft.data.reorder import planning
+from mimo_sft.data.reorder import window_plan
 from mimo_sft.errors import BadSampleError, UserError
 
 _PLAN_ONLY = ("order", "global_costs")  # plan internals the feed does not log
@@ -52,8 +52,8 @@ class IndexReorderedDataset(MicroBatchDataset):
         fields = self.collate(texts, need_pixels=False)
         costs = [float(c) for c in self.cost_fn(fields)]
         loads = [float(c) for c in self.load_fn(fields)] if self.load_fn else costs
-        return planning.window_plan_info([costs], [loads], n_groups=self.n_groups, dp_size=self.dp_size,
-                                         stats_dp_sizes=self.stats_dp_sizes)[0]
+        return window_plan.window_plan_info([costs], [loads], n_groups=self.n_groups, dp_size=self.dp_size,
+                                            stats_dp_sizes=self.stats_dp_sizes)[0]
 
     def add_pixels(self, sample: dict) -> dict:
         """Decode the images of one (owned) sample; a text-only stand-in has none to decode."""

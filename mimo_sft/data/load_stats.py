@@ -22,7 +22,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from mimo_sft.data.reorder.planning import load_spread, rank_loads
+from mimo_sft.data.reorder.load_bounds import load_spread, rank_loads
 
 
 def vision_load_spread(costs: Sequence[float], n_groups: int, vision_dp: int) -> float | None:

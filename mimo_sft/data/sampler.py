@@ -20,7 +20,26 @@ from typing import Iterator
 import torch
 
 
-class CanonicalSampler:
+class RankShare:
+    """The positions of a micro-batch one DP rank reads: ``[r*MBS/d, (r+1)*MBS/d)``, or all of them
+    (``whole_micro_batch``: without scalable DP a rank reads everything and slices later).
+
+    Why one class: the training sampler and the validation sampler (``data.validation``) must cut a
+    micro-batch into the same shares, so both take theirs from here.
+    """
+
+    def __init__(self, micro_batch_size: int, dp_size: int, dp_rank: int, whole_micro_batch: bool):
+        self.mbs = micro_batch_size
+        self.whole = whole_micro_batch
+        per = micro_batch_size // dp_size
+        self.slice = (dp_rank * per, (dp_rank + 1) * per)
+
+    def share(self, full: list[int]) -> list[int]:
+        """This rank's part of ``full``, a whole micro-batch's indices in position order."""
+        return full if self.whole else full[self.slice[0]: self.slice[1]]
+
+
+class CanonicalSampler(RankShare):
     """Yields, per global micro-batch, this rank's list of dataset indices (canonical order)."""
 
     def __init__(self, total_samples: int, *, micro_batch_size: int, canonical_grid: int, dp_size: int,
@@ -35,18 +54,14 @@ class CanonicalSampler:
         assert total_samples >= micro_batch_size, "dataset smaller than one micro-batch"
         assert consumed_samples % micro_batch_size == 0, (
             f"consumed_samples {consumed_samples} is not a multiple of micro_batch_size {micro_batch_size}")
+        super().__init__(micro_batch_size, dp_size, dp_rank, whole_micro_batch)
         self.total = total_samples
-        self.mbs = micro_batch_size
         self.grid = canonical_grid
         self.dp_size, self.dp_rank = dp_size, dp_rank
         self.type = dataloader_type
         self.drop_last = drop_last
         self.consumed = consumed_samples
         self.seed = seed
-        #: True: yield the whole micro-batch (non-scalable DP reads everything and slices later)
-        self.whole = whole_micro_batch
-        per = micro_batch_size // dp_size
-        self.slice = (dp_rank * per, (dp_rank + 1) * per)
 
     @property
     def micro_batches_per_epoch(self) -> int:
@@ -76,8 +91,7 @@ class CanonicalSampler:
         return self.epoch_order(epoch)[j * self.mbs: (j + 1) * self.mbs].tolist()
 
     def rank_indices(self, k: int) -> list[int]:
-        full = self.global_micro_batch(k)
-        return full if self.whole else full[self.slice[0]: self.slice[1]]
+        return self.share(self.global_micro_batch(k))
 
     def canonical_groups(self) -> range:
         """Canonical groups this rank reads: ``[r*G/d, (r+1)*G/d)``."""
@@ -92,6 +106,5 @@ class CanonicalSampler:
             epoch, j = divmod(k, per_epoch)
             if epoch != cached_epoch:
                 cached_epoch, order = epoch, self.epoch_order(epoch)
-            full = order[j * self.mbs: (j + 1) * self.mbs].tolist()
-            yield full if self.whole else full[self.slice[0]: self.slice[1]]
+            yield self.share(order[j * self.mbs: (j + 1) * self.mbs].tolist())
             k += 1

@@ -27,6 +27,7 @@ import torch
 from mimo_sft.config.checks.validation import parse_valid_split as config_valid_split
 from mimo_sft.data.microbatch import MicroBatchDataset, MicroBatchIterator, identity, worker_init
 from mimo_sft.data.preprocess import SamplePreprocessor
+from mimo_sft.data.sampler import RankShare
 from mimo_sft.data.sources import SFTSource, load_sft_dataset
 from mimo_sft.errors import UserError
 
@@ -128,7 +129,7 @@ def check_validation_set(source: SFTSource, pre: SamplePreprocessor, n_samples: 
     return tokens
 
 
-class ValidationSampler:
+class ValidationSampler(RankShare):
     """Per micro-batch, this rank's dataset indices of positions ``0..n_samples-1`` in dataset order
     (finite: ``ceil(n_samples / micro_batch_size)`` micro-batches). Filler positions past the end
     (the last micro-batch) are yielded as ``-1 - index`` of a real sample: read, but not counted."""
@@ -136,11 +137,8 @@ class ValidationSampler:
     def __init__(self, n_samples: int, *, micro_batch_size: int, dp_size: int, dp_rank: int,
                  whole_micro_batch: bool = False):
         assert n_samples > 0 and micro_batch_size % dp_size == 0 and 0 <= dp_rank < dp_size
+        super().__init__(micro_batch_size, dp_size, dp_rank, whole_micro_batch)
         self.n = n_samples
-        self.mbs = micro_batch_size
-        self.whole = whole_micro_batch
-        per = micro_batch_size // dp_size
-        self.slice = (dp_rank * per, (dp_rank + 1) * per)
 
     @property
     def micro_batches(self) -> int:
@@ -152,7 +150,7 @@ class ValidationSampler:
     def __iter__(self) -> Iterator[list[int]]:
         for k in range(self.micro_batches):
             full = [p if p < self.n else -1 - (p % self.n) for p in range(k * self.mbs, (k + 1) * self.mbs)]
-            yield full if self.whole else full[self.slice[0]: self.slice[1]]
+            yield self.share(full)
 
 
 def uncounted_fillers(batch: dict, filler: list[bool], pad_id: int) -> dict:

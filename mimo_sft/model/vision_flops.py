@@ -42,6 +42,22 @@ def _merger_flops(merged: int, ctx: int, out: int) -> int:
     return 2 * merged * ctx * ctx + 2 * merged * ctx * out
 
 
+def _tower_terms(v, grids, *, mlp_matrices: int) -> tuple[int, int, int]:
+    """``(N patches, patch embedding + every block's linear layers, one patch merger)`` in FLOPs.
+
+    What both towers compute alike: the embedding conv ``2*N*d*(C*tp*p*p)``, per block QKV
+    ``2*N*d*3d``, output projection ``2*N*d*d`` and an MLP of ``mlp_matrices`` ``d x ffn`` matrices
+    (gated 3, plain 2), and mergers of the same shape; each family adds its own attention.
+    """
+    n = sum(t * h * w for t, h, w in grids)
+    d, ffn, m = v.hidden_size, v.intermediate_size, v.spatial_merge_size
+    patch_in = v.in_channels * v.temporal_patch_size * v.patch_size ** 2
+    embed = 2 * n * d * patch_in
+    per_block_linear = n * (2 * d * 3 * d + 2 * d * d + 2 * mlp_matrices * d * ffn)
+    merger = _merger_flops(n // (m * m), d * m * m, v.out_hidden_size)
+    return n, embed + v.depth * per_block_linear, merger
+
+
 def qwen2_5_vl(vision_config, grids) -> float:
     """Qwen2.5-VL's tower + patch merger.
 
@@ -51,19 +67,14 @@ def qwen2_5_vl(vision_config, grids) -> float:
     :func:`windowed_attention_pairs`); merger ``2*N/m^2*(d m^2)^2 + 2*N/m^2*(d m^2)*out``.
     """
     v = vision_config
-    n = sum(t * h * w for t, h, w in grids)
+    n, linear, merger = _tower_terms(v, grids, mlp_matrices=3)
     if n == 0:
         return 0.0
-    d, ffn, m = v.hidden_size, v.intermediate_size, v.spatial_merge_size
-    patch_in = v.in_channels * v.temporal_patch_size * v.patch_size ** 2
     full_blocks = sum(1 for i in set(v.fullatt_block_indexes or ()) if 0 <= i < v.depth)
     window_blocks = v.depth - full_blocks
     full_sq, window_sq = windowed_attention_pairs(v, grids)
-    embed = 2 * n * d * patch_in
-    per_block_linear = n * (2 * d * 3 * d + 2 * d * d + 2 * 3 * d * ffn)
-    attention = 2 * 2 * d * (full_blocks * full_sq + window_blocks * window_sq)
-    merger = _merger_flops(n // (m * m), d * m * m, v.out_hidden_size)
-    return float(embed + v.depth * per_block_linear + attention + merger)
+    attention = 2 * 2 * v.hidden_size * (full_blocks * full_sq + window_blocks * window_sq)
+    return float(linear + attention + merger)
 
 
 def qwen3_vl(vision_config, grids) -> float:
@@ -76,14 +87,9 @@ def qwen3_vl(vision_config, grids) -> float:
     which changes no matmul).
     """
     v = vision_config
-    n = sum(t * h * w for t, h, w in grids)
+    n, linear, merger = _tower_terms(v, grids, mlp_matrices=2)
     if n == 0:
         return 0.0
-    d, ffn, m = v.hidden_size, v.intermediate_size, v.spatial_merge_size
-    patch_in = v.in_channels * v.temporal_patch_size * v.patch_size ** 2
     full_sq = sum(t * (h * w) ** 2 for t, h, w in grids)
-    embed = 2 * n * d * patch_in
-    per_block_linear = n * (2 * d * 3 * d + 2 * d * d + 2 * 2 * d * ffn)
-    attention = 2 * 2 * d * v.depth * full_sq
-    mergers = (1 + len(v.deepstack_visual_indexes)) * _merger_flops(n // (m * m), d * m * m, v.out_hidden_size)
-    return float(embed + v.depth * per_block_linear + attention + mergers)
+    attention = 2 * 2 * v.hidden_size * v.depth * full_sq
+    return float(linear + attention + (1 + len(v.deepstack_visual_indexes)) * merger)

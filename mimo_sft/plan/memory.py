@@ -9,7 +9,7 @@ rows otherwise) and the most image tokens reaching one language rank.
 
 from __future__ import annotations
 
-from mimo_sft.data.reorder import planning
+from mimo_sft.data.reorder.load_bounds import loads_before_after
 from mimo_sft.memory.forecast import Workload
 from mimo_sft.parallel.layout import IMAGES, LANGUAGE
 
@@ -26,7 +26,7 @@ def data_workload(cfg, layout, mbs_list, traces: dict, merge: int) -> Workload:
         tokens = per_rank * cfg.data.seq_length
     image_tokens = 0
     for mb, order in zip(mbs_list, traces[LANGUAGE].orders):
-        before, after = planning.loads_before_after(mb.patches, order, layout.canonical_grid, lang.dp)
+        before, after = loads_before_after(mb.patches, order, layout.canonical_grid, lang.dp)
         image_tokens = max(image_tokens, max(after if cfg.reorder.enabled else before) / merge ** 2)
     return Workload(language_tokens=int(tokens), image_patches=int(patches), image_tokens=int(image_tokens),
                     source=f"this data: heaviest of {len(mbs_list)} planned micro-batches "

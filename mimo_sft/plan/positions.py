@@ -14,7 +14,7 @@ from typing import Sequence
 
 def rank_slices(n: int, dp: int, order: Sequence[int] | None) -> list[list[int]]:
     """The sample indices each of ``dp`` ranks holds when a micro-batch of ``n`` is laid out as
-    ``order`` (None: as read), the slicing ``planning.rank_loads`` uses."""
+    ``order`` (None: as read), the slicing ``load_bounds.rank_loads`` uses."""
     order = list(range(n)) if order is None else list(order)
     per = n // dp
     return [order[r * per:(r + 1) * per] for r in range(dp)]

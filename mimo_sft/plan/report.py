@@ -96,7 +96,7 @@ def _print_compare(plan: dict, console: Console) -> None:
     windows = [row for row in plan["compare"] if row["varied"] == "window"]
     if len({round(w["images"]["max_over_mean_after"], 12) for w in windows}) == 1 and len(windows) > 1:
         console.print("window size leaves the balance unchanged: each micro-batch is balanced on its own "
-                      "(planning.window_routes); the window only sets how many micro-batches one exchange carries")
+                      "(window_plan.window_routes); the window only sets how many micro-batches one exchange carries")
 
 
 def write_png(plan: dict, path: str) -> str:

@@ -6,13 +6,13 @@ exchange calls, on the same per-sample numbers the cost function reads from ``in
 ``attention_mask``:
 
 * vision load of a sample = its image patches (= image placeholder tokens * merge**2, what
-  ``planning.patch_counts`` counts in ``input_ids``);
+  ``cost_model.patch_counts`` counts in ``input_ids``);
 * language load of a sample = its real tokens after truncation (= ``attention_mask.sum()``);
-* cost = ``planning.weighted_costs`` of those two, the one formula ``planning.batch_costs`` applies
+* cost = ``cost_model.weighted_costs`` of those two, the one formula ``cost_model.batch_costs`` applies
   in training;
-* order of each micro-batch = ``planning.window_orders``, window by window, what
-  ``planning.window_plan_info`` (the exchange's and the DP-1 path's plan) lays out;
-* per-rank loads before/after = ``planning.loads_before_after``, as ``window_plan_info`` logs them.
+* order of each micro-batch = ``window_plan.window_orders``, window by window, what
+  ``window_plan.window_plan_info`` (the exchange's and the DP-1 path's plan) lays out;
+* per-rank loads before/after = ``load_bounds.loads_before_after``, as ``window_plan_info`` logs them.
 
 No torch.distributed, no processes: the inputs are plain lists, so this is unit-testable and fast.
 """
@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from mimo_sft.data.reorder import planning
+from mimo_sft.data.reorder import cost_model, load_bounds, window_plan
 
 IMAGES, LANGUAGE = "images", "language"
 
@@ -49,25 +49,25 @@ class ModuleTrace:
 
 
 def costs_of(mb: MicroBatchLoad, encoder_cost_weight: float, language_cost_weight: float) -> list[float]:
-    """The reorder cost of every sample: ``planning.weighted_costs``, training's formula, on these counts."""
-    return planning.weighted_costs(mb.patches, mb.tokens, encoder_cost_weight=encoder_cost_weight,
-                                   language_cost_weight=language_cost_weight)
+    """The reorder cost of every sample: ``cost_model.weighted_costs``, training's formula, on these counts."""
+    return cost_model.weighted_costs(mb.patches, mb.tokens, encoder_cost_weight=encoder_cost_weight,
+                                     language_cost_weight=language_cost_weight)
 
 
 def check_weights(encoder_cost_weight: float, language_cost_weight: float) -> None:
-    """Refuse the weights the training loop's ``planning.make_cost_fn`` refuses, as it refuses them.
+    """Refuse the weights the training loop's ``cost_model.make_cost_fn`` refuses, as it refuses them.
 
     The ids are placeholders: only the weights are checked here.
     """
-    planning.make_cost_fn(encoder_cost_weight=encoder_cost_weight, language_cost_weight=language_cost_weight,
-                          image_token_id=0, merge_size=1)
+    cost_model.make_cost_fn(encoder_cost_weight=encoder_cost_weight, language_cost_weight=language_cost_weight,
+                            image_token_id=0, merge_size=1)
 
 
 def orders_for(micro_batches: Sequence[MicroBatchLoad], *, n_groups: int, encoder_cost_weight: float,
                language_cost_weight: float, window_size: int) -> list[list[int]]:
     """The balanced order of every micro-batch, computed window by window as the buffer does.
 
-    ``planning.window_orders`` is what ``planning.window_plan_info`` lays every window out with (the
+    ``window_plan.window_orders`` is what ``window_plan.window_plan_info`` lays every window out with (the
     exchange at any DP size and the DP-1 permutation alike): one global order per slot, of which a
     module of any DP size that divides the grid reads its rank's slice. Going window by window (not
     micro-batch by micro-batch) keeps the planner honest if windows ever start balancing across slots.
@@ -79,7 +79,7 @@ def orders_for(micro_batches: Sequence[MicroBatchLoad], *, n_groups: int, encode
     for start in range(0, len(micro_batches), window_size):
         window = micro_batches[start:start + window_size]
         wcosts = [costs_of(mb, encoder_cost_weight, language_cost_weight) for mb in window]
-        orders.extend(planning.window_orders(wcosts, n_groups))
+        orders.extend(window_plan.window_orders(wcosts, n_groups))
     return orders
 
 
@@ -91,8 +91,8 @@ def trace(micro_batches: Sequence[MicroBatchLoad], *, n_groups: int, dp_sizes: d
     out = {name: ModuleTrace(dp, orders=orders) for name, dp in dp_sizes.items()}
     for mb, order in zip(micro_batches, orders):
         for name, tr in out.items():
-            before, after = planning.loads_before_after(mb.patches if name == IMAGES else mb.tokens, order, n_groups,
-                                                        tr.dp)
+            loads = mb.patches if name == IMAGES else mb.tokens
+            before, after = load_bounds.loads_before_after(loads, order, n_groups, tr.dp)
             tr.before.append(before)
             tr.after.append(after)
     return out
@@ -127,13 +127,13 @@ def per_micro_batch(tr: ModuleTrace) -> dict[str, list[float]]:
     """Per-micro-batch series: heaviest/lightest/mean rank, max/mean, spread, waiting share."""
     out: dict[str, list[float]] = {}
     for when, rows in (("before", tr.before), ("after", tr.after)):
-        spreads = [planning.load_spread(r) for r in rows]
+        spreads = [load_bounds.load_spread(r) for r in rows]
         out[f"max_{when}"] = [s["max"] for s in spreads]
         out[f"min_{when}"] = [min(r) for r in rows]
         out[f"max_over_mean_{when}"] = [s["max_over_mean"] for s in spreads]
         out[f"spread_{when}"] = [s["max_minus_min"] for s in spreads]
         out[f"wait_share_{when}"] = [wait_share(r) for r in rows]
-    out["mean"] = [planning.load_spread(r)["mean"] for r in tr.before]
+    out["mean"] = [load_bounds.load_spread(r)["mean"] for r in tr.before]
     return out
 
 

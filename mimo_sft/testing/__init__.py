@@ -14,6 +14,8 @@ Exports are lazy, like ``mimo_sft.data``'s: importing the package pulls in no tr
 
 from __future__ import annotations
 
+from mimo_sft.lazy_exports import lazy_getattr
+
 _EXPORTS = {
     "write_tiny_checkpoint": "mimo_sft.testing.tiny_checkpoint",
     "write_preset_checkpoint": "mimo_sft.testing.tiny_checkpoint",
@@ -23,10 +25,4 @@ _EXPORTS = {
 
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name):
-    if name in _EXPORTS:
-        import importlib
-
-        return getattr(importlib.import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module 'mimo_sft.testing' has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _EXPORTS)

@@ -1,33 +1,33 @@
 """Intra-microbatch reordering: balance per-sample vision load across a module's DP ranks.
 
-Pure planning (:mod:`.planning`: costs, orders, statistics; :mod:`.routing`: where every sample goes) and
-byte packing (:mod:`.serialize`) import no collectives; :mod:`.exchange` only moves bytes: the one
-all-gather + one ragged all-to-all per window; :mod:`.buffer` wraps the data iterator (optionally
-overlapping the next window's exchange on a background thread).
+Pure planning imports no collectives, so every module computes the same plan from the same costs
+without talking to the others: :mod:`.cost_model` (per-sample costs, the one formula), :mod:`.assign`
+(equal-count balancing onto the canonical grid; kernels in :mod:`.balance`), :mod:`.window_plan`
+(each window's orders, routes and logged statistics), :mod:`.load_bounds` (per-rank loads, spread,
+lower bound and exact optimum) and :mod:`.routing` (where every sample goes). Byte packing
+(:mod:`.serialize`) is pure too; :mod:`.exchange` only moves bytes: the one all-gather + one ragged
+all-to-all per window; :mod:`.buffer` wraps the data iterator (optionally overlapping the next
+window's exchange on a background thread).
 """
 
-from mimo_sft.data.reorder.buffer import ReorderingBuffer
-from mimo_sft.data.reorder.exchange import exchange_window, reorder_local
-from mimo_sft.data.reorder.planning import (
+from mimo_sft.data.reorder.assign import (
     assignment_from_order,
     balanced_assignment,
     balanced_groups,
     balanced_index_order,
-    batch_costs,
-    load_spread,
-    lower_bound_max_load,
     lpt_equal_count,
+)
+from mimo_sft.data.reorder.buffer import ReorderingBuffer
+from mimo_sft.data.reorder.cost_model import (
+    batch_costs,
     make_cost_fn,
     make_patch_count_fn,
-    optimal_max_load,
     patch_counts,
-    rank_loads,
     sample_cost,
     weighted_costs,
-    window_orders,
-    window_plan_info,
-    window_routes,
 )
+from mimo_sft.data.reorder.exchange import exchange_window, reorder_local
+from mimo_sft.data.reorder.load_bounds import load_spread, lower_bound_max_load, optimal_max_load, rank_loads
 from mimo_sft.data.reorder.routing import plan_exchange
 from mimo_sft.data.reorder.serialize import (
     deserialize_records,
@@ -38,6 +38,7 @@ from mimo_sft.data.reorder.serialize import (
     serialize_records,
     split_samples,
 )
+from mimo_sft.data.reorder.window_plan import window_orders, window_plan_info, window_routes
 
 __all__ = [
     "assignment_from_order",

@@ -1,6 +1,6 @@
-"""Vectorised kernels of the equal-count balancing that :mod:`planning` runs (pure numpy).
+"""Vectorised kernels of the equal-count balancing that :mod:`assign` runs (pure numpy).
 
-Why a module of its own: :mod:`planning` is the reordering's API (cost model, orders, statistics)
+Why a module of its own: :mod:`assign` is the balancing's API (LPT, the search, orders)
 and reads as Python; these are the numpy inner loops that keep a plan of thousands of samples in
 the millisecond range (issue 16), and their determinism argument is easier to check in one place:
 

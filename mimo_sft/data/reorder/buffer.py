@@ -112,12 +112,12 @@ class ReorderingBuffer:
         n_groups: the canonical grid, ``lcm`` of all module DP sizes (``Layout.canonical_grid``);
             every module must pass the same value and the same ``cost_fn``.
         cost_fn: ``batch -> per-sample costs`` from fields all modules hold; see
-            :func:`planning.make_cost_fn`.
+            :func:`cost_model.make_cost_fn`.
         group: gloo DP group for costs and sample bytes (unused when ``dp_size == 1``).
         side_group: a second gloo DP group used only by the overlap thread (required when overlapping).
         overlap: exchange the next window on a background thread.
         window_size: micro-batches balanced together in one exchange (>= 1).
-        load_fn: per-sample loads for statistics (e.g. :func:`planning.make_patch_count_fn`);
+        load_fn: per-sample loads for statistics (e.g. :func:`cost_model.make_patch_count_fn`);
             defaults to ``cost_fn``.
         stats_dp_sizes: ``{name: dp}`` modules whose per-rank load spread to report, e.g.
             ``{"vision": 2}`` gives ``last_stats["vision_load_max_over_mean_before"/"_after"]``.

@@ -17,7 +17,7 @@
 5. **unpack** (:func:`_unpack`): every slot rebuilt in canonical order from kept and received
    records, checking byte counts and that each canonical position is filled exactly once.
 
-A DP-1 module calls :func:`reorder_local` instead: the same orders (:func:`planning.window_plan_info`),
+A DP-1 module calls :func:`reorder_local` instead: the same orders (:func:`window_plan.window_plan_info`),
 applied by indexing.
 """
 
@@ -30,7 +30,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from mimo_sft.data.reorder import planning, routing, serialize
+from mimo_sft.data.reorder import routing, serialize, window_plan
 
 CostFn = Callable[[Mapping[str, torch.Tensor]], Sequence[float]]
 
@@ -93,11 +93,11 @@ def reorder_local(
     """DP-1 module: permute each whole micro-batch into canonical order, no communication.
 
     With one rank the window's routes are its orders (every sample kept, canonical position =
-    index in the order), so the plan is :func:`planning.window_plan_info`'s, applied by indexing;
+    index in the order), so the plan is :func:`window_plan.window_plan_info`'s, applied by indexing;
     an identity order (the "slot unchanged" case) returns the batch as it is.
     """
     costs, loads = _costs_and_loads(batches, cost_fn, load_fn)
-    infos = planning.window_plan_info(costs, loads, n_groups=n_groups, dp_size=1, stats_dp_sizes=stats_dp_sizes)
+    infos = window_plan.window_plan_info(costs, loads, n_groups=n_groups, dp_size=1, stats_dp_sizes=stats_dp_sizes)
     out = [serialize.permute_batch(b, info["order"]) for b, info in zip(batches, infos)]
     return out, infos
 
@@ -229,7 +229,7 @@ def exchange_window(
     ``group`` is a gloo DP group: it carries the small object all-gather and the sample bytes, which
     are host tensors at both ends (the forward step moves a micro-batch to the GPU).
     Returns this rank's W rebalanced micro-batches (CPU tensors, slot order kept) and per-slot info
-    from :func:`planning.window_plan_info` plus ``exchange_s`` for the whole window. ``scratch``
+    from :func:`window_plan.window_plan_info` plus ``exchange_s`` for the whole window. ``scratch``
     reuses staging buffers across calls (see :class:`ScratchBuffers`).
     """
     t0 = time.perf_counter()

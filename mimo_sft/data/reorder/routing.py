@@ -1,7 +1,7 @@
 """Routing for one window of the exchange (pure): what one DP rank sends and receives.
 
 Both ends of every transfer derive the same lists from the same window plan
-(:func:`planning.window_plan_info`), so no routing message is ever sent: :func:`plan_exchange`
+(:func:`window_plan.window_plan_info`), so no routing message is ever sent: :func:`plan_exchange`
 gives each rank its send and receive lists, the byte split sizes of the all-to-all, whether any
 sample crosses ranks at all, and which slots stay exactly as they were. ``exchange.py`` moves the
 bytes; nothing here imports ``torch.distributed``.
@@ -12,7 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-from mimo_sft.data.reorder.planning import assignment_from_order, window_plan_info
+from mimo_sft.data.reorder.assign import assignment_from_order
+from mimo_sft.data.reorder.window_plan import window_plan_info
 
 #: One sample's move inside a window: ``(slot, canonical position on the receiver, local index on
 #: the sender)``. Sorting by it gives the order bytes travel in, which sender and receiver share.
