@@ -19,6 +19,7 @@ from rich.console import Console
 from rich.table import Table
 
 from mimo_sft.config.schema import CheckpointConfig
+from mimo_sft.console import make_console
 from mimo_sft.errors import UserError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -35,8 +36,7 @@ def _fail(err: UserError, console: Console | None = None) -> None:
 def _print_flag_help(command: str, extra: dict[str, str] | None = None) -> None:
     from mimo_sft.config.loader import EXTRA_FLAGS, flag_table
 
-    width = None if sys.stdout.isatty() or os.environ.get("COLUMNS") else 160
-    console = Console(width=width)
+    console = make_console(pipe_width=160)  # off a terminal the meanings wrap at 160 columns
     console.print(f"Usage: mimo-sft {command} [--config FILE] [--component NAME=k=v,...]... [FLAGS]\n")
     table = Table(show_header=True, header_style="bold", box=None)
     table.add_column("flag", no_wrap=True)
@@ -94,7 +94,7 @@ def validate(ctx: typer.Context) -> None:
             **_memory_json(result.memory),
         }))
     else:
-        print_report(cfg, result, Console(), show_config=not quiet, config_text=dump_config(cfg))
+        print_report(cfg, result, make_console(), show_config=not quiet, config_text=dump_config(cfg))
     if not result.ok:
         raise typer.Exit(2)
 
@@ -157,7 +157,7 @@ def check_model(
     if as_json:
         print(json.dumps(report))
     else:
-        console = Console()
+        console = make_console()
         verdict = "[bold green]OK[/bold green]" if report["ok"] else "[bold red]MISMATCH[/bold red]"
         console.print(f"{verdict} {hf_model}: max relative logit difference {report['max_rel_logit_diff']:.3e}, "
                       f"loss difference {report['loss_diff']:.3e} (tolerance {tolerance:g})")
@@ -189,7 +189,7 @@ def export(
                                  shard_size=shard_size)
     except UserError as e:
         _fail(e)
-    Console().print(f"wrote {'PEFT adapter' if adapter_only else 'Hugging Face checkpoint'} to {path}")
+    make_console().print(f"wrote {'PEFT adapter' if adapter_only else 'Hugging Face checkpoint'} to {path}")
 
 
 checkpoint_app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,

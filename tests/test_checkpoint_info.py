@@ -1,5 +1,5 @@
-"""Check 24 (checkpoint writing, and whether --load-checkpoint resumes on this layout) and
-``mimo-sft checkpoint info``: unit tests, no processes.
+"""Check 24 (checkpoint writing, and whether --load-checkpoint resumes on this layout), check 35 (whether
+a resume's flags keep the saved data order) and ``mimo-sft checkpoint info``: unit tests, no processes.
 
 The checkpoints here are folders with the ``meta.json`` a save writes (the resharding rule reads
 only that); ``checkpoint info`` on a real checkpoint written by a run is tested in
@@ -95,3 +95,71 @@ def test_checkpoint_info_answers_whether_it_resumes_on_a_layout(tmp_path):
     assert no.returncode == 1 and "resume on language=tp=2" in no.stdout and "no: its distributed-optimizer" in no.stdout
     missing = _info(str(tmp_path / "nowhere"))
     assert missing.returncode == 2 and missing.stderr.strip().startswith("error: checkpoint") and "Traceback" not in missing.stderr
+
+
+def _saved_order(tmp_path, **order):
+    """A checkpoint whose meta.json records the data-order settings ``order`` (``None``: an older
+    checkpoint that recorded none)."""
+    ckpt = _checkpoint(tmp_path, None)
+    meta_path = os.path.join(ckpt, "iter_0000004", "meta.json")
+    meta = json.load(open(meta_path))
+    if order:
+        meta["data_order"] = {"micro_batch_size": 4, "global_batch_size": 8, "seed": 1234, "dataloader_type": "single",
+                              "drop_last": True, **order}
+    json.dump(meta, open(meta_path, "w"))
+    return ckpt
+
+
+def _order_problems(ckpt, *flags):
+    args = ["--component", "language=dp=2", "--component", "images=dp=2,rank_offset=2", "--micro-batch-size", "4",
+            "--global-batch-size", "8", "--load-checkpoint", ckpt, *flags]
+    res = check_config(load_config(args))
+    return [str(p) for p in res.problems if p.check == 35], [str(p) for p in res.problems if p.check != 35]
+
+
+def test_a_resume_with_another_micro_batch_size_is_refused_naming_the_flag(tmp_path):
+    ckpt = _saved_order(tmp_path, micro_batch_size=2)
+    mine, _ = _order_problems(ckpt)
+    assert mine == [f"[35] --micro-batch-size 4 differs from the checkpoint's 2 (an epoch holds whole micro-batches, "
+                    f"so its data position would name other samples): resume with --micro-batch-size 2, or start "
+                    f"from its weights with --pretrained-checkpoint {ckpt} instead of --load-checkpoint"]
+    # the same settings pass; another global batch size keeps the order (it changes samples per step only)
+    assert _order_problems(_saved_order(tmp_path / "same", micro_batch_size=4)) == ([], [])
+    assert _order_problems(_saved_order(tmp_path / "gbs", global_batch_size=16)) == ([], [])
+
+
+def test_a_resume_that_changes_the_sample_order_is_refused(tmp_path):
+    ckpt = _saved_order(tmp_path, dataloader_type="cyclic", seed=7, drop_last=False)
+    mine, _ = _order_problems(ckpt)
+    assert len(mine) == 2, mine
+    assert mine[0].startswith("[35] --drop-last differs from the checkpoint's --no-drop-last") and \
+        "resume with --no-drop-last, or start from its weights" in mine[0]
+    assert mine[1].startswith("[35] --dataloader-type single differs from the checkpoint's cyclic") and \
+        "resume with --dataloader-type cyclic," in mine[1]
+    # cyclic shuffles with the seed: another seed is refused, the saved one passes
+    mine, _ = _order_problems(ckpt, "--dataloader-type", "cyclic", "--no-drop-last")
+    assert mine == [f"[35] --seed 1234 differs from the checkpoint's 7 (--dataloader-type cyclic shuffles each epoch "
+                    f"with it): resume with --seed 7, or start from its weights with --pretrained-checkpoint {ckpt} "
+                    f"instead of --load-checkpoint"]
+    assert _order_problems(ckpt, "--dataloader-type", "cyclic", "--no-drop-last", "--seed", "7")[0] == []
+    # in order and without a held-out split the seed does not touch the data: passes; with --valid-split it does
+    single = _saved_order(tmp_path / "single", seed=7)
+    assert _order_problems(single)[0] == []
+    mine, _ = _order_problems(single, "--valid-split", "4")
+    assert len(mine) == 1 and "--seed 1234 differs from the checkpoint's 7 (--valid-split holds out rows chosen" in mine[0]
+
+
+def test_a_checkpoint_without_recorded_data_order_is_unknown_not_a_mismatch(tmp_path):
+    old = _saved_order(tmp_path)  # meta.json as saved before data_order was recorded
+    assert "data_order" not in json.load(open(os.path.join(old, "iter_0000004", "meta.json")))
+    assert _order_problems(old, "--micro-batch-size", "8", "--global-batch-size", "16", "--seed", "3",
+                           "--dataloader-type", "cyclic")[0] == []
+
+
+def test_a_save_records_the_settings_check_35_compares():
+    from mimo_sft.config.checks.checkpoint import data_order_meta
+
+    cfg = load_config(["--micro-batch-size", "2", "--global-batch-size", "6", "--seed", "5", "--dataloader-type",
+                       "cyclic", "--no-drop-last"])
+    assert data_order_meta(cfg) == {"data_order": {"micro_batch_size": 2, "global_batch_size": 6, "seed": 5,
+                                                   "dataloader_type": "cyclic", "drop_last": False}}

@@ -127,3 +127,46 @@ def test_finetune_refuses_to_reuse_another_runs_output_dir(tmp_path):
     proc = _finetune("--component", "language=dp=1", "--component", "images=dp=1", "--hf-model", str(tmp_path),
                      "--dataset-path", str(tmp_path), "--output-dir", str(out))
     assert proc.returncode == 2 and f"--load-checkpoint {out}/checkpoints" in proc.stderr
+
+
+def _piped_env(**extra):
+    """The environment of a run whose stdout is a pipe or a log file: no terminal hints for rich."""
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "FORCE_COLOR", "TTY_COMPATIBLE")}
+    return {**env, **extra}
+
+
+def test_validate_to_a_pipe_prints_the_memory_table_whole(tmp_path):
+    """Off a terminal rich would cut to 80 columns (headers ``mo…``, ``we…``); a log must hold them whole."""
+    from mimo_sft.config.report import MEMORY_COLUMNS
+    from mimo_sft.testing.tiny_checkpoint import preset_config
+
+    preset_config("qwen2.5-vl-7b").save_pretrained(str(tmp_path))  # config.json only: the forecast reads no weights
+    proc = subprocess.run([sys.executable, "-m", "mimo_sft", "validate", "--quiet", "--component", "language=dp=1",
+                           "--component", "images=dp=1,rank_offset=1", "--hf-model", str(tmp_path), "--allow-random-init",
+                           "--micro-batch-size", "1", "--global-batch-size", "1"],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=_piped_env(), timeout=120)
+    assert "Memory forecast per GPU" in proc.stdout, proc.stdout + proc.stderr
+    header = next(ln for ln in proc.stdout.splitlines() if "module" in ln and "peak" in ln)
+    assert "…" not in proc.stdout and all(f" {c} " in header for c in ("module", "rank", "params", *MEMORY_COLUMNS))
+    assert "canonical groups per DP rank" in proc.stdout  # the layout table's header on one line too
+    # COLUMNS is the user's say: rich's width again (and its cut headers)
+    narrow = subprocess.run(proc.args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                            env=_piped_env(COLUMNS="80"), timeout=120)
+    assert "…" in narrow.stdout
+
+
+def test_make_console_keeps_rich_on_a_terminal(monkeypatch):
+    import io
+
+    from rich.console import Console
+
+    from mimo_sft.console import NO_WRAP_WIDTH, make_console
+
+    for name in ("COLUMNS", "FORCE_COLOR", "TTY_COMPATIBLE"):
+        monkeypatch.delenv(name, raising=False)
+    assert make_console(file=io.StringIO()).width == NO_WRAP_WIDTH
+    assert make_console(file=io.StringIO(), pipe_width=160).width == 160
+    assert make_console(file=io.StringIO(), width=90).width == 90
+    assert make_console(force_terminal=True).width == Console(force_terminal=True).width
+    monkeypatch.setenv("COLUMNS", "100")
+    assert make_console(file=io.StringIO()).width == 100

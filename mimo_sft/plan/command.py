@@ -50,11 +50,10 @@ def run_plan(args: list[str]) -> int:
         print_plan(plan)
         memory = plan["memory_report"]
         if memory is not None:
-            from rich.console import Console
-
             from mimo_sft.config.report import print_memory
+            from mimo_sft.console import make_console
 
-            console = Console()
+            console = make_console()
             print_memory(memory, console)
             for line in memory["problems"]:
                 console.print(f"[red]x[/red] {line}", highlight=False, soft_wrap=True)

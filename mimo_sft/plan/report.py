@@ -10,6 +10,8 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
+from mimo_sft.console import make_console
+
 UNITS = {"images": "patches", "language": "tokens"}
 CAPTION = ("max/mean: heaviest DP rank's load over the mean rank's, averaged over micro-batches (1.000 = "
            "balanced); p95 over micro-batches; max-min: heaviest minus lightest rank; idle: 1 - mean/max, the "
@@ -25,7 +27,7 @@ def _num(x: float) -> str:
 
 
 def print_plan(plan: dict, console: Console | None = None) -> None:
-    console = console or Console()
+    console = console or make_console()
     r, d = plan["reorder"], plan["data"]
     steps, per = plan["steps"], plan["micro_batches_per_step"]
     lay = " · ".join(f"{n} dp={v['dp']} (ranks {v['ranks']})" for n, v in plan["layout"].items())

@@ -21,6 +21,7 @@ from typing import Iterable, Optional
 
 from rich.console import Console
 
+from mimo_sft.console import make_console
 from mimo_sft.parallel.layout import LANGUAGE
 
 
@@ -212,7 +213,7 @@ class MetricsLogger:
         self.trackers = list(trackers or []) if enabled else []
         self.total_steps = total_steps
         self.log_interval = max(1, log_interval)
-        self.console = console or Console(highlight=False, soft_wrap=True)
+        self.console = console or make_console(highlight=False, soft_wrap=True)
         self._tb = None
         self._fh = None
         self._t0 = time.perf_counter()

@@ -1,5 +1,5 @@
-"""Checks 15, 24 and 34: the checkpoint flags, checkpoint-writing settings, whether ``--load-checkpoint`` can resume on this
-layout, and the export's shard size.
+"""Checks 15, 24, 34 and 35: the checkpoint flags, checkpoint-writing settings, whether ``--load-checkpoint`` can resume on this
+layout, the export's shard size, and whether a resume's flags keep the saved data order.
 
 The resharding rule lives here, pure (a checkpoint's ``meta.json`` against a layout), so that
 ``validate``, ``finetune`` (before any tensor is read) and ``mimo-sft checkpoint info --component``
@@ -105,6 +105,58 @@ def shard_size_bytes(size) -> int:
     if n <= 0:
         raise ValueError(f"--export-shard-size {size}: give a positive size such as 5GB, 500MB or a byte count")
     return n
+
+
+#: meta.json's key for the settings the training sample stream depends on (written by ``train.checkpoint.save``)
+DATA_ORDER_KEY = "data_order"
+
+
+def data_order_meta(cfg) -> dict:
+    """What a save records so that check 35 can compare a resume's flags before any process starts.
+    ``global_batch_size`` is kept for information only: it changes how many samples a step takes, not
+    which sample comes next (``consumed_samples`` is a position in a stream of micro-batches)."""
+    t, d = cfg.train, cfg.data
+    return {DATA_ORDER_KEY: {"micro_batch_size": t.micro_batch_size, "global_batch_size": t.global_batch_size,
+                             "seed": t.seed, "dataloader_type": d.dataloader_type, "drop_last": d.drop_last}}
+
+
+def data_order_problems(saved: dict, cfg, path: str):
+    """Why resuming the checkpoint at ``path`` (whose meta.json ``data_order`` is ``saved``) with ``cfg`` would
+    read other samples next than the saved run would have (``data.sampler``), one line per flag; an entry
+    absent from ``saved`` (a checkpoint written before it was recorded) is unknown and passes.
+
+    Why each one matters: an epoch holds ``floor(N / micro_batch_size)`` whole micro-batches (``--drop-last``)
+    or is filled up to a whole one (``--no-drop-last``), so both decide where epoch boundaries fall in the stream
+    ``consumed_samples`` counts; ``cyclic`` shuffles each epoch with the seed, and ``--valid-split`` holds out a
+    seeded choice of rows, so there the seed decides which rows the positions name."""
+    t, d = cfg.train, cfg.data
+    fix = f"or start from its weights with --pretrained-checkpoint {path} instead of --load-checkpoint"
+    if saved.get("micro_batch_size") not in (None, t.micro_batch_size):
+        was = saved["micro_batch_size"]
+        yield (f"--micro-batch-size {t.micro_batch_size} differs from the checkpoint's {was} (an epoch holds whole "
+               f"micro-batches, so its data position would name other samples): resume with --micro-batch-size {was}, {fix}")
+    if saved.get("drop_last") not in (None, d.drop_last):
+        now, was = (("--drop-last", "--no-drop-last") if d.drop_last else ("--no-drop-last", "--drop-last"))
+        yield (f"{now} differs from the checkpoint's {was} (it moves the epoch boundaries of the data stream): "
+               f"resume with {was}, {fix}")
+    if saved.get("dataloader_type") not in (None, d.dataloader_type):
+        was = saved["dataloader_type"]
+        yield (f"--dataloader-type {d.dataloader_type} differs from the checkpoint's {was} (another sample order): "
+               f"resume with --dataloader-type {was}, {fix}")
+    seeded = [why for why, on in (("--dataloader-type cyclic shuffles each epoch with it", d.dataloader_type == "cyclic"),
+                                  ("--valid-split holds out rows chosen with it", d.valid_split is not None)) if on]
+    if seeded and saved.get("seed") not in (None, t.seed):
+        was = saved["seed"]
+        yield (f"--seed {t.seed} differs from the checkpoint's {was} ({'; '.join(seeded)}): "
+               f"resume with --seed {was}, {fix}")
+
+
+def c35_resumed_data_order(ctx):
+    c = ctx.cfg.checkpoint
+    if c.load_checkpoint and os.path.isdir(c.load_checkpoint):
+        meta = find_meta(c.load_checkpoint) or {}
+        saved = meta.get(DATA_ORDER_KEY)
+        yield from data_order_problems(saved if isinstance(saved, dict) else {}, ctx.cfg, c.load_checkpoint)
 
 
 def c34_export_shards(ctx):

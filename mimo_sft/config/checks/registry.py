@@ -53,6 +53,7 @@ CHECKS: tuple[tuple[int, str, Callable], ...] = (
     (31, "DeepStack layers on the first language stage", deepstack.c31_deepstack_stages),
     (33, "overlapped reduction and profiler settings", overlap.c33_overlap_and_profiler),
     (34, "export shard size", checkpoint.c34_export_shards),
+    (35, "resume keeps the data order", checkpoint.c35_resumed_data_order),
 )
 
 

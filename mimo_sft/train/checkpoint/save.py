@@ -5,7 +5,8 @@ Layout of ``SAVE_DIR`` (folder rules, fsync order and pruning: :mod:`files`)::
 
     latest                 -> text file naming the newest complete checkpoint ("iter_0000020")
     iter_0000020/
-        meta.json          step, consumed samples, layout, source model, config
+        meta.json          step, consumed samples, layout, source model, optimizer form, the settings the
+                           data order depends on (``data_order``: check 35 compares a resume's flags)
         model/             megatron dist-checkpoint of MimoModel.sharded_state_dict (layout-free;
                            a LoRA run's holds only what trains: :mod:`lora`)
         optimizer/         megatron dist-checkpoint of MimoOptimizer.sharded_state_dict (layout-free):
@@ -41,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from mimo_sft.config.lora import distributed_optimizer_in_use
-from mimo_sft.config.checks.checkpoint import reshard_problem
+from mimo_sft.config.checks.checkpoint import data_order_meta, reshard_problem
 from mimo_sft.errors import UserError
 from mimo_sft.parallel import runtime
 from mimo_sft.train.checkpoint.files import fsync_file, iter_dir, kill_point, publish, read_meta, resolve_checkpoint
@@ -85,7 +86,7 @@ def save_checkpoint(root: str, *, step: int, consumed_samples: int, ctx, extra_m
     meta = {"step": step, "consumed_samples": consumed_samples, "world_size": dist.get_world_size(),
             "layout": layout_signature(ctx.layout), "hf_model": ctx.cfg.model.hf_model, **_optimizer_kind(ctx),
             **({"distributed_optimizer_format": save_format(ctx.cfg)} if save_format(ctx.cfg) else {}),
-            **bucket_meta(ctx), **lora_meta(ctx.cfg.model), **(extra_meta or {})}
+            **bucket_meta(ctx), **lora_meta(ctx.cfg.model), **data_order_meta(ctx.cfg), **(extra_meta or {})}
     box = [None]
 
     def publish_when_written():  # every rank, once every rank's parts are on disk
