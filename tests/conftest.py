@@ -1,4 +1,9 @@
-"""Shared test setup: offline Hugging Face, one thread per process, repo root on sys.path."""
+"""Shared test setup: offline Hugging Face, one thread per process, no progress bars, repo root on sys.path.
+
+The progress-bar defaults are what ``mimo_sft.cli.main`` and ``quiet_libraries`` set before a run's
+heavy imports: with them here, this process, the preloaded parent of ``tests/preloaded.py`` and a
+real torchrun rank all import datasets and huggingface_hub with the same environment.
+"""
 
 import os
 import sys
@@ -7,6 +12,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:

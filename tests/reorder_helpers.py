@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+import preloaded
 from dist_utils import free_port
 from mimo_sft.data.reorder import serialize
 
@@ -109,8 +110,15 @@ def _entry(rank: int, world: int, port: int, fn, args) -> None:
 
 
 def run_world(fn, world: int, *args) -> None:
-    """Run ``fn(rank, world, *args)`` in ``world`` gloo processes; any worker's exception fails the test."""
-    mp.spawn(_entry, args=(world, free_port(), fn, args), nprocs=world, join=True)
+    """Run ``fn(rank, world, *args)`` in ``world`` gloo processes; any worker's exception fails the test.
+    The workers are forked from the preloaded parent of ``tests/preloaded.py`` where it can stand in
+    (their tracebacks go to this test's stderr), else spawned."""
+    zygote = preloaded.usable(dict(os.environ))
+    if zygote is None:
+        mp.spawn(_entry, args=(world, free_port(), fn, args), nprocs=world, join=True)
+        return
+    code, codes = preloaded.run_call(zygote, world, _entry, (world, free_port(), fn, args), timeout=600)
+    assert code == 0, f"a worker failed (exit codes {codes}, None: timed out); its traceback is on stderr"
 
 
 def encoder_slice_pixels(batch: dict[str, torch.Tensor], encoder: slice) -> dict[str, torch.Tensor]:

@@ -1,4 +1,9 @@
-"""Helpers for the end-to-end training tests: tiny model and datasets, torchrun, checkpoint tensors."""
+"""Helpers for the end-to-end training tests: tiny model and datasets, torchrun, checkpoint tensors.
+
+``torchrun()`` runs ``mimo_sft`` on ranks forked from a preloaded parent (``tests/preloaded.py``:
+the same environment, exit codes and output, without ~6 s of imports per rank); ``real=True`` starts
+the real torchrun, for the tests of what torchrun itself does (signals, a rank killed mid-save).
+"""
 
 from __future__ import annotations
 
@@ -15,6 +20,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+import preloaded
 from dist_utils import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -114,9 +120,12 @@ def bridge_corner_data() -> str:
 
 
 def torchrun(nproc: int, args: list[str], *, timeout: float = 300, check: bool = True,
-             extra_env: dict | None = None, command: str = "finetune") -> subprocess.CompletedProcess:
+             extra_env: dict | None = None, command: str = "finetune", real: bool = False) -> subprocess.CompletedProcess:
+    """``torchrun --nproc-per-node NPROC -m mimo_sft COMMAND ARGS``: on preloaded forked ranks, or
+    with ``real=True`` (or where the preloaded parent cannot stand in, see ``preloaded.usable``)
+    the real torchrun. Raises ``subprocess.TimeoutExpired`` past ``timeout`` (the run is killed)."""
     for _attempt in range(3):
-        proc = _torchrun_once(nproc, args, timeout=timeout, extra_env=extra_env, command=command)
+        proc = _torchrun_once(nproc, args, timeout=timeout, extra_env=extra_env, command=command, real=real)
         # the agent's store could not bind its port (another process took it after free_port looked):
         # nothing ran yet, so a new port is a clean retry
         if not (proc.returncode != 0 and "EADDRINUSE" in proc.stderr and "failed to listen" in proc.stderr):
@@ -147,29 +156,68 @@ def _kill_marked(marker: str) -> None:
             continue
 
 
+def _run_env(marker: str, extra_env: dict | None) -> dict:
+    return dict(os.environ, **preloaded.RUN_ENV, MIMO_SFT_TEST_RUN=marker, **(extra_env or {}))
+
+
 def _torchrun_once(nproc: int, args: list[str], *, timeout: float, extra_env: dict | None,
-                   command: str = "finetune") -> subprocess.CompletedProcess:
+                   command: str = "finetune", real: bool = False) -> subprocess.CompletedProcess:
+    """One launch, preloaded or real; ``MIMO_SFT_TEST_RUN`` marks every process of the run (the real
+    torchrun's ranks, and processes started from a forked rank) for :func:`_kill_marked`."""
     marker = f"{os.getpid()}-{next(_RUNS)}"
-    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
-               HF_DATASETS_OFFLINE="1", PYTHONWARNINGS="ignore", MIMO_SFT_TEST_RUN=marker, **(extra_env or {}))
-    cmd = [TORCHRUN, "--nproc-per-node", str(nproc), "--master-port", str(free_port()), "-m", "mimo_sft",
-           command, *args]
+    env = _run_env(marker, extra_env)
+    zygote = None if real else preloaded.usable(env)
+    port = free_port()
+    launcher = [TORCHRUN] if zygote is None else ["<preloaded>"]
+    cmd = [*launcher, "--nproc-per-node", str(nproc), "--master-port", str(port), "-m", "mimo_sft", command, *args]
     # Own session, output to files: a rank killed with SIGKILL (the checkpoint tests do that) leaves
     # megatron's checkpoint-writer processes behind; they would hold a pipe open until the timeout.
-    # The whole session is killed once torchrun returns, as a cluster scheduler would.
+    # The whole session is killed once the run returns, as a cluster scheduler would.
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        child = subprocess.Popen(cmd, stdout=out, stderr=err, text=True, cwd=str(ROOT), env=env,
-                                 start_new_session=True)
-        try:
-            code = child.wait(timeout=timeout)
-        finally:
+        if zygote is not None:
             try:
-                os.killpg(child.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            _kill_marked(marker)
+                code = preloaded.run_cli(zygote, nproc, [command, *args], env=env, port=port, timeout=timeout,
+                                         out=out, err=err, cwd=str(ROOT))
+            finally:
+                _kill_marked(marker)  # a process that left the run's session (run_cli killed the session)
+        else:
+            code = _real_torchrun(cmd, env, timeout, marker, out, err)
         out.seek(0)
         err.seek(0)
+        if code is None:
+            raise subprocess.TimeoutExpired(cmd, timeout, output=out.read(), stderr=err.read())
+        return subprocess.CompletedProcess(cmd, code, out.read(), err.read())
+
+
+def _real_torchrun(cmd: list[str], env: dict, timeout: float, marker: str, out, err) -> int | None:
+    """The real torchrun in a session of its own; the exit code, None past ``timeout``."""
+    child = subprocess.Popen(cmd, stdout=out, stderr=err, text=True, cwd=str(ROOT), env=env, start_new_session=True)
+    try:
+        return child.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return None
+    finally:
+        preloaded.kill_session(child.pid)
+        _kill_marked(marker)
+
+
+def python_m(args: list[str], *, env: dict | None = None, cwd: str = str(ROOT), timeout: float = 300,
+             real: bool = False) -> subprocess.CompletedProcess:
+    """``subprocess.run([sys.executable, "-m", "mimo_sft", *args], capture_output=True, text=True)``
+    (one process, no torchrun), forked from the preloaded parent where it can stand in for ``env``
+    (default: this process's); ``real=True`` starts the interpreter. Raises ``TimeoutExpired``."""
+    env = dict(os.environ if env is None else env)
+    zygote = None if real else preloaded.usable(env)
+    cmd = [sys.executable if zygote is None else "<preloaded>", "-m", "mimo_sft", *args]
+    if zygote is None:
+        return subprocess.run(cmd, capture_output=True, text=True, cwd=cwd, env=env, timeout=timeout)
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        code = preloaded.run_cli(zygote, 1, list(args), env=env, port=0, timeout=timeout, out=out, err=err,
+                                 cwd=cwd, torchrun=False)
+        out.seek(0)
+        err.seek(0)
+        if code is None:
+            raise subprocess.TimeoutExpired(cmd, timeout, output=out.read(), stderr=err.read())
         return subprocess.CompletedProcess(cmd, code, out.read(), err.read())
 
 
