@@ -5,35 +5,31 @@ import os
 
 import pytest
 
+from e2e_runs import GROUP_STOP, SINGLE, never_stopped, stop_args
 from mimo_sft.train.checkpoint.files import complete_checkpoints, resolve_checkpoint
-from train_helpers import demo_data, metrics, new_dir, tiny_model, torchrun
+from train_helpers import metrics, new_dir, torchrun
 
-pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("dist")]
+pytestmark = [pytest.mark.e2e, GROUP_STOP]
 
 #: before any part is written, once every part is on disk (before meta.json), before and after the rename,
 #: after ``latest`` moved
 POINTS = ["start", "before_meta", "before_rename", "after_rename", "after_latest"]
 
 
-def _args(out, iters, components=("language=dp=1", "images=dp=1")):
-    return ["--hf-model", tiny_model(), "--dataset-path", demo_data(), "--seq-length", "160", "--micro-batch-size", "2",
-            "--global-batch-size", "4", "--train-iters", str(iters), "--lr", "3e-3", "--lr-decay-style", "constant",
-            "--dataloader-type", "cyclic",
-            "--no-tensorboard", *[a for c in components for a in ("--component", c)], "--save-interval", "2",
-            "--output-dir", out]
+def _args(out, iters, components=SINGLE):
+    return [*stop_args(iters, components), "--save-interval", "2", "--output-dir", out]
 
 
 @pytest.fixture(scope="module")
 def never_killed():
-    out = new_dir("kill_reference")
-    torchrun(1, _args(out, 6))
-    return {m["step"]: m["loss"] for m in metrics(out)}
+    """The losses of the run saved at 2, 4 and 6 and never killed (shared with test_stopping.py)."""
+    return {m["step"]: m["loss"] for m in metrics(never_stopped())}
 
 
 @pytest.mark.parametrize("point", POINTS)
 def test_save_killed_at_any_point_resumes_exactly(point, never_killed):
     out = new_dir(f"kill_{point}")
-    proc = torchrun(1, _args(out, 4), check=False, extra_env={"MIMO_SFT_TEST_KILL_AT": f"{point}:4"})
+    proc = torchrun(1, _args(out, 4), check=False, extra_env={"MIMO_SFT_TEST_KILL_AT": f"{point}:4"}, real=True)
     assert proc.returncode != 0, "the save of step 4 should have been killed"
     # published before the kill: resume at step 4; otherwise the step-2 checkpoint is what latest names
     resumed_from = 4 if point == "after_latest" else 2
@@ -59,7 +55,7 @@ def test_async_save_killed_resumes_exactly(point, never_killed):
     own copies would be step 5's, and step 6's loss, which follows from step 4's moments, would differ)."""
     out = new_dir(f"kill_async_{point}")
     proc = torchrun(1, _args(out, 6) + ["--async-save"], check=False,
-                    extra_env={"MIMO_SFT_TEST_KILL_AT": f"{point}:4", "MIMO_SFT_TEST_HOLD_WRITER": "1"})
+                    extra_env={"MIMO_SFT_TEST_KILL_AT": f"{point}:4", "MIMO_SFT_TEST_HOLD_WRITER": "1"}, real=True)
     assert proc.returncode != 0, "the save of step 4 should have been killed"
     assert "saved checkpoint" in proc.stdout and "iter_0000002" in proc.stdout
     resumed_from = 4 if point == "after_latest" else 2
@@ -78,7 +74,7 @@ def test_full_disk_fails_the_save_in_one_line():
     that stays latest; the unfinished folder is removed and the step-2 checkpoint still resumes."""
     out = new_dir("enospc")
     args = _args(out, 5, ("language=dp=2", "images=dp=2")) + ["--async-save"]
-    proc = torchrun(2, args, check=False, extra_env={"MIMO_SFT_TEST_ENOSPC_AT": "4:1"})
+    proc = torchrun(2, args, check=False, extra_env={"MIMO_SFT_TEST_ENOSPC_AT": "4:1"}, real=True)
     assert proc.returncode != 0
     lines = [ln for ln in proc.stderr.splitlines() if "saving step 4" in ln]
     assert len(lines) == 2 and all("the disk is full (No space left on device)" in ln and "iter_0000002 stays the latest" in ln

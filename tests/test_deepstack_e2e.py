@@ -30,10 +30,10 @@ from pathlib import Path
 
 import pytest
 
-from test_train_e2e import BASE, CORNER, assert_same_step
-from train_helpers import bridge_corner_data, metrics, new_dir, torchrun
+from e2e_runs import CORNER, GROUP_DEEPSTACK, SINGLE, assert_same_step, layout_run
+from train_helpers import bridge_corner_data, metrics
 
-pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("dist")]
+pytestmark = [pytest.mark.e2e, GROUP_DEEPSTACK]
 
 LORA = ["--lora-rank", "4", "--lora-alpha", "8"]
 PACKED = ["--in-batch-packing"]
@@ -42,7 +42,6 @@ PACKED = ["--in-batch-packing"]
 #: parallelism, merger.linear_fc2) into 1.6e-5 of weight; the exactness claim is the per-parameter
 #: gradient check (1e-5 relative), the weights only have to follow it to a tenth of one step (lr 1e-3)
 WEIGHTS_TOL = 1e-4
-SINGLE = ["language=dp=1", "images=dp=1"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -54,13 +53,8 @@ def tiny_qwen3_vl() -> str:
 
 
 def run(name, nproc, components, extra=()):
-    out = new_dir(name)
-    args = ["--hf-model", tiny_qwen3_vl(), "--dataset-path", bridge_corner_data(), "--output-dir", out, *BASE,
-            *CORNER, "--save-grads", out + "/grads", *extra]
-    for c in components:
-        args += ["--component", c]
-    torchrun(nproc, args)
-    return out
+    """One step of the corner-case data (three micro-batches) on the tiny Qwen3-VL, gradients saved."""
+    return layout_run(name, nproc, components, bridge_corner_data(), [*CORNER, *extra], model=tiny_qwen3_vl())
 
 
 @pytest.fixture(scope="module")

@@ -18,9 +18,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from e2e_runs import GROUP_LORA, finetune
 from train_helpers import checkpoint_tensors, demo_data, metrics, new_dir, tiny_model, torchrun
 
-pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("dist")]
+pytestmark = [pytest.mark.e2e, GROUP_LORA]
 
 TARGETS = "linear_qkv,linear_proj,linear_fc1,linear_fc2,vision_attn,vision_mlp,merger"
 BASE = ["--seq-length", "192", "--micro-batch-size", "4", "--global-batch-size", "8", "--lr", "1e-2",
@@ -72,13 +73,8 @@ def assert_exports_equal_in_memory_ones(checkpoint, export_dir, adapter_dir=None
 
 
 def run(name, nproc, components, extra=(), iters=2):
-    out = new_dir(name)
-    args = ["--hf-model", tiny_model(), "--dataset-path", demo_data(), "--output-dir", out, *BASE,
-            "--train-iters", str(iters), "--save-grads", out + "/grads", *extra]
-    for c in components:
-        args += ["--component", c]
-    torchrun(nproc, args)
-    return out
+    return finetune(name, nproc, [*BASE, "--train-iters", str(iters), "--save-grads", "{out}/grads", *extra],
+                    components=components).out
 
 
 @pytest.fixture(scope="module")

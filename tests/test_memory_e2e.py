@@ -10,23 +10,27 @@ recomputation equals the same layout without it, per parameter.
   (reordering, packing, tp 2), selective + vision recompute on the colocated LoRA run, full block +
   vision recompute at language pp 2. Single-process cases (trained and frozen tower, LoRA dropout,
   every method) are in ``test_recompute.py``.
+
+The single-process reference and the pp 2 run without recomputation are ``tests/e2e_runs.py``'s,
+shared with test_train_e2e.py (where the pp 2 run is compared with the reference).
 """
 
 import math
 
 import pytest
 
-from test_train_e2e import assert_packed_equals_padded, assert_same_gradients, assert_same_step, run_layout
-from train_helpers import demo_data, metrics
+from e2e_runs import (GROUP_LAYOUTS, PP2, SINGLE, assert_packed_equals_padded, assert_same_gradients, assert_same_step,
+                      language_pp2, layout_run)
+from e2e_runs import reference as single_process
+from train_helpers import metrics
 
-pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("dist")]
+pytestmark = [pytest.mark.e2e, GROUP_LAYOUTS]
 
 SP = ["--sequence-parallel"]
 LORA = ["--lora-rank", "4", "--lora-alpha", "8"]
 NON_COLOCATED_SP = (["language=tp=2,dp=2", "images=dp=1,rank_offset=4"],
                     ["--scalable-dp", "--intra-microbatch-reorder", "--in-batch-packing", *SP])
 COLOCATED_SP = (["language=tp=2,dp=1", "images=dp=2"], ["--scalable-dp", *SP, *LORA])
-PP2 = ["language=pp=2,dp=1", "images=dp=1,rank_offset=2"]
 
 
 def assert_recompute_equal(ref_dir, run_dir, *, rel=1e-6):
@@ -39,17 +43,17 @@ def assert_recompute_equal(ref_dir, run_dir, *, rel=1e-6):
 
 @pytest.fixture(scope="module")
 def reference():
-    return run_layout("mem_ref", 1, ["language=dp=1", "images=dp=1"], demo_data())
+    return single_process()
 
 
 @pytest.fixture(scope="module")
 def non_colocated_sp():
-    return run_layout("sp_noncoloc", 5, NON_COLOCATED_SP[0], demo_data(), NON_COLOCATED_SP[1])
+    return layout_run("sp_noncoloc", 5, NON_COLOCATED_SP[0], extra=NON_COLOCATED_SP[1])
 
 
 @pytest.fixture(scope="module")
 def colocated_sp_lora():
-    return run_layout("sp_coloc_lora", 2, COLOCATED_SP[0], demo_data(), COLOCATED_SP[1])
+    return layout_run("sp_coloc_lora", 2, COLOCATED_SP[0], extra=COLOCATED_SP[1])
 
 
 def test_sequence_parallel_non_colocated_with_reordering_and_packing_matches_tp1(reference, non_colocated_sp):
@@ -57,26 +61,26 @@ def test_sequence_parallel_non_colocated_with_reordering_and_packing_matches_tp1
 
 
 def test_sequence_parallel_colocated_with_lora_matches_tp1(colocated_sp_lora):
-    ref = run_layout("mem_ref_lora", 1, ["language=dp=1", "images=dp=1"], demo_data(), LORA)
+    ref = layout_run("mem_ref_lora", 1, SINGLE, extra=LORA)
     assert_same_step(ref, colocated_sp_lora)
 
 
 def test_full_recompute_non_colocated_with_reordering_packing_and_sp(non_colocated_sp):
-    run = run_layout("rc_noncoloc", 5, NON_COLOCATED_SP[0], demo_data(),
-                     [*NON_COLOCATED_SP[1], "--recompute-granularity", "full", "--recompute-method", "uniform",
-                      "--recompute-num-layers", "1", "--recompute-vision"])
+    run = layout_run("rc_noncoloc", 5, NON_COLOCATED_SP[0],
+                     extra=[*NON_COLOCATED_SP[1], "--recompute-granularity", "full", "--recompute-method", "uniform",
+                            "--recompute-num-layers", "1", "--recompute-vision"])
     assert_recompute_equal(non_colocated_sp, run)
 
 
 def test_selective_recompute_colocated_tp2_with_lora(colocated_sp_lora):
-    run = run_layout("rc_coloc_lora", 2, COLOCATED_SP[0], demo_data(),
-                     [*COLOCATED_SP[1], "--recompute-granularity", "selective", "--recompute-modules", "core_attn,mlp",
-                      "--recompute-vision"])
+    run = layout_run("rc_coloc_lora", 2, COLOCATED_SP[0],
+                     extra=[*COLOCATED_SP[1], "--recompute-granularity", "selective", "--recompute-modules",
+                            "core_attn,mlp", "--recompute-vision"])
     assert_recompute_equal(colocated_sp_lora, run)
 
 
 def test_block_recompute_at_language_pp2():
-    ref = run_layout("rc_pp2_ref", 3, PP2, demo_data())
-    run = run_layout("rc_pp2", 3, PP2, demo_data(), ["--recompute-granularity", "full", "--recompute-method", "block",
-                                                     "--recompute-num-layers", "1", "--recompute-vision"])
+    ref = language_pp2()
+    run = layout_run("rc_pp2", 3, PP2, extra=["--recompute-granularity", "full", "--recompute-method", "block",
+                                              "--recompute-num-layers", "1", "--recompute-vision"])
     assert_recompute_equal(ref, run)

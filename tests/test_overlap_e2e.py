@@ -5,7 +5,8 @@ gathered right after the optimizer step). With overlap on (small buckets, so the
 several), every step's loss and every parameter's reduced gradient must equal the reference (fp32,
 1e-6), and so must the saved weights: with ``--overlap-param-gather`` the optimizer step leaves the
 other ranks' shards to the next forward, so a save that skipped the gather would hold stale shards
-(about lr off). A resume from the overlapped run's checkpoint continues it bit for bit.
+(about lr off). A resume from an overlapped run's checkpoint (several language buckets, param gather
+in the forward) continues it bit for bit: test_resume_relayout.py's same-layout test.
 
 The trace of the profiled runs proves the overlap happened: the language DP reduction's collectives
 start inside the ``language backward`` range with overlap, and only in ``gradient finalize`` without.
@@ -19,11 +20,11 @@ import json
 import math
 
 import pytest
-import torch
 
-from train_helpers import checkpoint_tensors, demo_data, metrics, new_dir, tiny_model, torchrun
+from e2e_runs import GROUP_OVERLAP, assert_same_gradients, finetune
+from train_helpers import checkpoint_tensors, metrics
 
-pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("dist")]
+pytestmark = [pytest.mark.e2e, GROUP_OVERLAP]
 
 BASE = ["--seq-length", "192", "--micro-batch-size", "4", "--global-batch-size", "8", "--lr", "1e-3",
         "--lr-warmup-iters", "0", "--lr-decay-style", "constant", "--no-tensorboard", "--dataloader-type", "cyclic",
@@ -36,10 +37,7 @@ PROFILE = ["--profile-steps", "2:2", "--profile-ranks", "0,2"]  # rank 0: langua
 
 
 def _run(name, nproc, args, iters):
-    out = new_dir(name)
-    torchrun(nproc, ["--hf-model", tiny_model(), "--dataset-path", demo_data(), "--output-dir", out, *BASE,
-                     "--train-iters", str(iters), "--save-grads", out + "/grads", *args])
-    return out
+    return finetune(name, nproc, [*BASE, "--train-iters", str(iters), "--save-grads", "{out}/grads", *args]).out
 
 
 def _assert_same_steps(ref, got, steps, *, rel=1e-6):
@@ -47,16 +45,7 @@ def _assert_same_steps(ref, got, steps, *, rel=1e-6):
         a, b = metrics(ref)[step - 1], metrics(got)[step - 1]
         assert a["step"] == b["step"] == step
         assert math.isclose(b["loss"], a["loss"], rel_tol=rel), (step, b["loss"], a["loss"])
-        ga = checkpoint_tensors(f"{ref}/grads/iter_{step:07d}")
-        gb = checkpoint_tensors(f"{got}/grads/iter_{step:07d}")
-        assert set(ga) == set(gb) and ga
-        nonzero = 0
-        for k in ga:
-            scale = ga[k].abs().max().item()
-            diff = (ga[k].double() - gb[k].double()).abs().max().item()
-            assert diff <= rel * scale + 1e-12, f"step {step} {k}: gradient differs by {diff} (largest {scale})"
-            nonzero += scale > 0
-        assert nonzero > len(ga) // 2, f"step {step}: most parameters should have a gradient"
+        assert_same_gradients(ref, got, step=step, rel=rel)
 
 
 def _assert_same_weights(ref_ckpt, got_ckpt, *, tol):
@@ -91,7 +80,7 @@ def reference_non_colocated():
     return _run("ovl_off", 4, [*NON_COLOCATED, "--no-overlap-grad-reduce", *PROFILE, "--save-interval", "2"], iters=4)
 
 
-def test_overlap_non_colocated_distributed_optimizer_equals_no_overlap_and_resumes(reference_non_colocated):
+def test_overlap_non_colocated_distributed_optimizer_equals_no_overlap(reference_non_colocated):
     """Language dp 2 with the distributed optimizer: overlapped reduce-scatter and param gather on by
     default. Steps 2 and 4 run on weights gathered by the forward pre-hooks (no save after steps 1 and 3);
     the checkpoints of steps 2 and 4 are written after an explicit gather."""
@@ -108,15 +97,6 @@ def test_overlap_non_colocated_distributed_optimizer_equals_no_overlap_and_resum
     on, off = _trace(run, 0), _trace(ref, 0)
     assert _dp_reductions_in(on, "language backward") > 0
     assert _dp_reductions_in(off, "language backward") == 0 and _dp_reductions_in(off, "gradient finalize") > 0
-    # resume from step 2 of the overlapped run: steps 3 and 4 again, bit for bit
-    resumed = new_dir("ovl_resumed")
-    torchrun(4, ["--hf-model", tiny_model(), "--dataset-path", demo_data(), "--output-dir", resumed, *BASE,
-                 "--train-iters", "4", *NON_COLOCATED, *SMALL_BUCKETS,
-                 "--load-checkpoint", f"{run}/checkpoints/iter_0000002"])
-    a = checkpoint_tensors(f"{run}/checkpoints/iter_0000004")
-    b = checkpoint_tensors(f"{resumed}/checkpoints/iter_0000004")
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    assert [m["loss"] for m in metrics(resumed)] == [m["loss"] for m in metrics(run)[2:]]
 
 
 def test_profile_holds_exactly_the_steps_and_ranks_with_named_phases(reference_non_colocated):

@@ -13,10 +13,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from e2e_runs import finetune
 from tracker_helpers import mlflow_runs, wandb_offline_run
-from train_helpers import checkpoint_tensors, demo_data, metrics, new_dir, tiny_model, torchrun
+from train_helpers import checkpoint_tensors, metrics, tiny_model
 
-pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("dist")]
+pytestmark = [pytest.mark.e2e]  # no run shared with another test: any worker
 
 #: rounding of a weight near 1 is ~1e-7; a wrong factor moves a weight by about L = 1e-3
 L, W = 1e-3, 0.1
@@ -32,9 +33,7 @@ LANG = {  # checkpoint key (layers stacked on dim 0) -> HF key of each layer, te
 
 
 def _run(name, extra, env=None):
-    out = new_dir(name)
-    torchrun(1, ["--hf-model", tiny_model(), "--dataset-path", demo_data(), "--output-dir", out, *BASE, *extra],
-             extra_env=env)
+    out = finetune(name, 1, [*BASE, *extra], env=env).out
     return out, checkpoint_tensors(out + "/checkpoints/iter_0000001")
 
 

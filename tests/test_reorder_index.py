@@ -6,7 +6,7 @@ micro-batch, cut into rank slices: what ``exchange_window``'s merge builds). End
 losses, gradient norms and every parameter's reduced gradient (``--save-grads``) are equal between
 the two modes on an equal-DP layout (DP-1 modules, the exchange's local permutation, are the unit
 test's ``dp=1`` case; every layout with reordering is also checked against a single process in
-``test_train_e2e.py``, now in index mode by default).
+``test_train_e2e.py``, now in index mode by default; the index-mode run here is one of those).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from data_fixtures import demo_data, tiny_ckpt  # noqa: F401  (session fixtures)
+from e2e_runs import GROUP_LAYOUTS
 from mimo_sft.config.schema import DataConfig
 
 
@@ -73,30 +74,20 @@ def test_each_rank_gets_the_exchange_share(demo_data, tiny_ckpt):
         assert all(torch.equal(a[k], b[k]) for k in a) and inline.last_stats["order"] == worker.last_stats["order"]
 
 
-E2E = ["--seq-length", "192", "--micro-batch-size", "4", "--global-batch-size", "8", "--train-iters", "1",
-       "--lr", "1e-3", "--lr-warmup-iters", "0", "--lr-decay-style", "constant", "--no-tensorboard",
-       "--dataloader-type", "cyclic", "--seed", "7", "--scalable-dp", "--intra-microbatch-reorder",
-       "--num-workers", "0"]
-
-
 @pytest.mark.e2e
-@pytest.mark.xdist_group("dist")
+@GROUP_LAYOUTS
 def test_index_mode_equals_exchange_bit_for_bit():
-    components = ["language=dp=2", "images=dp=2,rank_offset=2"]  # DP-1 modules: the unit test above
-    from train_helpers import checkpoint_tensors, metrics, new_dir, tiny_model, torchrun
-    from train_helpers import demo_data as e2e_data
+    """The index-mode side is test_train_e2e's reordered equal-DP run (``e2e_runs.non_colocated_reordered``:
+    padded rows, data read in the rank's process); the exchange side is that run in exchange mode,
+    not overlapped: the exchange then decodes exactly the step's micro-batches (no window ahead).
+    DP-1 modules (the exchange's local permutation): the unit test above."""
+    from e2e_runs import NON_COLOCATED_4, REORDERED, layout_run, non_colocated_reordered
+    from train_helpers import checkpoint_tensors, metrics
 
-    runs = {}
-    for mode in ("exchange", "index"):
-        out = new_dir(f"reorder_{mode}")
-        args = ["--hf-model", tiny_model(), "--dataset-path", e2e_data(), "--output-dir", out, *E2E,
-                "--reorder-mode", mode, "--save-grads", out + "/grads"]
-        # not overlapped: the exchange then decodes exactly the step's micro-batches (no window ahead)
-        args += ["--no-overlap-intra-microbatch-reorder"] if mode == "exchange" else []
-        for c in components:
-            args += ["--component", c]
-        torchrun(4, args)
-        runs[mode] = out
+    runs = {"index": non_colocated_reordered(),
+            "exchange": layout_run("reorder_exchange", 4, NON_COLOCATED_4,
+                                   extra=[*REORDERED, "--reorder-mode", "exchange",
+                                          "--no-overlap-intra-microbatch-reorder"])}
     a, b = metrics(runs["exchange"])[0], metrics(runs["index"])[0]
     for key in ("loss", "grad_norm", "supervised_tokens", "model_flops", "vision_load_max_over_mean_after"):
         assert a[key] == b[key], (key, a[key], b[key])

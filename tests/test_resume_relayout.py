@@ -6,134 +6,101 @@ fp32 main weights of a bf16 run) as megatron dist-checkpoints, the step (hence t
 and the data position. The step after the checkpoint checks the weights and the data position, the
 one after it the optimizer state. Only the RNG streams restart from the seed, and this model uses
 none (no dropout), so the continued run must equal the continuous one up to the reduction order of
-the other layout (relative 1e-5).
+the other layout (relative 1e-5). On the same layout everything is restored: bit for bit.
+
+The 4-rank distributed-optimizer run (``tests/e2e_runs.py: resume_continuous``) is resumed twice: on
+its own layout and on 2 ranks. The bf16 relayout: test_train_bf16.py.
 """
 
-import math
+import shutil
 
 import pytest
 import torch
 
-from train_helpers import demo_data, metrics, new_dir, optimizer_tensors, tiny_model, torchrun
+from e2e_runs import (GROUP_RESUME, NON_COLOCATED_4, RELAYOUT_NOTICE, RESUME_FLAGS, assert_continues, finetune,
+                      resume_continuous)
+from train_helpers import checkpoint_tensors, metrics, new_dir, optimizer_tensors
 
-pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("dist")]
+pytestmark = [pytest.mark.e2e]
 
 BASE = ["--seq-length", "160", "--micro-batch-size", "4", "--global-batch-size", "8", "--lr", "1e-3",
         "--lr-warmup-iters", "0", "--lr-decay-style", "constant", "--dataloader-type", "cyclic", "--seed", "7",
         "--no-tensorboard", "--scalable-dp", "--weight-decay", "0.05"]  # no decay on norms and biases
-FOUR = ["language=dp=2", "images=dp=2,rank_offset=2"]
+FOUR = list(NON_COLOCATED_4)
 ONE = ["language=dp=1", "images=dp=1"]
 #: 2 ranks: colocated, same DP (plain); non-colocated, DP 2 -> 1 on the same TP/PP (distributed, the DP-only
 #: form it saves by default)
 TWO = {"plain": ["language=dp=2", "images=dp=2"], "distributed": ["language=dp=1", "images=dp=1,rank_offset=1"]}
 #: colocated with language tp 2 fed by encoder DP 2: another TP, which the DP-only form cannot take
 TP2 = ["language=tp=2,dp=1", "images=dp=2"]
-NOTICE = "resuming on another layout: RNG streams restart from the seed"
 
 
 def _run(name, nproc, components, extra, *, iters, load=None):
-    out = new_dir(name)
-    args = ["--hf-model", tiny_model(), "--dataset-path", demo_data(), *BASE, "--train-iters", str(iters),
-            "--output-dir", out, *extra]  # later flags win: extra may set --seq-length
-    for c in components:
-        args += ["--component", c]
-    args += ["--save-interval", "2", *(["--load-checkpoint", load] if load else [])]
-    proc = torchrun(nproc, args)
-    return out, proc
+    flags = [*BASE, "--train-iters", str(iters), *extra,  # later flags win: extra may set --seq-length
+             "--save-interval", "2", *(["--load-checkpoint", load] if load else [])]
+    return finetune(name, nproc, flags, components=components)
 
 
-def _assert_continues(cont, resumed, steps, rel=1e-5):
+@GROUP_RESUME
+def test_resume_on_the_same_layout_is_bit_exact_and_loss_falls():
+    """A resumed run repeats the continuous one's losses and gradient norms bit for bit, and its last
+    checkpoint (weights; the distributed optimizer's sharded Adam state) equals the continuous run's,
+    RNG streams restored (no notice), with per-module param groups (their own peak learning rates, no
+    decay on norms and biases) and overlapped reduce-scatter and param gather over several language
+    buckets: the resumed steps run on weights the forward pre-hooks gather."""
+    cont = resume_continuous().out
+    resumed, proc = finetune("resumed", 4, [*RESUME_FLAGS, "--load-checkpoint", cont + "/checkpoints/iter_0000004"],
+                             components=NON_COLOCATED_4)
     a = {m["step"]: m for m in metrics(cont)}
     b = {m["step"]: m for m in metrics(resumed)}
-    assert sorted(b) == steps
-    for step in steps:
-        for key in ("loss", "grad_norm"):
-            assert math.isclose(b[step][key], a[step][key], rel_tol=rel), (step, key, b[step][key], a[step][key])
-        assert b[step]["consumed_samples"] == a[step]["consumed_samples"]
-    return {s: abs(b[s]["loss"] - a[s]["loss"]) / a[s]["loss"] for s in steps}
+    assert sorted(b) == [5, 6, 7, 8]
+    for step in b:
+        assert b[step]["loss"] == a[step]["loss"], step
+        assert b[step]["grad_norm"] == a[step]["grad_norm"], step
+    assert RELAYOUT_NOTICE not in proc.stdout
+    losses = [a[s]["loss"] for s in sorted(a)]
+    assert sum(losses[-2:]) / 2 < sum(losses[:2]) / 2 - 0.1, losses
+    for read in (checkpoint_tensors, optimizer_tensors):
+        end_a, end_b = read(cont + "/checkpoints/iter_0000008"), read(resumed + "/checkpoints/iter_0000008")
+        assert end_a and end_a.keys() == end_b.keys() and all(torch.equal(end_a[k], end_b[k]) for k in end_a), read
+    # a checkpoint without the sharded optimizer state (an older mimo-sft's) is refused with a clear message
+    old = new_dir("old_format") + "/iter_0000004"
+    shutil.copytree(cont + "/checkpoints/iter_0000004", old, ignore=shutil.ignore_patterns("optimizer"))
+    proc = finetune("relayout", 3, [*RESUME_FLAGS, "--load-checkpoint", old],
+                    components=["language=dp=2", "images=dp=1,rank_offset=2"], check=False).proc
+    assert proc.returncode != 0
+    assert "no sharded optimizer state" in proc.stderr and "--pretrained-checkpoint" in proc.stderr, proc.stderr[-2000:]
+    assert "language=tp=1,pp=1,cp=1,dp=2,rank_offset=0" in proc.stderr  # the layout it can resume with
 
 
-@pytest.mark.parametrize("optimizer", ["plain", "distributed"])
-def test_resume_on_another_layout_continues_the_run(optimizer):
-    extra = ["--use-distributed-optimizer" if optimizer == "distributed" else "--no-use-distributed-optimizer"]
-    cont4, _ = _run(f"relayout_cont4_{optimizer}", 4, FOUR, extra, iters=4)
-    ckpt4 = cont4 + "/checkpoints/iter_0000002"
-    if optimizer == "distributed":
-        # (a) the same layout: bit for bit, RNG streams restored, no notice (the plain optimizer's
-        # same-layout resume: tests/test_train_bf16.py, tests/test_lora_e2e.py)
-        same, proc = _run(f"relayout_same_{optimizer}", 4, FOUR, extra, iters=4, load=ckpt4)
-        a = {m["step"]: m for m in metrics(cont4)}
-        b = {m["step"]: m for m in metrics(same)}
-        assert sorted(b) == [3, 4] and all((a[s]["loss"], a[s]["grad_norm"]) == (b[s]["loss"], b[s]["grad_norm"])
-                                           for s in b)
-        assert NOTICE not in proc.stdout
-        oa = optimizer_tensors(cont4 + "/checkpoints/iter_0000004")
-        ob = optimizer_tensors(same + "/checkpoints/iter_0000004")
-        assert oa.keys() == ob.keys() and all(oa[k].equal(ob[k]) for k in oa)
-    # (b) 4 ranks -> 2 ranks (plain: colocated; distributed: DP 2 -> 1)
-    two, proc = _run(f"relayout_two_{optimizer}", 2, TWO[optimizer], extra, iters=4, load=ckpt4)
-    assert NOTICE in proc.stdout
-    diffs = _assert_continues(cont4, two, [3, 4])
-    if optimizer == "plain":
-        print(f"plain: relative loss differences {diffs}")
-        return
-    # (c) 1 rank -> 4 ranks, against the 1-rank continuous run (saved --save-reshardable)
-    reshardable = ["--save-reshardable"]
-    cont1, _ = _run(f"relayout_cont1_{optimizer}", 1, ONE, extra + reshardable, iters=4)
+def test_plain_optimizer_resumes_on_another_layout():
+    """The plain optimizer's checkpoint of 4 non-colocated ranks continues on 2 colocated ones."""
+    extra = ["--no-use-distributed-optimizer"]
+    cont4, _ = _run("relayout_cont4_plain", 4, FOUR, extra, iters=4)
+    two, proc = _run("relayout_two_plain", 2, TWO["plain"], extra, iters=4, load=cont4 + "/checkpoints/iter_0000002")
+    assert RELAYOUT_NOTICE in proc.stdout
+    print(f"plain: relative loss differences {assert_continues(cont4, two, [3, 4])}")
+
+
+@GROUP_RESUME
+def test_distributed_optimizer_resumes_on_other_layouts():
+    """The distributed optimizer's DP-only form: 4 ranks -> 2 (DP 2 -> 1); the reshardable form of a
+    1-rank run: 1 -> 4 ranks, and 1 -> another TP."""
+    # (a) 4 -> 2 ranks, from step 4 of the run resumed bit for bit above, stopped after step 6
+    cont = resume_continuous().out
+    two, proc = finetune("relayout_two_distributed", 2, [*RESUME_FLAGS, "--exit-interval", "6",
+                                                         "--load-checkpoint", cont + "/checkpoints/iter_0000004"],
+                         components=TWO["distributed"])
+    assert RELAYOUT_NOTICE in proc.stdout
+    diffs = {f"4->2 step {k}": v for k, v in assert_continues(cont, two, [5, 6]).items()}
+    # (b) 1 rank -> 4 ranks, against the 1-rank continuous run (saved --save-reshardable)
+    extra = ["--use-distributed-optimizer"]
+    cont1, _ = _run("relayout_cont1_distributed", 1, ONE, [*extra, "--save-reshardable"], iters=4)
     ckpt1 = cont1 + "/checkpoints/iter_0000002"
-    four, proc = _run(f"relayout_four_{optimizer}", 4, FOUR, extra, iters=4, load=ckpt1)
-    assert NOTICE in proc.stdout
-    diffs.update({f"1->4 step {k}": v for k, v in _assert_continues(cont1, four, [3, 4]).items()})
-    # (d) another TP: the reshardable form continues (the DP-only form is refused: test_checkpoint_info.py)
+    four, proc = _run("relayout_four_distributed", 4, FOUR, extra, iters=4, load=ckpt1)
+    assert RELAYOUT_NOTICE in proc.stdout
+    diffs.update({f"1->4 step {k}": v for k, v in assert_continues(cont1, four, [3, 4]).items()})
+    # (c) another TP: the reshardable form continues (the DP-only form is refused: test_checkpoint_info.py)
     tp2, proc = _run("relayout_tp2_distributed", 2, TP2, extra, iters=4, load=ckpt1)
-    diffs.update({f"1->tp2 step {k}": v for k, v in _assert_continues(cont1, tp2, [3, 4]).items()})
-    print(f"{optimizer}: relative loss differences {diffs}")
-
-
-def test_bf16_resume_on_another_layout_restores_the_main_weights():
-    """bf16, distributed optimizer: 2 colocated ranks -> 1 rank. The resumed step runs with a
-    learning rate too small to move an fp32 weight, so the fp32 main weights it saves must be the
-    ones the checkpoint holds -- main weights re-derived from the bf16 model would be off by a bf16
-    rounding (~4e-3 of a weight). Its loss and gradient norm are the continuous run's to bf16
-    precision (bf16 matmuls and reductions in another order)."""
-    extra = ["--dtype", "bf16", "--use-distributed-optimizer", "--seq-length", "128"]
-    cont, _ = _run("relayout_bf16_cont", 2, ["language=dp=2", "images=dp=2"], extra, iters=3)
-    resumed, proc = _run("relayout_bf16_one", 1, ONE, [*extra, "--lr", "1e-12"], iters=3,
-                         load=cont + "/checkpoints/iter_0000002")
-    assert NOTICE in proc.stdout
-    _assert_continues(cont, resumed, [3], rel=1e-3)
-    a = optimizer_tensors(cont + "/checkpoints/iter_0000002")
-    b = optimizer_tensors(resumed + "/checkpoints/iter_0000003")
-    mains = [k for k in a if k.endswith(".param")]  # the DP-only form's flat fp32 main weights
-    assert mains and a.keys() == b.keys()
-    worst = 0.0
-    for k in mains:
-        assert a[k].dtype == b[k].dtype == torch.float32, k
-        worst = max(worst, ((a[k] - b[k]).abs().max() / a[k].abs().max().clamp_min(1e-30)).item())
-    assert worst < 1e-6, worst
-    print(f"bf16: largest relative main-weight difference {worst:.2e}")
-    _assert_exports_in_bf16(cont + "/checkpoints/iter_0000002")
-
-
-def _assert_exports_in_bf16(ckpt):
-    """Export writes a bf16 run's weights in bf16 by default, exactly as trained: the fp32 export of
-    the same checkpoint holds only bf16-representable values (the bf16 weights, upcast) and equals
-    the bf16 export upcast; config.json says bfloat16, and transformers loads it as bf16."""
-    from safetensors.torch import load_file
-    from transformers import AutoModelForImageTextToText
-
-    from mimo_sft.train.export import export_checkpoint
-
-    as_bf16 = export_checkpoint(ckpt, new_dir("export_bf16"))
-    as_fp32 = export_checkpoint(ckpt, new_dir("export_fp32"), dtype="fp32")
-    a, b = load_file(as_bf16 + "/model.safetensors"), load_file(as_fp32 + "/model.safetensors")
-    assert a.keys() == b.keys() and len(a) > 10
-    for k in a:
-        assert a[k].dtype == torch.bfloat16 and b[k].dtype == torch.float32, k
-        assert torch.equal(b[k].to(torch.bfloat16).float(), b[k]) and torch.equal(a[k].float(), b[k]), k
-    import json
-
-    assert json.load(open(as_bf16 + "/config.json"))["dtype"] == "bfloat16"
-    assert json.load(open(as_fp32 + "/config.json"))["dtype"] == "float32"
-    hf = AutoModelForImageTextToText.from_pretrained(as_bf16, dtype="auto")
-    assert {p.dtype for p in hf.parameters()} == {torch.bfloat16}
+    diffs.update({f"1->tp2 step {k}": v for k, v in assert_continues(cont1, tp2, [3, 4]).items()})
+    print(f"distributed: relative loss differences {diffs}")

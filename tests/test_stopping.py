@@ -12,20 +12,16 @@ import time
 import pytest
 
 from dist_utils import free_port
+from e2e_runs import GROUP_STOP, never_stopped, stop_args
 from mimo_sft.train.checkpoint.files import complete_checkpoints, resolve_checkpoint
 from mimo_sft.train.stopping import StopPolicy, resume_command
-from train_helpers import ROOT, TORCHRUN, demo_data, metrics, new_dir, tiny_model, torchrun
+from train_helpers import ROOT, TORCHRUN, metrics, new_dir, torchrun
 
-pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("dist")]
+pytestmark = [pytest.mark.e2e, GROUP_STOP]
 
 
 def _args(out, iters, *components):
-    args = ["--hf-model", tiny_model(), "--dataset-path", demo_data(), "--seq-length", "160", "--micro-batch-size", "2",
-            "--global-batch-size", "4", "--train-iters", str(iters), "--lr", "3e-3", "--lr-decay-style", "constant",
-            "--dataloader-type", "cyclic", "--no-tensorboard", "--output-dir", out]
-    for c in components or ("language=dp=1", "images=dp=1"):
-        args += ["--component", c]
-    return args
+    return [*(stop_args(iters, components) if components else stop_args(iters)), "--output-dir", out]
 
 
 def _losses(out):
@@ -33,8 +29,7 @@ def _losses(out):
 
 
 def test_exit_interval_and_duration_stop_with_a_checkpoint_and_resume_exactly():
-    ref = new_dir("stop_reference")
-    torchrun(1, _args(ref, 6))
+    ref = never_stopped()  # the same run with checkpoints at 2 and 4 (shared with test_checkpoint_kill.py)
     run = new_dir("stop_run")
     # with a background save of step 2 still being written when the stop comes (its writer held until the
     # poll after step 3): it is published, then the stop's own save, before the run exits

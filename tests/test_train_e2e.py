@@ -1,8 +1,10 @@
 """End to end under torchrun (gloo, CPU): exact gradients for every layout, reorder invariance,
-resume, falling loss, and a failing rank that ends the job with a clear error instead of a hang.
+exports, and a failing rank that ends the job with a clear error instead of a hang.
 
 Reference: a single-process run (both modules on one rank, DP 1) on the same global batch. After
-one step, every layout must reproduce its gradient norm and its weights.
+one step, every layout must reproduce its gradient norm and its weights. The runs that other files
+read too (the reference, the reordered and packed non-colocated runs, language pp 2, colocated
+fan-in) are ``tests/e2e_runs.py``'s; resume (bit for bit, falling loss): test_resume_relayout.py.
 """
 
 import json
@@ -11,82 +13,28 @@ import os
 
 import pytest
 
-from train_helpers import (BRIDGE_CORNER_IMAGES, bridge_corner_data, checkpoint_tensors, demo_data, fixed_size_data,
-                           metrics, new_dir, tiny_model, torchrun)
+from e2e_runs import (CORNER, GROUP_LAYOUTS, NON_COLOCATED_4, PACKED, SINGLE, assert_packed_equals_padded,
+                      assert_same_step, colocated_fan_in, language_pp2, layout_run, non_colocated_reordered,
+                      packed_non_colocated, reference, train_rows)
+from train_helpers import (BRIDGE_CORNER_IMAGES, bridge_corner_data, checkpoint_tensors, fixed_size_data, metrics,
+                           new_dir, tiny_model, torchrun)
 
-pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("dist")]
-
-BASE = ["--seq-length", "192", "--micro-batch-size", "4", "--global-batch-size", "8", "--train-iters", "1",
-        "--lr", "1e-3", "--lr-warmup-iters", "0", "--lr-decay-style", "constant", "--no-tensorboard",
-        "--save-interval", "1", "--dataloader-type", "cyclic", "--seed", "7",
-        "--no-in-batch-packing"]  # the references compute padded rows; PACKED runs turn packing back on
-
-
-def run_layout(name, nproc, components, data, extra=()):
-    out = new_dir(name)
-    args = ["--hf-model", tiny_model(), "--dataset-path", data, "--output-dir", out, *BASE,
-            "--save-grads", out + "/grads", *extra]
-    for c in components:
-        args += ["--component", c]
-    torchrun(nproc, args)
-    return out
-
-
-def assert_same_step(ref_dir, run_dir, *, weights_tol=1e-5, same_flops=True):
-    ref, got = metrics(ref_dir)[0], metrics(run_dir)[0]
-    assert math.isclose(got["loss"], ref["loss"], rel_tol=1e-5), (got["loss"], ref["loss"])
-    assert math.isclose(got["grad_norm"], ref["grad_norm"], rel_tol=1e-5), (got["grad_norm"], ref["grad_norm"])
-    # every sample's model FLOPs counted on exactly one rank: the step's total is layout-free
-    # (a packed run computes fewer positions than a padded reference: same_flops=False)
-    if same_flops:
-        assert math.isclose(got["model_flops"], ref["model_flops"], rel_tol=1e-12), (got["model_flops"], ref["model_flops"])
-    assert_same_gradients(ref_dir, run_dir)
-    a = checkpoint_tensors(ref_dir + "/checkpoints/iter_0000001")
-    b = checkpoint_tensors(run_dir + "/checkpoints/iter_0000001")
-    assert set(a) == set(b)
-    enc = [k for k in a if "modality_submodules" in k]
-    lang = [k for k in a if k.startswith("language_model")]
-    assert enc and lang
-    for k in a:
-        diff = (a[k].float() - b[k].float()).abs().max().item()
-        assert diff <= weights_tol, f"{k}: max abs diff {diff}"
-
-
-def assert_same_gradients(ref_dir, run_dir, *, rel=1e-5):
-    """Every parameter's reduced gradient of step 1 (``--save-grads``: after the DP reduction and the
-    token scale, before clipping) equals the single-process full-batch gradient, relative to the
-    tensor's largest entry. Unlike weights after one Adam step (about -lr * sign(grad)), this sees a
-    gradient that is off by a constant factor."""
-    a = checkpoint_tensors(ref_dir + "/grads/iter_0000001")
-    b = checkpoint_tensors(run_dir + "/grads/iter_0000001")
-    assert set(a) == set(b) and a
-    nonzero = 0
-    for k in a:
-        scale = a[k].abs().max().item()
-        diff = (a[k].double() - b[k].double()).abs().max().item()
-        assert diff <= rel * scale + 1e-12, f"{k}: gradient differs by {diff} (largest entry {scale})"
-        nonzero += scale > 0
-    assert nonzero > len(a) // 2, "most parameters should have a gradient"
+pytestmark = [pytest.mark.e2e, GROUP_LAYOUTS]
 
 
 @pytest.fixture(scope="module")
 def reference_variable():
-    return run_layout("ref_var", 1, ["language=dp=1", "images=dp=1"], demo_data())
-
-
-#: the corner-case data read in order, three micro-batches of 4 (see train_helpers.BRIDGE_CORNER_IMAGES)
-CORNER = ["--dataloader-type", "single", "--global-batch-size", "12"]
+    return reference()
 
 
 @pytest.fixture(scope="module")
 def reference_corner():
     assert len(BRIDGE_CORNER_IMAGES) == 12
-    return run_layout("ref_corner", 1, ["language=dp=1", "images=dp=1"], bridge_corner_data(), CORNER)
+    return layout_run("ref_corner", 1, SINGLE, bridge_corner_data(), CORNER)
 
 
 def test_equal_dp_non_colocated_with_reordering_matches_single_process(reference_variable):
-    run = run_layout("equal", 4, ["language=dp=2", "images=dp=2,rank_offset=2"], demo_data(),
-                     ["--scalable-dp", "--intra-microbatch-reorder", "--tensorboard", "--peak-tflops", "0.5"])
+    run = non_colocated_reordered()
     assert_same_step(reference_variable, run)
     m = metrics(run)[0]
     assert m["vision_load_max_over_mean_after"] <= m["vision_load_max_over_mean_before"]
@@ -103,69 +51,37 @@ def test_equal_dp_non_colocated_with_reordering_matches_single_process(reference
     assert events and os.path.isfile(os.path.join(run, "config.yaml"))
 
 
+def _from_the_reference(reference_variable):
+    """1 rank and 4 non-colocated ranks (no reordering) started from the reference's checkpoint."""
+    ckpt = reference_variable + "/checkpoints"
+    single = layout_run("pre_single", 1, SINGLE, extra=["--pretrained-checkpoint", ckpt])
+    multi = layout_run("pre_multi", 4, NON_COLOCATED_4, extra=["--pretrained-checkpoint", ckpt, "--scalable-dp"])
+    return single, multi
+
+
 def test_reordering_off_gives_same_step_one(reference_variable):
-    run = run_layout("equal_noreorder", 4, ["language=dp=2", "images=dp=2,rank_offset=2"], demo_data(),
-                     ["--scalable-dp"])
-    assert_same_step(reference_variable, run)
-    assert metrics(run)[0]["vision_load_max_over_mean_after"] is None
+    """dp 2 / dp 2 on their own ranks without reordering: the single process's step (loss, grad norm,
+    FLOPs, every gradient, the weights), both started from the reference's trained weights."""
+    single, multi = _from_the_reference(reference_variable)
+    assert_same_step(single, multi)
+    assert metrics(multi)[0]["vision_load_max_over_mean_after"] is None
 
 
 def test_fan_in_non_colocated_matches_single_process(reference_variable):
     # without --scalable-dp: every rank reads the whole micro-batch and keeps its part
-    run = run_layout("fanin", 3, ["language=dp=2", "images=dp=1,rank_offset=2"], demo_data())
+    run = layout_run("fanin", 3, ["language=dp=2", "images=dp=1,rank_offset=2"])
     assert_same_step(reference_variable, run)
 
 
 def test_colocated_fan_in_matches_single_process(reference_variable):
     """Encoder DP 2 feeding language tp 2, dp 1 on the same ranks, on mixed image sizes, multi-image
     and text-only samples (the bridge pads each sample's encoder output to one length)."""
-    run = run_layout("co_fanin", 2, ["language=tp=2,dp=1", "images=dp=2"], demo_data(), ["--scalable-dp"])
-    assert_same_step(reference_variable, run)
+    assert_same_step(reference_variable, colocated_fan_in())
 
 
 def test_colocated_equal_dp_matches_single_process(reference_variable):
-    run = run_layout("co_equal", 2, ["language=dp=2", "images=dp=2"], demo_data(), ["--scalable-dp"])
+    run = layout_run("co_equal", 2, ["language=dp=2", "images=dp=2"], extra=["--scalable-dp"])
     assert_same_step(reference_variable, run)
-
-
-def test_resume_equals_continuous_and_loss_falls():
-    """A resumed run repeats the continuous one's losses and gradient norms bit for bit, and its last
-    checkpoint (weights; the distributed optimizer's sharded Adam state behind them) equals the
-    continuous run's, with per-module param groups: their own peak learning rates, no decay on norms
-    and biases."""
-    shared = ["--hf-model", tiny_model(), "--dataset-path", demo_data(), "--seq-length", "192",
-              "--micro-batch-size", "4", "--global-batch-size", "8", "--lr", "2e-3", "--lr-warmup-iters", "2",
-              "--train-iters", "8", "--no-tensorboard", "--scalable-dp", "--dataloader-type", "cyclic"]
-    common = [*shared, "--component", "language=dp=2", "--component", "images=dp=2,rank_offset=2",
-              "--intra-microbatch-reorder", "--use-distributed-optimizer", "--vision-lr", "4e-3",
-              "--projector-lr", "1e-3", "--weight-decay", "0.05"]
-    cont = new_dir("continuous")
-    torchrun(4, [*common, "--output-dir", cont, "--save-interval", "4"])
-    resumed = new_dir("resumed")
-    torchrun(4, [*common, "--output-dir", resumed, "--load-checkpoint", cont + "/checkpoints/iter_0000004"])
-    a = {m["step"]: m for m in metrics(cont)}
-    b = {m["step"]: m for m in metrics(resumed)}
-    assert sorted(b) == [5, 6, 7, 8]
-    for step in b:
-        assert b[step]["loss"] == a[step]["loss"], step
-        assert b[step]["grad_norm"] == a[step]["grad_norm"], step
-    losses = [a[s]["loss"] for s in sorted(a)]
-    assert sum(losses[-2:]) / 2 < sum(losses[:2]) / 2 - 0.1, losses
-    import torch
-
-    end_a = checkpoint_tensors(cont + "/checkpoints/iter_0000008")
-    end_b = checkpoint_tensors(resumed + "/checkpoints/iter_0000008")
-    assert end_a.keys() == end_b.keys() and all(torch.equal(end_a[k], end_b[k]) for k in end_a)
-    # a checkpoint without the sharded optimizer state (an older mimo-sft's) is refused with a clear message
-    import shutil
-
-    old = new_dir("old_format") + "/iter_0000004"
-    shutil.copytree(cont + "/checkpoints/iter_0000004", old, ignore=shutil.ignore_patterns("optimizer"))
-    proc = torchrun(3, [*shared, "--component", "language=dp=2", "--component", "images=dp=1,rank_offset=2",
-                        "--output-dir", new_dir("relayout"), "--load-checkpoint", old], check=False)
-    assert proc.returncode != 0
-    assert "no sharded optimizer state" in proc.stderr and "--pretrained-checkpoint" in proc.stderr, proc.stderr[-2000:]
-    assert "language=tp=1,pp=1,cp=1,dp=2,rank_offset=0" in proc.stderr  # the layout it can resume with
 
 
 def test_failing_rank_ends_job_with_clear_error():
@@ -210,7 +126,7 @@ def test_export_after_training_loads_in_transformers(reference_variable):
 def test_colocated_fan_out_matches_single_process(reference_variable):
     """Encoder DP 1 (tower replicated on its 2 tp ranks) feeding language DP 2 on the same ranks, on
     mixed image sizes, multi-image and text-only samples."""
-    run = run_layout("co_fanout", 2, ["language=dp=2", "images=tp=2,dp=1"], demo_data(), ["--scalable-dp"])
+    run = layout_run("co_fanout", 2, ["language=dp=2", "images=tp=2,dp=1"], extra=["--scalable-dp"])
     assert_same_step(reference_variable, run)
 
 
@@ -219,8 +135,8 @@ def test_freeze_flags_keep_weights_fixed():
     import torch
     from safetensors.torch import load_file
 
-    run = run_layout("frozen", 3, ["language=dp=2", "images=dp=1,rank_offset=2"], demo_data(),
-                     ["--scalable-dp", "--freeze-language", "--freeze-vision"])
+    run = layout_run("frozen", 3, ["language=dp=2", "images=dp=1,rank_offset=2"],
+                     extra=["--scalable-dp", "--freeze-language", "--freeze-vision"])
     after = checkpoint_tensors(run + "/checkpoints/iter_0000001")
     hf = load_file(tiny_model() + "/model.safetensors")
     visual = {k.split("visual.", 1)[1]: v for k, v in hf.items() if "visual." in k}
@@ -240,8 +156,7 @@ def test_freeze_flags_keep_weights_fixed():
 
 def test_language_pipeline_parallel_matches_single_process(reference_variable):
     """language pp 2 (tied embeddings split across stages) fed by its own encoder rank."""
-    run = run_layout("pp2", 3, ["language=pp=2,dp=1", "images=dp=1,rank_offset=2"], demo_data())
-    assert_same_step(reference_variable, run)
+    assert_same_step(reference_variable, language_pp2())
 
 
 def test_colocated_fan_in_with_a_text_only_encoder_slice(reference_corner):
@@ -249,21 +164,21 @@ def test_colocated_fan_in_with_a_text_only_encoder_slice(reference_corner):
     (it still joins the all-gather with zero rows), several images of different sizes in a sample,
     and a text-only micro-batch where no rank encodes. Without --scalable-dp: every rank reads the
     whole micro-batch and keeps its shard. A missed collective would hang: torchrun's timeout ends it."""
-    run = run_layout("co_fanin_corner", 2, ["language=tp=2,dp=1", "images=dp=2"], bridge_corner_data(), CORNER)
+    run = layout_run("co_fanin_corner", 2, ["language=tp=2,dp=1", "images=dp=2"], bridge_corner_data(), CORNER)
     assert_same_step(reference_corner, run)
 
 
 def test_colocated_fan_in_with_two_gather_groups(reference_variable):
     """language tp 2 x dp 2 and images dp 4 on 4 ranks: two bridge gather groups, each with its own
     padded length (the most image tokens of its own language shard)."""
-    run = run_layout("co_fanin_4", 4, ["language=tp=2,dp=2", "images=dp=4"], demo_data(), ["--scalable-dp"])
+    run = layout_run("co_fanin_4", 4, ["language=tp=2,dp=2", "images=dp=4"], extra=["--scalable-dp"])
     assert_same_step(reference_variable, run)
 
 
 def test_colocated_fan_out_with_a_text_only_language_slice(reference_corner):
     """Fan-out on the corner-case data: a language rank with no image token while its encoder slice
     has images (its empty share still runs the backward all-gather)."""
-    run = run_layout("co_fanout_corner", 2, ["language=dp=2", "images=tp=2,dp=1"], bridge_corner_data(),
+    run = layout_run("co_fanout_corner", 2, ["language=dp=2", "images=tp=2,dp=1"], bridge_corner_data(),
                      [*CORNER, "--scalable-dp"])
     assert_same_step(reference_corner, run)
 
@@ -285,12 +200,9 @@ def test_no_supervised_tokens_is_an_error_not_a_silent_run(tmp_path):
 
 def test_pretrained_checkpoint_loads_into_another_layout(reference_variable):
     """Weights saved by a 1-rank run start a 4-rank run: same step-1 loss and grad norm as a 1-rank
-    run started from the same weights (dist-checkpoint weights are layout-free)."""
-    ckpt = reference_variable + "/checkpoints"
-    single = run_layout("pre_single", 1, ["language=dp=1", "images=dp=1"], demo_data(),
-                        ["--pretrained-checkpoint", ckpt])
-    multi = run_layout("pre_multi", 4, ["language=dp=2", "images=dp=2,rank_offset=2"], demo_data(),
-                       ["--pretrained-checkpoint", ckpt, "--scalable-dp"])
+    run started from the same weights (dist-checkpoint weights are layout-free; every gradient and
+    weight too: test_reordering_off_gives_same_step_one)."""
+    single, multi = _from_the_reference(reference_variable)
     a, b, ref = metrics(single)[0], metrics(multi)[0], metrics(reference_variable)[0]
     assert a["step"] == b["step"] == 1
     assert math.isclose(a["loss"], b["loss"], rel_tol=1e-5) and math.isclose(a["grad_norm"], b["grad_norm"], rel_tol=1e-5)
@@ -299,7 +211,7 @@ def test_pretrained_checkpoint_loads_into_another_layout(reference_variable):
 
 def test_export_hf_at_the_end_equals_the_export_command():
     """--export-hf exports in rank 0's process after training: the same files `mimo-sft export` writes
-    from the final checkpoint, and transformers loads them."""
+    from the final checkpoint, and transformers loads them (the colocated fan-in run: language tp 2)."""
     import subprocess
     import sys
 
@@ -307,9 +219,7 @@ def test_export_hf_at_the_end_equals_the_export_command():
     from safetensors.torch import load_file
     from transformers import AutoModelForImageTextToText
 
-    out = new_dir("export_hf_run")
-    run = run_layout("export_hf_run", 2, ["language=tp=2,dp=1", "images=dp=2"], demo_data(),
-                     ["--scalable-dp", "--export-hf", out + "/hf"])
+    run = colocated_fan_in()
     assert os.path.isfile(run + "/hf/model.safetensors")
     again = new_dir("export_hf_cmd")
     subprocess.run([sys.executable, "-m", "mimo_sft", "export", "--checkpoint", run + "/checkpoints", "--out", again],
@@ -320,42 +230,29 @@ def test_export_hf_at_the_end_equals_the_export_command():
 
 
 # ---- in-batch packing: the packed step equals the padded single-process step -----------------------
-PACKED = ["--in-batch-packing"]
-
-
-def assert_packed_equals_padded(ref_dir, run_dir):
-    """Same loss, grad norm, per-parameter gradients and weights as the padded reference; the packed
-    run computes no padding and fewer model FLOPs (it skips the pads the reference computed)."""
-    assert_same_step(ref_dir, run_dir, same_flops=False)
-    ref, got = metrics(ref_dir)[0], metrics(run_dir)[0]
-    assert got["padding_fraction"] == 0.0 and ref["padding_fraction"] > 0.3, (got, ref)
-    assert got["model_flops"] < ref["model_flops"]
-
 
 def test_packed_non_colocated_with_reordering_matches_padded(reference_variable):
-    run = run_layout("packed_equal", 4, ["language=dp=2", "images=dp=2,rank_offset=2"], demo_data(),
-                     ["--scalable-dp", "--intra-microbatch-reorder", *PACKED])
+    run = packed_non_colocated()
     assert_packed_equals_padded(reference_variable, run)
-    m = metrics(run)[0]
+    m = train_rows(run)[0]
     assert m["reorder_wait_s"] >= 0 and m["vision_load_max_over_mean_after"] <= m["vision_load_max_over_mean_before"]
 
 
 def test_packed_colocated_fan_in_matches_padded(reference_variable):
     """language tp 2 / images dp 2 on the same ranks: packing after megatron's colocated bridge."""
-    run = run_layout("packed_co_fanin", 2, ["language=tp=2,dp=1", "images=dp=2"], demo_data(),
-                     ["--scalable-dp", *PACKED])
+    run = layout_run("packed_co_fanin", 2, ["language=tp=2,dp=1", "images=dp=2"], extra=["--scalable-dp", *PACKED])
     assert_packed_equals_padded(reference_variable, run)
 
 
 def test_packed_language_pipeline_parallel_matches_padded(reference_variable):
     """language pp 2: both stages pack the same rows the same way (hidden states travel as [T, 1, H])."""
-    run = run_layout("packed_pp2", 3, ["language=pp=2,dp=1", "images=dp=1,rank_offset=2"], demo_data(), PACKED)
+    run = layout_run("packed_pp2", 3, ["language=pp=2,dp=1", "images=dp=1,rank_offset=2"], extra=PACKED)
     assert_packed_equals_padded(reference_variable, run)
 
 
 def test_packed_colocated_fan_out_with_a_text_only_language_slice(reference_corner):
     """Packing on the corner-case data: a language rank without image tokens, several images of
     different sizes in a sample, text-only micro-batches."""
-    run = run_layout("packed_co_fanout_corner", 2, ["language=dp=2", "images=tp=2,dp=1"], bridge_corner_data(),
+    run = layout_run("packed_co_fanout_corner", 2, ["language=dp=2", "images=tp=2,dp=1"], bridge_corner_data(),
                      [*CORNER, "--scalable-dp", *PACKED])
     assert_packed_equals_padded(reference_corner, run)

@@ -6,6 +6,9 @@ a trained value), its loss over the assistant tokens, computed in the test proce
 non-colocated with reordering and packing (DP 2), colocated language TP 2 with vision DP 2 (fan-in),
 language PP 2; the training run's later values equal ``mimo-sft evaluate`` on its checkpoints; and
 a run that evaluates trains bit-identically to one that does not.
+
+The non-colocated run is ``tests/e2e_runs.py``'s packed one, which test_train_e2e.py also compares
+with its padded single-process step.
 """
 
 import json
@@ -17,10 +20,12 @@ import sys
 import pytest
 import torch
 
+import e2e_runs
+from e2e_runs import GROUP_LAYOUTS, packed_non_colocated
 from train_helpers import (ROOT, checkpoint_tensors, demo_data, metrics, new_dir, optimizer_tensors, tiny_model,
                            torchrun)
 
-pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("dist")]
+pytestmark = [pytest.mark.e2e, GROUP_LAYOUTS]
 
 SEQ = 192
 BASE = ["--seq-length", str(SEQ), "--micro-batch-size", "4", "--global-batch-size", "8", "--lr", "1e-3",
@@ -31,9 +36,7 @@ ONE_PROCESS = ["--component", "language=dp=1", "--component", "images=dp=1"]
 @pytest.fixture(scope="module")
 def valid_data():
     """A separate validation file: 10 samples (two full micro-batches of 4 and a filled one)."""
-    from mimo_sft.testing.demo_data import write_demo_dataset
-
-    return str(write_demo_dataset(new_dir("valid_10"), samples=10, seed=5))
+    return e2e_runs.valid_data()
 
 
 def hf_valid_loss(dataset_path: str, rows=None, *, model_dir=None) -> tuple[float, int]:
@@ -76,15 +79,11 @@ def valid_rows(run_dir: str) -> dict[int, dict]:
     return {r["step"]: r for r in metrics(run_dir) if "valid_loss" in r}
 
 
-def train_rows(run_dir: str) -> list[dict]:
-    return [r for r in metrics(run_dir) if "loss" in r]
+train_rows = e2e_runs.train_rows
 
 
 def finetune(name, nproc, args):
-    out = new_dir(name)
-    proc = torchrun(nproc, ["--hf-model", tiny_model(), "--dataset-path", demo_data(), "--output-dir", out,
-                            *BASE, *args])
-    return out, proc
+    return e2e_runs.finetune(name, nproc, [*BASE, *args])
 
 
 def evaluate(nproc, args) -> dict:
@@ -160,10 +159,8 @@ def test_non_colocated_reordered_packed_run_gives_the_same_values(evaluated_run,
     """Language DP 2 and vision DP 2 on separate ranks, reordering and in-batch packing on: the
     step-0 and step-1 values of the one-process run."""
     ref = valid_rows(evaluated_run[0])
-    run, _ = finetune("valid_noncoloc", 4, ["--component", "language=dp=2", "--component",
-                                            "images=dp=2,rank_offset=2", "--scalable-dp", "--intra-microbatch-reorder",
-                                            "--in-batch-packing", "--valid-dataset-path", valid_data,
-                                            "--train-iters", "1", "--eval-at-start", "--no-tensorboard"])
+    run = packed_non_colocated()
+    assert valid_data == e2e_runs.valid_data()  # the set it evaluates
     rows = valid_rows(run)
     assert sorted(rows) == [0, 1]
     for step in (0, 1):
