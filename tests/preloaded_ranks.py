@@ -249,23 +249,26 @@ def _run_cli(req: dict) -> int:
 
     sys.path[0] = os.getcwd()
     sys.argv = [req.get("module", "mimo_sft"), *req["argv"]]
-    try:
-        runpy.run_module(req.get("module", "mimo_sft"), run_name="__main__", alter_sys=True)
-        return 0
-    except SystemExit as e:
-        return _exit_status(e.code)
-    except BaseException:
-        sys.excepthook(*sys.exc_info())
-        return 1
+    return _exit_code_of(lambda: runpy.run_module(req.get("module", "mimo_sft"), run_name="__main__", alter_sys=True))
 
 
 def _run_call(req: dict, rank: int) -> int:
     """``target(rank, *args)`` from a pickle (its module is imported by name, as spawn would)."""
     sys.path[:] = req["sys_path"]
-    try:
+
+    def call():
         with open(req["payload"], "rb") as fh:
             target, args = pickle.load(fh)
         target(rank, *args)
+
+    return _exit_code_of(call)
+
+
+def _exit_code_of(body) -> int:
+    """The status an interpreter would exit with after running ``body``: 0, a ``SystemExit``'s code, or 1
+    after printing an uncaught exception's traceback the way Python does."""
+    try:
+        body()
         return 0
     except SystemExit as e:
         return _exit_status(e.code)
