@@ -11,13 +11,20 @@ import threading
 import time
 
 
+def _line(text: str) -> None:
+    """One whole line in one write: ranks share stdout, and under ``PYTHONUNBUFFERED`` ``print`` writes the
+    text and its newline separately, so two ranks' lines could interleave."""
+    sys.stdout.write(text + "\n")
+    sys.stdout.flush()
+
+
 def _env(names: list[str]) -> None:
     """Print this rank's view: the named variables (``*`` for every torchrun one), cwd and sys.path[0]."""
     keys = [k for k in os.environ if k.startswith(("TORCHELASTIC_", "TORCH_NCCL")) or k in (
         "RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "LOCAL_WORLD_SIZE", "WORLD_SIZE",
         "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS")] + names
-    print(json.dumps({"env": {k: os.environ.get(k) for k in sorted(set(keys))}, "cwd": os.getcwd(),
-                      "path0": sys.path[0], "argv0": os.path.basename(sys.argv[0])}), flush=True)
+    _line(json.dumps({"env": {k: os.environ.get(k) for k in sorted(set(keys))}, "cwd": os.getcwd(),
+                      "path0": sys.path[0], "argv0": os.path.basename(sys.argv[0])}))
 
 
 def _fail(rank: int, fail_rank: int, code: int) -> None:
@@ -42,7 +49,7 @@ def _all_reduce(rank: int) -> None:
     dist.init_process_group("gloo")
     t = torch.tensor([float(rank + 1)])
     dist.all_reduce(t)
-    print(json.dumps({"rank": rank, "sum": t.item()}), flush=True)
+    _line(json.dumps({"rank": rank, "sum": t.item()}))
     dist.destroy_process_group()
 
 

@@ -9,7 +9,7 @@ other ranks' shards to the next forward, so a save that skipped the gather would
 in the forward) continues it bit for bit: test_resume_relayout.py's same-layout test.
 
 The trace of the profiled runs proves the overlap happened: the language DP reduction's collectives
-start inside the ``language backward`` range with overlap, and only in ``gradient finalize`` without.
+are issued inside the ``language backward`` range with overlap, and only in ``gradient finalize`` without.
 
 Other layouts (language pp 2, tp 2, colocated fan-in/fan-out, LoRA with tp 2) run with overlap on by
 default in test_train_e2e.py and test_lora_e2e.py against their single-process references.
@@ -68,10 +68,14 @@ def _ranges(events, name):
 
 
 def _dp_reductions_in(events, name):
-    """Gradient reductions (gloo reduce-scatter / all-reduce ops) that start inside the ``name`` ranges."""
+    """Gradient reductions (c10d reduce-scatter / all-reduce calls) issued inside the ``name`` ranges.
+
+    The calls are the dispatcher's ``c10d::`` ops on the training thread, timed when issued; the
+    ``gloo:`` events are timed when gloo's worker thread runs them, which on a loaded machine can be
+    after the backward that issued them has ended."""
     spans = _ranges(events, name)
-    ops = [e["ts"] for e in events if e.get("name", "").startswith("gloo:") and
-           ("reduce_scatter" in e["name"] or "all_reduce" in e["name"])]
+    ops = [e["ts"] for e in events if e.get("cat") == "cpu_op" and e.get("name", "").startswith("c10d::") and
+           ("reduce_scatter" in e["name"] or "allreduce" in e["name"])]
     return sum(any(lo <= t <= hi for lo, hi in spans) for t in ops)
 
 
