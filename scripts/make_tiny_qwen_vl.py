@@ -1,12 +1,14 @@
 #!/usr/bin/env python
-"""Write a tiny random Qwen2.5-VL or Qwen3-VL checkpoint (config, safetensors, image-only processor).
+"""Write a tiny random Qwen2.5-VL, Qwen3-VL or Qwen3.5 checkpoint (config, safetensors, image-only processor).
 
     python scripts/make_tiny_qwen_vl.py OUT_DIR [--seed N] [--text-hidden 64] ... [--config-only]
     python scripts/make_tiny_qwen_vl.py OUT_DIR --family qwen3_vl
     python scripts/make_tiny_qwen_vl.py OUT_DIR --preset qwen2.5-vl-3b --config-only
     python scripts/make_tiny_qwen_vl.py OUT_DIR --preset qwen3-vl-8b --config-only
+    python scripts/make_tiny_qwen_vl.py OUT_DIR --preset qwen3.5-27b --config-only
 
---preset writes a released model's real architecture with Qwen's real tokenizer (built offline);
+--preset writes a released model's real architecture with Qwen's real tokenizer (built offline; Qwen3.5's
+248k-entry one for the qwen3.5 presets);
 --config-only writes no weights (train the folder with --allow-random-init). The size options
 (--text-hidden ...) only apply to the tiny model.
 
@@ -44,8 +46,10 @@ def main(argv=None) -> int:
     p.add_argument("--max-pixels", type=int, default=None,
                    help="default: 64 merged tokens' worth (a --preset: the model's own)")
     p.add_argument("--tokenizer-vocab", type=int, default=1024)
-    p.add_argument("--preset", default=None, help="a released architecture instead of the tiny one: qwen2.5-vl-3b, qwen2.5-vl-7b, qwen2.5-vl-72b, qwen3-vl-8b")
-    p.add_argument("--family", default="qwen2_5_vl", help="the tiny model's family (--model-family name): qwen2_5_vl or qwen3_vl")
+    p.add_argument("--preset", default=None, help="a released architecture instead of the tiny one: qwen2.5-vl-3b, "
+                   "qwen2.5-vl-7b, qwen2.5-vl-72b, qwen3-vl-8b, qwen3.5-0.8b, qwen3.5-27b")
+    p.add_argument("--family", default="qwen2_5_vl",
+                   help="the tiny model's family (--model-family name): qwen2_5_vl, qwen3_vl or qwen3_5")
     p.add_argument("--config-only", action="store_true", help="write config and processor, no weights")
     a = p.parse_args(argv)
     from mimo_sft.testing.tiny_checkpoint import PRESETS, write_preset_checkpoint, write_tiny_checkpoint

@@ -36,6 +36,7 @@ GROUP_STOP = pytest.mark.xdist_group("e2e_stop")
 GROUP_DEEPSTACK = pytest.mark.xdist_group("e2e_deepstack")
 GROUP_LORA = pytest.mark.xdist_group("e2e_lora")
 GROUP_OVERLAP = pytest.mark.xdist_group("e2e_overlap")
+GROUP_QWEN35 = pytest.mark.xdist_group("e2e_qwen35")
 
 #: one step on the demo data, padded rows (the references compute padded rows; packed runs turn
 #: packing back on), a checkpoint after it
@@ -200,11 +201,13 @@ def assert_continues(cont, resumed, steps, rel=1e-5) -> dict:
     return {s: abs(b[s]["loss"] - a[s]["loss"]) / a[s]["loss"] for s in steps}
 
 
-def assert_same_gradients(ref_dir, run_dir, *, step=1, rel=1e-5, most_nonzero=True) -> dict:
+def assert_same_gradients(ref_dir, run_dir, *, step=1, rel=1e-5, most_nonzero=True, loose: dict | None = None) -> dict:
     """Every parameter's reduced gradient of ``step`` (``--save-grads``: after the DP reduction and
     the token scale, before clipping) equals the reference's, relative to the tensor's largest
     entry. Unlike weights after one Adam step (about -lr * sign(grad)), this sees a gradient that is
-    off by a constant factor. Returns the reference's gradients."""
+    off by a constant factor. ``loose``: {name suffix: tolerance} for parameters whose fp32 gradient is
+    noisier than ``rel`` in any two summation orders (say why where it is passed). Returns the
+    reference's gradients."""
     a = checkpoint_tensors(f"{ref_dir}/grads/iter_{step:07d}")
     b = checkpoint_tensors(f"{run_dir}/grads/iter_{step:07d}")
     assert set(a) == set(b) and a
@@ -212,14 +215,15 @@ def assert_same_gradients(ref_dir, run_dir, *, step=1, rel=1e-5, most_nonzero=Tr
     for k in a:
         scale = a[k].abs().max().item()
         diff = (a[k].double() - b[k].double()).abs().max().item()
-        assert diff <= rel * scale + 1e-12, f"step {step} {k}: gradient differs by {diff} (largest entry {scale})"
+        tol = next((t for suffix, t in (loose or {}).items() if k.endswith(suffix)), rel)
+        assert diff <= tol * scale + 1e-12, f"step {step} {k}: gradient differs by {diff} (largest entry {scale})"
         nonzero += scale > 0
     if most_nonzero:
         assert nonzero > len(a) // 2, f"step {step}: most parameters should have a gradient"
     return a
 
 
-def assert_same_step(ref_dir, run_dir, *, weights_tol=1e-5, same_flops=True):
+def assert_same_step(ref_dir, run_dir, *, weights_tol=1e-5, same_flops=True, loose: dict | None = None):
     """Step 1 of ``run_dir`` is the reference's: loss, grad norm, model FLOPs, every parameter's
     gradient and the weights after the step."""
     ref, got = train_rows(ref_dir)[0], train_rows(run_dir)[0]
@@ -230,7 +234,7 @@ def assert_same_step(ref_dir, run_dir, *, weights_tol=1e-5, same_flops=True):
     if same_flops:
         assert math.isclose(got["model_flops"], ref["model_flops"], rel_tol=1e-12), \
             (got["model_flops"], ref["model_flops"])
-    assert_same_gradients(ref_dir, run_dir)
+    assert_same_gradients(ref_dir, run_dir, loose=loose)
     a = checkpoint_tensors(ref_dir + "/checkpoints/iter_0000001")
     b = checkpoint_tensors(run_dir + "/checkpoints/iter_0000001")
     assert set(a) == set(b)

@@ -20,7 +20,7 @@ Adding a family: one ``register(FamilySpec(...))`` here and its adapter file in 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Iterator, Mapping, Optional, Union
 
 from mimo_sft.parallel.components import ComponentSpec
@@ -32,11 +32,17 @@ Finding = Union[str, tuple[str, str]]
 
 @dataclass(frozen=True)
 class LanguageDims:
-    """The language model sizes a layout must divide (None: not in config.json, not checked)."""
+    """The language model sizes a layout must divide (None: not in config.json, not checked).
+
+    ``gdn_key_heads`` / ``gdn_value_heads``: a hybrid decoder's Gated DeltaNet head counts
+    (``text_config.linear_num_key_heads`` / ``linear_num_value_heads``; megatron shards both over tp);
+    None for families without GDN layers."""
 
     heads: Optional[int]
     kv_heads: Optional[int]
     layers: Optional[int]
+    gdn_key_heads: Optional[int] = None
+    gdn_value_heads: Optional[int] = None
 
 
 @dataclass(frozen=True)
@@ -73,6 +79,10 @@ class Architecture:
     #: one extra merger per ``deepstack_visual_indexes`` entry (LayerNorm over the merged width), whose
     #: features travel with the main embedding (``hidden * (1 + k)`` per image token)
     deepstack: bool = False
+    #: Qwen3.5's hybrid decoder: ``text_config.layer_types`` mixes Gated DeltaNet layers
+    #: ("linear_attention") with full-attention layers whose q projection carries a per-head output gate;
+    #: every RMSNorm but the GDN output norm is zero-centred (x_hat * (1 + w))
+    hybrid_gdn: bool = False
 
 
 @dataclass(frozen=True, eq=False)
@@ -99,6 +109,9 @@ class FamilySpec:
     architecture: Architecture = Architecture()
     #: the marked chat template (``data.processor.CHAT_TEMPLATES`` name) a folder's template must render like
     chat_template: str = "qwen2_vl"
+    #: config.json rules of the family beyond divisibility (``config_findings``; check 16 reports them with the
+    #: divisibility lines)
+    config_rules: tuple[Callable[[dict], Iterator[Finding]], ...] = ()
 
     @property
     def modalities(self) -> tuple[str, ...]:
@@ -141,7 +154,9 @@ def language_partition_findings(spec: FamilySpec, language: ComponentSpec) -> It
 
 
 def language_divisibility_findings(spec: FamilySpec, language: ComponentSpec, config: dict) -> Iterator[Finding]:
-    """tp must divide the attention and KV heads, pp the layers, of the checkpoint (check 16)."""
+    """tp must divide the attention and KV heads (and a hybrid decoder's GDN heads), pp the layers, of the
+    checkpoint; then the family's own config.json rules (``config_findings``). Check 16 reports them all, and
+    the memory forecast (check 23) runs only on a config.json with none, so it never reads a broken one."""
     d = spec.language_dims(config)
     s = language
     if d.heads and s.tp >= 1 and d.heads % s.tp:
@@ -151,6 +166,18 @@ def language_divisibility_findings(spec: FamilySpec, language: ComponentSpec, co
                f"choose a divisor of {d.kv_heads}")
     if d.layers and s.pp >= 1 and d.layers % s.pp:
         yield f"language.pp={s.pp} does not divide the model's {d.layers} layers; choose a divisor"
+    for n, kind, key in ((d.gdn_key_heads, "key", "linear_num_key_heads"),
+                         (d.gdn_value_heads, "value", "linear_num_value_heads")):
+        if n and s.tp >= 1 and n % s.tp:
+            yield (f"language.tp={s.tp} does not divide the model's {n} Gated DeltaNet {kind} heads "
+                   f"(text_config.{key}); choose a divisor of {n}")
+    yield from config_findings(spec, config)
+
+
+def config_findings(spec: FamilySpec, config: dict) -> Iterator[Finding]:
+    """The family's own config.json rules (``FamilySpec.config_rules``; check 16)."""
+    for rule in spec.config_rules:
+        yield from rule(config)
 
 
 def layout_problems(spec: FamilySpec, layout, config: dict) -> list[str]:
@@ -217,6 +244,42 @@ def _qwen_vl_language_dims(config: dict) -> LanguageDims:
                         layers=text.get("num_hidden_layers"))
 
 
+#: ``text_config.layer_types`` entries of a hybrid decoder: a Gated DeltaNet layer, a gated full-attention layer
+HYBRID_LAYER_TYPES = ("linear_attention", "full_attention")
+
+
+def _qwen3_5_language_dims(config: dict) -> LanguageDims:
+    """Qwen3.5: the Qwen-VL sizes plus the Gated DeltaNet head counts (both sharded over tp)."""
+    text = config.get("text_config", config)
+    return replace(_qwen_vl_language_dims(config), gdn_key_heads=text.get("linear_num_key_heads"),
+                   gdn_value_heads=text.get("linear_num_value_heads"))
+
+
+def _hybrid_layer_findings(config: dict) -> Iterator[Finding]:
+    """``text_config.layer_types`` names every layer's mixer, one known kind per layer (without it
+    transformers derives the 3:1 pattern); the GDN value heads group evenly over its key heads."""
+    text = config.get("text_config", config)
+    types, layers = text.get("layer_types"), text.get("num_hidden_layers")
+    if types is not None:
+        wrong = []
+        if not isinstance(types, list):
+            wrong.append(f"it is a {type(types).__name__}, not a list")
+        else:
+            if isinstance(layers, int) and len(types) != layers:
+                wrong.append(f"it lists {len(types)} entries for text_config.num_hidden_layers={layers}")
+            unknown = [(i, t) for i, t in enumerate(types) if t not in HYBRID_LAYER_TYPES]
+            if unknown:
+                shown = ", ".join(f"{t!r} at layer {i}" for i, t in unknown[:3]) + (" ..." if len(unknown) > 3 else "")
+                wrong.append(f"unknown entries {shown}")
+        if wrong:
+            yield (f"config.json text_config.layer_types: {'; '.join(wrong)}; list exactly one of "
+                   f"{' or '.join(map(repr, HYBRID_LAYER_TYPES))} per layer (or drop layer_types for the 3:1 pattern)")
+    k, v = text.get("linear_num_key_heads"), text.get("linear_num_value_heads")
+    if isinstance(k, int) and isinstance(v, int) and k > 0 and v % k:
+        yield (f"config.json text_config.linear_num_value_heads={v} is not a multiple of "
+               f"text_config.linear_num_key_heads={k}; the Gated DeltaNet groups value heads evenly over key heads")
+
+
 QWEN2_5_VL = register(FamilySpec(
     name="qwen2_5_vl",
     model_types=("qwen2_5_vl",),
@@ -242,11 +305,26 @@ QWEN3_VL = register(FamilySpec(
     # re-entrant checkpoint and replays each micro-batch's rows into its recomputed layers
 ))
 
+QWEN3_5 = register(FamilySpec(
+    name="qwen3_5",
+    model_types=("qwen3_5",),
+    # transformers' Qwen3.5 vision tower (Qwen3-VL's without DeepStack) runs as it is
+    encoders={IMAGES: EncoderLimits(tower="vision tower", implementation="Hugging Face Qwen3.5")},
+    language_dims=_qwen3_5_language_dims,
+    config_rules=(_hybrid_layer_findings,),
+    adapter="mimo_sft.model.qwen3_5:Qwen35Adapter",
+    rope_index="transformers.models.qwen3_5.modeling_qwen3_5:Qwen3_5Model",
+    vision_flops="mimo_sft.model.vision_flops:qwen3_vl",
+    architecture=Architecture(qkv_bias=False, qk_norm=True, vision_layer_norm=True, vision_gated_mlp=False,
+                              vision_patch_bias=True, vision_pos_embed=True, deepstack=False, hybrid_gdn=True),
+    # Qwen3.5's released template opens the last answer with a think block (data.processor)
+    chat_template="qwen3_5",
+))
+
 #: config.json ``model_type`` values of Qwen-VL generations mimo-sft knows of but cannot build yet, and why
 NOT_YET_SUPPORTED: dict[str, str] = {
     "qwen3_vl_moe": "Qwen3-VL MoE (mixture-of-experts language model)",
-    "qwen3_5": "Qwen3.5 (Gated DeltaNet layers need the GPU-only fla package in megatron-core 0.19.2)",
-    "qwen3_5_moe": "Qwen3.5 MoE (Gated DeltaNet and mixture-of-experts layers)",
+    "qwen3_5_moe": "Qwen3.5 MoE (Gated DeltaNet and mixture-of-experts layers; the MoE family is not built yet)",
 }
 
 

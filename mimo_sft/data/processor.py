@@ -81,8 +81,58 @@ assert _DEFAULT_SYSTEM in QWEN_VL_CHAT_TEMPLATE
 # message is rendered only when the conversation has one), with the same {% generation %} spans.
 QWEN3_VL_CHAT_TEMPLATE = QWEN_VL_CHAT_TEMPLATE.replace(_DEFAULT_SYSTEM, "")
 
+# Qwen3.5's conversation layout, as its released chat_template.jinja renders a conversation (Qwen/Qwen3.5-*: the
+# sizes differ only in the generation prompt's thinking default): no default system turn; every turn's text
+# trimmed; an assistant turn after the last user turn opens with a think block -- "<think>\n" + its reasoning +
+# "\n</think>\n\n", the reasoning being what the content writes before "</think>", so an answer without one
+# gets the empty "<think>\n\n</think>\n\n" -- and earlier assistant turns are their answers alone (reasoning
+# dropped). The {% generation %} span is what the model writes after the template's own text: the answer and
+# <|im_end|>, with its reasoning and "</think>" when the content has one; the empty block is the template's,
+# as in the thinking-off prompt, so SFT never trains the model to write it. Tool turns are not rendered.
+QWEN3_5_CHAT_TEMPLATE = (
+    "{%- set image_count = namespace(value=0) %}{%- set video_count = namespace(value=0) %}"
+    "{%- macro text_of(content, count) %}"
+    "{%- if content is string %}{{- content }}"
+    "{%- elif content is iterable and content is not mapping %}{%- for item in content %}"
+    "{%- if 'image' in item or 'image_url' in item or item.type == 'image' %}"
+    "{%- if count %}{%- set image_count.value = image_count.value + 1 %}{%- endif %}"
+    "{%- if add_vision_id %}{{- 'Picture ' ~ image_count.value ~ ': ' }}{%- endif %}"
+    "{{- '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{%- elif 'video' in item or item.type == 'video' %}"
+    "{%- if count %}{%- set video_count.value = video_count.value + 1 %}{%- endif %}"
+    "{%- if add_vision_id %}{{- 'Video ' ~ video_count.value ~ ': ' }}{%- endif %}"
+    "{{- '<|vision_start|><|video_pad|><|vision_end|>' }}"
+    "{%- elif 'text' in item %}{{- item.text }}{%- endif %}"
+    "{%- endfor %}{%- endif %}"
+    "{%- endmacro %}"
+    "{%- set ns = namespace(last_user=-1) %}"
+    "{%- for message in messages %}{%- if message.role == 'user' %}{%- set ns.last_user = loop.index0 %}{%- endif %}"
+    "{%- endfor %}"
+    "{%- for message in messages %}"
+    "{%- set text = text_of(message.content, message.role != 'system')|trim %}"
+    "{%- if message.role == 'assistant' %}"
+    "{%- set answer = text %}{%- set thought = '' %}"
+    "{%- if '</think>' in text %}"
+    "{%- set thought = (text.split('</think>')[0].rstrip('\n').split('<think>')|last).lstrip('\n')|trim %}"
+    "{%- set answer = (text.split('</think>')|last).lstrip('\n') %}"
+    "{%- endif %}"
+    "{{- '<|im_start|>assistant\n' }}"
+    "{%- if loop.index0 > ns.last_user and thought %}"
+    "{{- '<think>\n' }}{% generation %}{{- thought + '\n</think>\n\n' + answer + '<|im_end|>' }}{% endgeneration %}"
+    "{%- elif loop.index0 > ns.last_user %}"
+    "{{- '<think>\n\n</think>\n\n' }}{% generation %}{{- answer + '<|im_end|>' }}{% endgeneration %}"
+    "{%- else %}{% generation %}{{- answer + '<|im_end|>' }}{% endgeneration %}{%- endif %}"
+    "{{- '\n' }}"
+    "{%- else %}{{- '<|im_start|>' + message.role + '\n' + text + '<|im_end|>\n' }}{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\n\n</think>\n\n' }}"
+    "{%- else %}{{- '<think>\n' }}{%- endif %}{%- endif %}"
+)
+
 #: the marked chat templates by the name a family's descriptor gives (``FamilySpec.chat_template``)
-CHAT_TEMPLATES = {"qwen2_vl": QWEN_VL_CHAT_TEMPLATE, "qwen3_vl": QWEN3_VL_CHAT_TEMPLATE}
+CHAT_TEMPLATES = {"qwen2_vl": QWEN_VL_CHAT_TEMPLATE, "qwen3_vl": QWEN3_VL_CHAT_TEMPLATE,
+                  "qwen3_5": QWEN3_5_CHAT_TEMPLATE}
 
 
 def family_chat_template(model_type) -> str:

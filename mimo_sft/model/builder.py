@@ -154,11 +154,13 @@ def _assemble(src: _BuildInputs, info, parallel_state, modality_specs: dict, *, 
     from megatron.core.models.mimo import MimoModelConfig
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.transformer_block import get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
     lang_cfg = info.language_config
     pp_rank, pre, post = _language_stage(info, parallel_state)
     lang_groups = parallel_state.modules[LANGUAGE]
-    layer_spec = src.adapter.block_spec(src.hf_cfg, get_num_layers_to_build(lang_cfg, pp_rank=pp_rank), attention=attention)
+    layer_spec = src.adapter.block_spec(src.hf_cfg, get_num_layers_to_build(lang_cfg, pp_rank=pp_rank), attention=attention,
+                                        layer_offset=get_transformer_layer_offset(lang_cfg, None, pp_rank))
     lm_params = dict(config=lang_cfg, transformer_layer_spec=layer_spec, pre_process=pre, post_process=post,
                      pg_collection=lang_groups.pg_collection,
                      **src.adapter.language_model_params(src.hf_cfg, padded_vocab=info.padded_vocab_size,

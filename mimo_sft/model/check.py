@@ -33,8 +33,10 @@ def random_batch(hf_cfg, *, seed: int = 0, images_per_sample=((1, 1),), image_gr
     merge = v.spatial_merge_size
     if image_grids is None:
         image_grids = [[(2 * merge, 2 * merge)], [(2 * merge, 3 * merge), (merge, merge)]]
+    # the pad token too: transformers' embedding has ``padding_idx`` = pad_token_id, so its row never gets a
+    # gradient there (megatron's embedding trains it); random text must not draw it
     specials = {hf_cfg.image_token_id, hf_cfg.vision_start_token_id, hf_cfg.vision_end_token_id,
-                getattr(hf_cfg, "video_token_id", -1)}
+                getattr(hf_cfg, "video_token_id", -1), getattr(hf_cfg.text_config, "pad_token_id", None)}
     vocab = hf_cfg.text_config.vocab_size
     normal = torch.tensor([t for t in range(1, vocab) if t not in specials])
 

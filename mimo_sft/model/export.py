@@ -99,6 +99,24 @@ def _to_hf(adapter, hf_cfg, prefix_style: str, mimo_part: dict, dtype: Optional[
     return {k: _own_storage(v.to(dtype) if dtype is not None else v) for k, v in tensors.items()}
 
 
+def _passthrough_groups(adapter, src_hf_dir: str) -> tuple[Optional[HFCheckpoint], list[list[str]]]:
+    """The source folder's tensors that the model does not hold but an export keeps
+    (``adapter.passthrough``: Qwen3.5's ``mtp.*``), grouped by block; none without source weights."""
+    try:
+        source = HFCheckpoint(src_hf_dir)
+    except UserError:  # a random-init source without weights
+        return None, []
+    return source, group_by_block(n for n in source.keys() if adapter.passthrough(n))
+
+
+def _cast_meta(t: torch.Tensor, dtype: Optional[torch.dtype]) -> torch.Tensor:
+    return t if dtype is None or not t.is_floating_point() else t.to(dtype)
+
+
+def _read_cast(source: HFCheckpoint, names: list, dtype: Optional[torch.dtype]) -> dict:
+    return {n: _own_storage(_cast_meta(source.read(n), dtype)) for n in names}
+
+
 def _own_storage(t: torch.Tensor) -> torch.Tensor:
     """``t``, copied when it is a view into a larger storage (gate/up of one fused fc1, q/k/v of one
     qkv): safetensors refuses tensors that share memory, and a view keeps its whole source alive."""
@@ -143,6 +161,9 @@ def export_hf(megatron_state_dict_tp1: dict, src_hf_dir: str, out_dir: str, *, d
     limit = shard_size_bytes(max_shard_bytes)
     adapter, hf_cfg, style, copied = _prepare_out_dir(src_hf_dir, out_dir, dtype)
     tensors = _to_hf(adapter, hf_cfg, style, megatron_state_dict_tp1, dtype)
+    source, kept = _passthrough_groups(adapter, src_hf_dir)
+    for group in kept:
+        tensors.update(_read_cast(source, group, dtype))
     writer = _start_writer(out_dir, hf_cfg, _as_meta(tensors), limit)
     writer.add({k: v.detach() for k, v in tensors.items()})
     return {"out_dir": out_dir, "tensors": len(tensors), "weight_files": writer.finish(), "copied": copied}
@@ -202,9 +223,15 @@ def export_weights(read_weights: Callable[[torch.nn.Module, list], dict], src_hf
     state = {k: v for k, v in model.state_dict().items() if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")}
     planned = [(keys, _to_hf(adapter, hf_cfg, style, {k: state[k] for k in keys}, dtype)) for keys in group_by_block(state)]
     planned = [(keys, hf) for keys, hf in planned if hf]
+    source, kept = _passthrough_groups(adapter, src_hf_dir)
+    planned += [(None, {n: _cast_meta(source.meta(n), dtype) for n in group}) for group in kept]
     writer = _start_writer(out_dir, hf_cfg, {n: t for _, hf in planned for n, t in hf.items()}, limit)
     position = {name: i for i, name in enumerate(writer.meta)}
-    for keys, _hf in sorted(planned, key=lambda kh: min(position[n] for n in kh[1])):
+    for keys, hf in sorted(planned, key=lambda kh: min(position[n] for n in kh[1])):
+        if keys is None:  # a source tensor kept as it is (the adapter's passthrough)
+            writer.add(_read_cast(source, list(hf), dtype))
+            source.close()
+            continue
         part = read_weights(model, keys)
         writer.add(_to_hf(adapter, hf_cfg, style, part, dtype))
         del part

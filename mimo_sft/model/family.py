@@ -106,9 +106,10 @@ class FamilyAdapter:
         """Extra ``GPTModel`` constructor arguments (position embedding, rotary base, ...)."""
         raise NotImplementedError
 
-    def block_spec(self, hf_cfg, num_local_layers: int, *, attention: str = "sdpa"):
-        """megatron ``TransformerBlockSubmodules`` for this pipeline stage's layers, with the core
-        attention ``attention`` names (``model.attention.BACKENDS``)."""
+    def block_spec(self, hf_cfg, num_local_layers: int, *, attention: str = "sdpa", layer_offset: int = 0):
+        """megatron ``TransformerBlockSubmodules`` for this pipeline stage's layers (global layers
+        ``layer_offset ..``; a hybrid decoder's layer kinds depend on them), with the core attention
+        ``attention`` names (``model.attention.BACKENDS``)."""
         raise NotImplementedError
 
     def encoder_class(self) -> type:
@@ -155,3 +156,8 @@ class FamilyAdapter:
     def projector_param(self, name: str) -> bool:
         """True for encoder parameters that belong to the projector (frozen by --freeze-projector)."""
         raise NotImplementedError
+
+    @staticmethod
+    def passthrough(name: str) -> bool:
+        """Source tensors the model does not build that an export copies as they are (none by default)."""
+        return False

@@ -46,6 +46,11 @@ def read_config_json(hf_dir: str) -> dict:
     return cfg
 
 
+#: safetensors header dtype codes -> torch dtypes (what Qwen-VL checkpoints hold)
+_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
+                       "I64": torch.int64, "I32": torch.int32, "U8": torch.uint8, "BOOL": torch.bool}
+
+
 @dataclass
 class _Entry:
     file: str
@@ -107,6 +112,16 @@ class HFCheckpoint:
 
     def shape(self, name: str) -> tuple:
         return self._entry(name).shape
+
+    def meta(self, name: str) -> torch.Tensor:
+        """A meta tensor with ``name``'s shape and dtype (from the file header: nothing is read)."""
+        entry = self._entry(name)
+        if entry.file not in self._handles:
+            from safetensors import safe_open
+
+            self._handles[entry.file] = safe_open(os.path.join(self.hf_dir, entry.file), framework="pt")
+        code = self._handles[entry.file].get_slice(name).get_dtype()
+        return torch.empty(entry.shape, dtype=_SAFETENSORS_DTYPES[code], device="meta")
 
     def _entry(self, name: str) -> _Entry:
         try:

@@ -189,7 +189,7 @@ class Qwen25VLAdapter(FamilyAdapter):
                     # MIMO scatters the combined text+image embeddings itself under sequence parallelism
                     scatter_embedding_sequence_parallel=False)
 
-    def block_spec(self, hf_cfg, num_local_layers: int, *, attention: str = "sdpa"):
+    def block_spec(self, hf_cfg, num_local_layers: int, *, attention: str = "sdpa", layer_offset: int = 0):
         """megatron's local layer spec for ``num_local_layers`` layers, every norm ``model.norm.RMSNorm``
         (torch's RMSNorm whose weight megatron reduces over TP under sequence parallelism), with
         ``attention``'s core (``model.attention``: SDPA by default, megatron's local core on request).

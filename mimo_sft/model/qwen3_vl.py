@@ -230,7 +230,8 @@ def expected_vision_shapes(v) -> dict:
                             ("mlp.linear_fc1", (i, h)), ("mlp.linear_fc2", (h, i))):
             out[b + name + ".weight"] = shape
             out[b + name + ".bias"] = (shape[0],)
-    mergers = [("merger.", h)] + [(f"deepstack_merger_list.{j}.", ctx) for j in range(len(v.deepstack_visual_indexes))]
+    deepstack = getattr(v, "deepstack_visual_indexes", ())  # Qwen3.5's tower has none
+    mergers = [("merger.", h)] + [(f"deepstack_merger_list.{j}.", ctx) for j in range(len(deepstack))]
     for m, norm in mergers:
         out.update({m + "norm.weight": (norm,), m + "norm.bias": (norm,),
                     m + "linear_fc1.weight": (ctx, ctx), m + "linear_fc1.bias": (ctx,),

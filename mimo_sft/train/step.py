@@ -42,6 +42,26 @@ from megatron.core.process_groups_config import MultiModuleProcessGroupCollectio
 LANGUAGE = MIMO_LANGUAGE_MODULE_KEY
 
 
+def sum_partial_grads_over_tp(module, tp_group) -> None:
+    """Sum over TP the gradients of replicated weights that each TP rank applies to its own heads
+    only (marked ``tp_partial_grad``: the Gated DeltaNet output norm, ``model.norm``), which megatron's
+    finalize leaves alone. One coalesced all-reduce; after megatron's DP reduction, which it commutes
+    with (both are sums)."""
+    if tp_group is None or tp_group.size() <= 1:
+        return
+    grads = [getattr(p, "main_grad", None) if getattr(p, "main_grad", None) is not None else p.grad
+             for p in module.parameters() if p.requires_grad and getattr(p, "tp_partial_grad", False)]
+    grads = [g for g in grads if g is not None]
+    if not grads:
+        return
+    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+    coalesced = _flatten_dense_tensors(grads)
+    dist.all_reduce(coalesced, group=tp_group)
+    for g, summed in zip(grads, _unflatten_dense_tensors(coalesced, grads)):
+        g.copy_(summed)
+
+
 class StepFeed(Protocol):
     """What ``StepRunner`` needs from a feed (``train.feed.Feed`` is the one the trainer builds).
 
@@ -159,8 +179,9 @@ class StepRunner:
         with phase("gradient finalize"):
             total = self.global_tokens()
             for name, module in self.modules.items():
-                finalize_model_grads([module], num_tokens=None, pg_collection=self.pstate.modules[name].pg_collection,
-                                     force_all_reduce=force_all_reduce)
+                pgs = self.pstate.modules[name].pg_collection
+                finalize_model_grads([module], num_tokens=None, pg_collection=pgs, force_all_reduce=force_all_reduce)
+                sum_partial_grads_over_tp(module, pgs.tp)
                 module.scale_gradients(1.0 / max(total, 1.0))
 
     def global_tokens(self) -> float:

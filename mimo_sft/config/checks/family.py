@@ -3,7 +3,7 @@
 
 Pure like the other checks (``config.checks.CheckContext``); every rule reads the family descriptor
 (``config.families``): ``--model-family`` against config.json's ``model_type`` (either way round). A ``model_type``
-no family reads (``qwen3_vl_moe``, ``qwen3_5`` named as not yet supported) is check 16's line; the
+no family reads (``qwen3_vl_moe``, ``qwen3_5_moe`` named as not yet supported) is check 16's line; the
 encoder's parallel limits (images tp > 1 on its own ranks) are check 10's, from the same descriptor.
 """
 

@@ -1,5 +1,5 @@
-"""Checks 16 and 18: the model folder (config.json, weights, head and layer divisibility) and the note on
-what is left to fine-tune."""
+"""Checks 16 and 18: the model folder (config.json, weights, head and layer divisibility, the family's own
+config.json rules such as Qwen3.5's layer pattern) and the note on what is left to fine-tune."""
 
 from __future__ import annotations
 
