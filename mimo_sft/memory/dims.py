@@ -14,11 +14,67 @@ from dataclasses import dataclass
 
 from mimo_sft.config.families import Architecture, default_family, family_for_model_type
 from mimo_sft.config.lora import LoraSpec
+from mimo_sft.errors import UserError
+
+#: ``text_config.layer_types`` values of Qwen3.5's hybrid decoder
+FULL_ATTENTION, LINEAR_ATTENTION = "full_attention", "linear_attention"
 
 
 def architecture_of(config: dict) -> Architecture:
     """The layer shapes of config.json's family (the default family's for an unknown ``model_type``)."""
     return (family_for_model_type(config.get("model_type")) or default_family()).architecture
+
+
+@dataclass(frozen=True)
+class GdnDims:
+    """A Gated DeltaNet layer's sizes (Qwen3.5's ``linear_*`` keys)."""
+
+    key_heads: int
+    value_heads: int
+    key_dim: int
+    value_dim: int
+    conv_kernel: int
+
+    @property
+    def qk(self) -> int:
+        """Width of q (and of k): key heads x key head dim."""
+        return self.key_heads * self.key_dim
+
+    @property
+    def v(self) -> int:
+        """Width of v (and of the output gate z): value heads x value head dim."""
+        return self.value_heads * self.value_dim
+
+    @property
+    def conv_channels(self) -> int:
+        """The depthwise conv runs over q, k and v."""
+        return 2 * self.qk + self.v
+
+    def in_proj_rows(self, tp: int) -> int:
+        """megatron's fused ``in_proj`` on one tp rank: q, k, v, z, beta and alpha, each split by heads."""
+        return 2 * (self.qk // tp) + 2 * (self.v // tp) + 2 * (self.value_heads // tp)
+
+    @classmethod
+    def from_text_config(cls, t: dict) -> "GdnDims":
+        """Absent keys take transformers' ``Qwen3_5TextConfig`` defaults, as transformers would read them."""
+        return cls(key_heads=t.get("linear_num_key_heads", 16), value_heads=t.get("linear_num_value_heads", 32),
+                   key_dim=t.get("linear_key_head_dim", 128), value_dim=t.get("linear_value_head_dim", 128),
+                   conv_kernel=t.get("linear_conv_kernel_dim", 4))
+
+
+def hybrid_layer_types(t: dict) -> tuple[str, ...]:
+    """Each layer's token mixer: ``layer_types``, or (like transformers) every ``full_attention_interval``-th
+    layer (default 4) full attention and the rest Gated DeltaNet."""
+    layers = t["num_hidden_layers"]
+    types = t.get("layer_types")
+    if types is None:
+        every = t.get("full_attention_interval", 4)
+        types = [FULL_ATTENTION if (i + 1) % every == 0 else LINEAR_ATTENTION for i in range(layers)]
+    types = tuple(types)
+    if len(types) != layers or set(types) - {FULL_ATTENTION, LINEAR_ATTENTION}:
+        raise UserError(f"config.json text_config.layer_types must list {layers} entries (num_hidden_layers), each "
+                        f"{FULL_ATTENTION!r} or {LINEAR_ATTENTION!r}; got {list(types)}")
+    return types
 
 
 @dataclass(frozen=True)
@@ -35,6 +91,12 @@ class TextDims:
     qk_norm: bool = False
     #: DeepStack features per image token beside the main embedding (the bridge carries 1 + k)
     deepstack: int = 0
+    #: Qwen3.5's hybrid decoder: each layer's token mixer (``FULL_ATTENTION`` or ``LINEAR_ATTENTION``, a
+    #: Gated DeltaNet), the GDN sizes, and the per-head output gate the attention layers' q projection
+    #: carries (``heads * head_dim`` more rows); empty / None / False for a decoder of attention layers only
+    layer_types: tuple[str, ...] = ()
+    gdn: GdnDims | None = None
+    attn_gate: bool = False
 
     @classmethod
     def from_config(cls, config: dict) -> "TextDims":
@@ -42,12 +104,15 @@ class TextDims:
         heads = t["num_attention_heads"]
         tied = bool(config.get("tie_word_embeddings", t.get("tie_word_embeddings", False)))
         arch = architecture_of(config)
+        hybrid = arch.hybrid_gdn
         return cls(hidden=t["hidden_size"], ffn=t["intermediate_size"], layers=t["num_hidden_layers"], heads=heads,
                    kv_heads=t.get("num_key_value_heads") or heads,
                    head_dim=t.get("head_dim") or t["hidden_size"] // heads, vocab=t["vocab_size"], tied=tied,
                    qkv_bias=arch.qkv_bias, qk_norm=arch.qk_norm,
                    deepstack=len((config.get("vision_config") or {}).get("deepstack_visual_indexes") or ())
-                   if arch.deepstack else 0)
+                   if arch.deepstack else 0,
+                   layer_types=hybrid_layer_types(t) if hybrid else (),
+                   gdn=GdnDims.from_text_config(t) if hybrid else None, attn_gate=hybrid)
 
     def padded_vocab(self, tp: int) -> int:
         """megatron's embedding rows: the vocabulary padded to a multiple of tp (``decoder_weights.pad_vocab``)."""
@@ -55,7 +120,17 @@ class TextDims:
 
     @property
     def qkv_width(self) -> int:
-        return (self.heads + 2 * self.kv_heads) * self.head_dim
+        """megatron's fused ``linear_qkv`` rows: q (and its output gate), k, v."""
+        return (self.heads * (2 if self.attn_gate else 1) + 2 * self.kv_heads) * self.head_dim
+
+    def layer_type(self, index: int) -> str:
+        """The token mixer of global layer ``index``."""
+        return self.layer_types[index] if self.layer_types else FULL_ATTENTION
+
+    def stage_layers(self, pp: int, stage: int) -> range:
+        """The global layer indices of pipeline stage ``stage`` (megatron's even split)."""
+        n = self.layers // pp
+        return range(stage * n, (stage + 1) * n)
 
 
 @dataclass(frozen=True)
@@ -106,20 +181,32 @@ class VisionDims:
 
 
 # ---- language: parameters of one pipeline stage on one tensor rank -----------------------------
-def language_layer_params(d: TextDims, tp: int) -> int:
-    """One decoder layer on one tp rank: two replicated RMSNorms, column-parallel fused QKV (with its bias,
-    Qwen2/2.5; or replicated q/k RMSNorms over the head dim, Qwen3), row-parallel output projection,
-    column-parallel fused gate/up, row-parallel down (no other biases)."""
+def _gdn_mixer_params(g: GdnDims, hidden: int, tp: int) -> int:
+    """A Gated DeltaNet on one tp rank: column-parallel fused in_proj, the depthwise conv weight
+    ``[channels/tp, 1, kernel]`` (no bias), A_log and dt_bias (one per value head, split by heads), the
+    replicated gated RMSNorm over the value head dim, row-parallel out_proj."""
+    return (hidden * g.in_proj_rows(tp) + g.conv_channels // tp * g.conv_kernel + 2 * (g.value_heads // tp)
+            + g.value_dim + g.v // tp * hidden)
+
+
+def language_layer_params(d: TextDims, tp: int, layer_type: str = FULL_ATTENTION) -> int:
+    """One decoder layer on one tp rank: two replicated RMSNorms, the token mixer, column-parallel fused
+    gate/up, row-parallel down (no other biases). Attention: column-parallel fused QKV (with its bias,
+    Qwen2/2.5; or replicated q/k RMSNorms over the head dim, Qwen3; Qwen3.5's q rows doubled by the output
+    gate), row-parallel output projection. Qwen3.5's ``linear_attention`` layers: a Gated DeltaNet."""
+    mlp = 3 * d.hidden * (d.ffn // tp)
+    if layer_type == LINEAR_ATTENTION:
+        return 2 * d.hidden + _gdn_mixer_params(d.gdn, d.hidden, tp) + mlp
     qkv = d.qkv_width // tp
     extra = (qkv if d.qkv_bias else 0) + (2 * d.head_dim if d.qk_norm else 0)
-    return 2 * d.hidden + qkv * d.hidden + extra + d.hidden * (d.heads * d.head_dim // tp) + 3 * d.hidden * (d.ffn // tp)
+    return 2 * d.hidden + qkv * d.hidden + extra + d.hidden * (d.heads * d.head_dim // tp) + mlp
 
 
 def language_stage_params(d: TextDims, *, tp: int, pp: int, stage: int) -> int:
-    """Parameters on one rank of language pipeline stage ``stage``: its layers, the embedding on the first
-    stage, final norm and output layer on the last (a tied model keeps a copy of the embedding there when
-    pp > 1, which megatron keeps equal by an all-reduce)."""
-    n = d.layers // pp * language_layer_params(d, tp)
+    """Parameters on one rank of language pipeline stage ``stage``: its layers (each by its own type), the
+    embedding on the first stage, final norm and output layer on the last (a tied model keeps a copy of the
+    embedding there when pp > 1, which megatron keeps equal by an all-reduce)."""
+    n = sum(language_layer_params(d, tp, d.layer_type(i)) for i in d.stage_layers(pp, stage))
     table = d.padded_vocab(tp) // tp * d.hidden
     if stage == 0:
         n += table
@@ -131,18 +218,28 @@ def language_stage_params(d: TextDims, *, tp: int, pp: int, stage: int) -> int:
 def language_params(d: TextDims) -> int:
     """The whole language model (tp 1, pp 1; unpadded vocabulary)."""
     table = d.vocab * d.hidden
-    return d.layers * language_layer_params(d, 1) + table + d.hidden + (0 if d.tied else table)
+    layers = sum(language_layer_params(d, 1, d.layer_type(i)) for i in range(d.layers))
+    return layers + table + d.hidden + (0 if d.tied else table)
 
 
-def language_lora_params(d: TextDims, lora: LoraSpec, tp: int) -> int:
-    """Adapters of one layer on one tp rank (``model.lora``: column-parallel A whole and B split;
-    row-parallel A split and B whole)."""
+def language_lora_params(d: TextDims, lora: LoraSpec, tp: int, layer_type: str = FULL_ATTENTION) -> int:
+    """Adapters of one layer of ``layer_type`` on one tp rank (``model.lora``: column-parallel A whole and
+    B split; row-parallel A split and B whole). A target adapts the layers that have its linear: the MLP
+    targets every layer, ``linear_qkv`` / ``linear_proj`` the attention layers; a Gated DeltaNet layer's
+    linears are megatron's ``in_proj`` (column) and ``out_proj`` (row), counted under those names."""
     r, h = lora.rank, d.hidden
-    per = {"linear_qkv": r * h + d.qkv_width // tp * r,
-           "linear_proj": r * (d.heads * d.head_dim // tp) + h * r,
-           "linear_fc1": r * h + 2 * d.ffn // tp * r,
+    per = {"linear_fc1": r * h + 2 * d.ffn // tp * r,
            "linear_fc2": r * (d.ffn // tp) + h * r}
-    return sum(per[t] for t in lora.language)
+    if layer_type == LINEAR_ATTENTION:
+        per.update(in_proj=r * h + d.gdn.in_proj_rows(tp) * r, out_proj=r * (d.gdn.v // tp) + h * r)
+    else:
+        per.update(linear_qkv=r * h + d.qkv_width // tp * r, linear_proj=r * (d.heads * d.head_dim // tp) + h * r)
+    return sum(per.get(t, 0) for t in lora.language)
+
+
+def language_stage_lora_params(d: TextDims, lora: LoraSpec, *, tp: int, pp: int, stage: int) -> int:
+    """Adapters of every layer of pipeline stage ``stage`` on one tp rank, each layer by its type."""
+    return sum(language_lora_params(d, lora, tp, d.layer_type(i)) for i in d.stage_layers(pp, stage))
 
 
 # ---- vision tower (unsharded) ----------------------------------------------------------------------

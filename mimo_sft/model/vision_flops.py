@@ -78,7 +78,8 @@ def qwen2_5_vl(vision_config, grids) -> float:
 
 
 def qwen3_vl(vision_config, grids) -> float:
-    """Qwen3-VL's tower, main merger and DeepStack mergers.
+    """Qwen3-VL's tower, main merger and DeepStack mergers (also Qwen3.5's tower, whose config has no
+    ``deepstack_visual_indexes``: no DeepStack mergers).
 
     Patch embedding ``2*N*d*(C*tp*p*p)``; per block QKV ``2*N*d*3d``, output ``2*N*d*d``, plain MLP
     (``linear_fc1``/``linear_fc2``) ``2*2*N*d*ffn`` and full attention within each frame
@@ -92,4 +93,5 @@ def qwen3_vl(vision_config, grids) -> float:
         return 0.0
     full_sq = sum(t * (h * w) ** 2 for t, h, w in grids)
     attention = 2 * 2 * v.hidden_size * v.depth * full_sq
-    return float(linear + attention + (1 + len(v.deepstack_visual_indexes)) * merger)
+    deepstack = len(getattr(v, "deepstack_visual_indexes", None) or ())
+    return float(linear + attention + (1 + deepstack) * merger)

@@ -6,14 +6,20 @@ so the trainer can log *model* TFLOP/s per GPU and MFU the way torchtitan and Me
 
 Conventions (all counts are FLOPs, i.e. one multiply-add = 2):
 
-* Only matrix multiplies are counted (``2 * m * n * k``): linear layers, the vision patch-embedding
-  convolution, attention scores ``Q K^T`` and ``softmax(.) V``, the LM head. Norms, activations,
-  rotary embeddings, softmax, residual adds, biases and the embedding lookup are not counted (they are
+* Only matrix multiplies are counted (``2 * m * n * k``): linear layers, convolutions (the vision patch
+  embedding, the GDN conv), the delta rule's triangular solves (``n*(n-1)`` per right-hand column of a
+  unit-triangular n x n system), attention scores ``Q K^T`` and ``softmax(.) V``, the LM head. Norms,
+  activations, rotary embeddings, softmax, residual adds, biases and the embedding lookup are not counted (they are
   a fraction of a percent of the total and do not run on the tensor cores anyway).
 * Causal language attention is counted as the **full S x S square** (what Megatron's and torchtitan's
   formulas do, and what eager / unfused attention computes). Causal flash kernels skip roughly half
   of it, so MFU computed this way slightly flatters long sequences; it is the common convention, so
   numbers stay comparable with other frameworks.
+* Qwen3.5's Gated DeltaNet layers: their projections and depthwise causal conv count per token (the
+  conv as ``2 * channels * kernel``, over the S positions it keeps); the chunked gated delta rule counts
+  the matmuls and triangular solves transformers' torch path runs on each sequence padded to whole
+  64-token chunks (``sequence_mixing_flops``), linear in tokens. Only the full-attention layers have the
+  S x S term.
 * Training = forward + backward = **3 x forward** (backward computes gradients for both the inputs and
   the weights of every matmul). ``training_flops`` takes per-part factors for runs with frozen parts.
 * Language: what was *computed* counts. A sample padded to length S costs S (padded positions go
@@ -21,7 +27,8 @@ Conventions (all counts are FLOPs, i.e. one multiply-add = 2):
   (``sum S_i^2``), everything else per token (``sum S_i``). The LM head runs on every position.
 * Vision: per image/video ``(t, h, w)`` grid in patches (``image_grid_thw``), by the family's formula
   (``model.vision_flops``: Qwen2.5-VL's windowed tower, Qwen3-VL's full-attention tower with its
-  DeepStack mergers), exact for transformers' modules under the conventions above.
+  DeepStack mergers, Qwen3.5's the same tower without them), exact for transformers' modules under the
+  conventions above.
 """
 
 from __future__ import annotations
@@ -52,6 +59,11 @@ class StepFlops:
 
 # --------------------------------------------------------------------------------------- language
 
+#: tokens per chunk of the chunked gated delta rule (transformers' torch path and fla's kernels)
+GDN_CHUNK = 64
+FULL_ATTENTION, LINEAR_ATTENTION = "full_attention", "linear_attention"
+
+
 def _text_dims(text_config):
     t = text_config
     heads = t.num_attention_heads
@@ -60,43 +72,115 @@ def _text_dims(text_config):
     return t.hidden_size, t.num_hidden_layers, heads, kv, head_dim, t.intermediate_size, t.vocab_size
 
 
-def language_forward_flops(text_config, seq_lengths: Iterable[int], *, vocab_size: int | None = None) -> float:
-    """Forward matmul FLOPs of the decoder over sequences of the given (computed) lengths.
+def _is_hybrid(t) -> bool:
+    """Qwen3.5's decoder: its text config carries the Gated DeltaNet sizes (``linear_*``)."""
+    return getattr(t, "linear_num_value_heads", None) is not None
 
-    ``text_config``: ``Qwen2_5_VLConfig.text_config`` (or any config with hidden_size,
-    num_hidden_layers, num_attention_heads, num_key_value_heads, intermediate_size, vocab_size and
-    optionally head_dim). ``vocab_size`` overrides the LM-head width (e.g. megatron's padded vocab).
-    Per layer and sequence of length S: Q/O ``2*2*S*h*(heads*hd)``, K/V ``2*2*S*h*(kv*hd)``, attention
-    ``2*2*S*S*heads*hd`` (full square), gated MLP ``3*2*S*h*ffn``; plus the LM head ``2*S*h*vocab``.
+
+def _layer_types(t) -> list[str]:
+    """Each layer's token mixer; a plain decoder is all full attention (its ``layer_types``, where it has
+    one, name sliding windows, which change no matmul count here)."""
+    layers = t.num_hidden_layers
+    if not _is_hybrid(t):
+        return [FULL_ATTENTION] * layers
+    types = list(t.layer_types)
+    if len(types) != layers or set(types) - {FULL_ATTENTION, LINEAR_ATTENTION}:
+        raise ValueError(f"text_config.layer_types {types} must name {layers} layers, each "
+                         f"{FULL_ATTENTION!r} or {LINEAR_ATTENTION!r}")
+    return types
+
+
+def _gdn_dims(t) -> tuple[int, int, int, int, int]:
+    """``(key heads, value heads, key head dim, value head dim, conv kernel)`` of a Gated DeltaNet layer."""
+    return (t.linear_num_key_heads, t.linear_num_value_heads, t.linear_key_head_dim, t.linear_value_head_dim,
+            t.linear_conv_kernel_dim)
+
+
+def _layer_matmul_params(t, layer_type: str) -> int:
+    """Weights of one decoder layer that take part in a matmul per token (biases aside)."""
+    h, _, heads, kv, hd, ffn, _ = _text_dims(t)
+    mlp = 3 * h * ffn
+    if layer_type == LINEAR_ATTENTION:
+        nk, nv, dk, dv, kernel = _gdn_dims(t)
+        qkv = 2 * nk * dk + nv * dv
+        # in_proj_qkv, in_proj_z, in_proj_b, in_proj_a; the depthwise conv over the qkv channels; out_proj
+        return h * (qkv + nv * dv + 2 * nv) + qkv * kernel + nv * dv * h + mlp
+    q_rows = heads * hd * (2 if _is_hybrid(t) else 1)  # Qwen3.5's q_proj also emits a per-head output gate
+    return h * (q_rows + 2 * kv * hd) + heads * hd * h + mlp
+
+
+def gdn_mixing_flops_per_head_token(text_config, chunk: int = GDN_CHUNK) -> int:
+    """Matmul FLOPs of the chunked gated delta rule per value head and (chunk-padded) token.
+
+    transformers' ``torch_chunk_gated_delta_rule`` (q and k repeated to the value heads) does per head and
+    chunk of C tokens: ``k_beta @ k^T`` and ``q @ k^T`` (``2*2*C*C*dk``); two unit-lower-triangular solves of
+    the C x C system, right sides ``v_beta`` [C, dv] and the decayed ``k_beta`` [C, dk] (forward
+    substitution: ``C*(C-1)*(dv+dk)``); and in the scan over chunks ``k_cumdecay @ S`` and ``q @ S`` against
+    the [dk, dv] state (``2*2*C*dk*dv``), the intra-chunk ``attn @ v_new`` (``2*C*C*dv``) and the state update
+    ``k^T @ v_new`` (``2*C*dk*dv``). Per token: ``4*C*dk + 2*C*dv + (C-1)*(dk+dv) + 6*dk*dv``.
     """
-    h, layers, heads, kv, hd, ffn, vocab = _text_dims(text_config)
-    vocab = vocab if vocab_size is None else vocab_size
+    _, _, dk, dv, _ = _gdn_dims(text_config)
+    c = chunk
+    return 4 * c * dk + 2 * c * dv + (c - 1) * (dk + dv) + 6 * dk * dv
+
+
+def sequence_mixing_flops(text_config, seq_lengths: Iterable[int]) -> float:
+    """The FLOPs that are not a weight times a token: full attention's ``Q K^T`` and ``softmax(.) V`` on the
+    full-attention layers (``2*2*S^2*heads*hd`` per sequence, the full square) and, on Gated DeltaNet layers,
+    the chunked delta rule (``heads_v * ceil(S/64)*64 * gdn_mixing_flops_per_head_token``: each sequence
+    is padded to whole chunks, as the chunked kernels compute it)."""
+    _, _, heads, _, hd, _, _ = _text_dims(text_config)
+    lengths = _lengths(seq_lengths)
+    types = _layer_types(text_config)
+    full, linear = types.count(FULL_ATTENTION), types.count(LINEAR_ATTENTION)
+    out = full * 2 * 2 * heads * hd * sum(s * s for s in lengths)
+    if linear:
+        nv = _gdn_dims(text_config)[1]
+        padded = sum(-(-s // GDN_CHUNK) * GDN_CHUNK for s in lengths)
+        out += linear * nv * padded * gdn_mixing_flops_per_head_token(text_config)
+    return float(out)
+
+
+def _lengths(seq_lengths: Iterable[int]) -> list[int]:
     lengths = [int(s) for s in seq_lengths]
     if any(s < 0 for s in lengths):
         raise ValueError(f"sequence lengths must be >= 0, got {lengths}")
-    tokens = sum(lengths)
-    sq = sum(s * s for s in lengths)
-    q_dim, kv_dim = heads * hd, kv * hd
-    per_token_layer = 2 * h * (2 * q_dim + 2 * kv_dim) + 2 * 3 * h * ffn
-    per_sq_layer = 2 * 2 * q_dim
-    return float(layers * (tokens * per_token_layer + sq * per_sq_layer) + tokens * 2 * h * vocab)
+    return lengths
+
+
+def language_forward_flops(text_config, seq_lengths: Iterable[int], *, vocab_size: int | None = None) -> float:
+    """Forward matmul FLOPs of the decoder over sequences of the given (computed) lengths.
+
+    ``text_config``: a Qwen-VL ``text_config`` (hidden_size, num_hidden_layers, num_attention_heads,
+    num_key_value_heads, intermediate_size, vocab_size, optionally head_dim; Qwen3.5's also the
+    ``linear_*`` Gated DeltaNet sizes and ``layer_types``). ``vocab_size`` overrides the LM-head width
+    (e.g. megatron's padded vocab). ``2 * tokens * language_matmul_params`` (every weight once per
+    token: per full-attention layer Q (Qwen3.5: Q and its gate, ``2*heads*hd`` rows), K, V, O; per
+    Gated DeltaNet layer in_proj_qkv/z/b/a ``h*(2*nk*dk + 2*nv*dv + 2*nv)``, the depthwise conv
+    ``(2*nk*dk + nv*dv)*kernel`` and out_proj ``nv*dv*h``; the gated MLP ``3*h*ffn``; the LM head
+    ``h*vocab``) plus :func:`sequence_mixing_flops` (attention's square, the delta rule's chunks).
+    """
+    tokens = sum(_lengths(seq_lengths))
+    return float(2 * tokens * language_matmul_params(text_config, vocab_size=vocab_size)
+                 + sequence_mixing_flops(text_config, seq_lengths))
 
 
 def language_matmul_params(text_config, *, vocab_size: int | None = None) -> int:
-    """Weights that take part in a matmul per token: all decoder linears plus the LM head
+    """Weights that take part in a matmul per token: all decoder linears (and Qwen3.5's depthwise conv
+    over the Gated DeltaNet qkv channels, ``2 * weights`` FLOPs per token like a linear) plus the LM head
     (counted even when tied to the embedding, because the head matmul runs either way); the embedding
     lookup and norms are excluded."""
-    h, layers, heads, kv, hd, ffn, vocab = _text_dims(text_config)
+    h, _, _, _, _, _, vocab = _text_dims(text_config)
     vocab = vocab if vocab_size is None else vocab_size
-    per_layer = h * (2 * heads * hd + 2 * kv * hd) + 3 * h * ffn
-    return layers * per_layer + h * vocab
+    return sum(_layer_matmul_params(text_config, kind) for kind in _layer_types(text_config)) + h * vocab
 
 
 def dense_flops_per_token(config, *, vocab_size: int | None = None) -> float:
     """The classic ``6 * N`` training FLOPs per language token (N = ``language_matmul_params``).
 
-    It leaves out attention's ``S^2`` term and the vision tower, so it is below ``training_flops``
-    per token; the gap grows with sequence length and image count. For comparison only.
+    It leaves out :func:`sequence_mixing_flops` (attention's ``S^2`` term, the delta rule's chunk work)
+    and the vision tower, so it is below ``training_flops`` per token; the gap grows with sequence
+    length and image count. For comparison only.
     """
     text = getattr(config, "text_config", config)
     return TRAIN_FACTOR * 2.0 * language_matmul_params(text, vocab_size=vocab_size)
@@ -254,6 +338,7 @@ def mfu(achieved_tflops_per_gpu: float | None, peak: float | None) -> float | No
     return achieved_tflops_per_gpu / peak
 
 
-__all__ = ["PEAK_TFLOPS", "TRAIN_FACTOR", "StepFlops", "achieved_tflops_per_gpu", "dense_flops_per_token",
-           "forward_flops", "language_forward_flops", "language_matmul_params", "mfu", "peak_tflops_for",
-           "training_flops", "vision_attention_pairs", "vision_forward_flops"]
+__all__ = ["GDN_CHUNK", "PEAK_TFLOPS", "TRAIN_FACTOR", "StepFlops", "achieved_tflops_per_gpu", "dense_flops_per_token",
+           "forward_flops", "gdn_mixing_flops_per_head_token", "language_forward_flops", "language_matmul_params",
+           "mfu", "peak_tflops_for", "sequence_mixing_flops", "training_flops", "vision_attention_pairs",
+           "vision_forward_flops"]
