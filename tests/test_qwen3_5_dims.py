@@ -172,7 +172,8 @@ def test_layer_types_from_the_interval_match_transformers():
 
 def test_lora_counts_follow_the_layer_types():
     """Adapters (rank r, tp 1) from the model's linears: the MLP targets on every layer; linear_qkv (q with
-    its gate rows, k, v fused) and linear_proj on the attention layers only, which the GDN layers lack."""
+    its gate rows, k, v fused) and linear_proj on the attention layers, and on the GDN layers the fused
+    in_proj (in_proj_qkv, z, b, a) and out_proj, which the same two targets adapt there."""
     config = tiny(**TINY["mixed"])
     d = TextDims.from_config(config.to_dict())
     _, language = _split(_meta_params(config))
@@ -193,5 +194,10 @@ def test_lora_counts_follow_the_layer_types():
             attn = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
             expected += r * cols(i, "self_attn.q_proj") + rows(i, *attn) * r
             expected += r * cols(i, "self_attn.o_proj") + rows(i, "self_attn.o_proj") * r
+        else:
+            gdn = ("linear_attn.in_proj_qkv", "linear_attn.in_proj_z", "linear_attn.in_proj_b", "linear_attn.in_proj_a")
+            expected += r * cols(i, gdn[0]) + rows(i, *gdn) * r
+            expected += r * cols(i, "linear_attn.out_proj") + rows(i, "linear_attn.out_proj") * r
     assert language_stage_lora_params(d, lora, tp=1, pp=1, stage=0) == expected
-    assert language_lora_params(d, lora, 1) > language_lora_params(d, lora, 1, LINEAR_ATTENTION) > 0
+    mlp_only = LoraSpec(r, 8.0, 0.0, ("linear_fc1", "linear_fc2"))
+    assert language_lora_params(d, lora, 1, LINEAR_ATTENTION) > language_lora_params(d, mlp_only, 1, LINEAR_ATTENTION) > 0

@@ -6,8 +6,11 @@ starts, and the model side (``model.lora``) and export read the same names. What
 ==============  ==============================================================  ============
 name            layers                                                          base frozen
 ==============  ==============================================================  ============
-``linear_qkv``  language attention q/k/v (megatron's fused, column-parallel)    language
-``linear_proj`` language attention output (row-parallel)                        language
+``linear_qkv``  each token mixer's fused input projection (column-parallel):     language
+                attention q/k/v (``linear_qkv``); on a Gated DeltaNet layer
+                (Qwen3.5) its ``in_proj``: q/k/v, output gate z, beta, alpha
+``linear_proj`` each token mixer's output projection (row-parallel): attention  language
+                ``linear_proj``; a Gated DeltaNet's ``out_proj``
 ``linear_fc1``  language MLP gate+up (fused, column-parallel)                   language
 ``linear_fc2``  language MLP down (row-parallel)                                language
 ``vision_attn`` vision tower ``blocks.N.attn.qkv`` / ``attn.proj``              vision tower
@@ -19,6 +22,13 @@ name            layers                                                          
 ==============  ==============================================================  ============
 
 Which linears a vision target names is the family's (its encoder class's ``LORA_LAYERS``).
+
+Why the two mixer targets cover the Gated DeltaNet too, not names of their own: a hybrid decoder's
+layer has attention or a GDN in the same place, with one fused input and one output projection
+either way, so the default (the four language targets) adapts every linear of every layer on every
+family, as it always has; the default, meta.json's recorded targets and the resume check stay what
+they were for the attention-only families. The price: attention and GDN layers cannot be chosen
+apart (the same targets apply to both kinds).
 
 With LoRA on, the language model's base weights are always frozen (adapters are the point); the
 vision tower's and the projector's follow ``--freeze-vision`` / ``--freeze-projector`` unless one of

@@ -224,14 +224,14 @@ def language_params(d: TextDims) -> int:
 
 def language_lora_params(d: TextDims, lora: LoraSpec, tp: int, layer_type: str = FULL_ATTENTION) -> int:
     """Adapters of one layer of ``layer_type`` on one tp rank (``model.lora``: column-parallel A whole and
-    B split; row-parallel A split and B whole). A target adapts the layers that have its linear: the MLP
-    targets every layer, ``linear_qkv`` / ``linear_proj`` the attention layers; a Gated DeltaNet layer's
-    linears are megatron's ``in_proj`` (column) and ``out_proj`` (row), counted under those names."""
+    B split; row-parallel A split and B whole). The MLP targets adapt every layer; the mixer targets
+    ``linear_qkv`` / ``linear_proj`` adapt an attention layer's fused q(+gate)/k/v and output projection,
+    and a Gated DeltaNet layer's ``in_proj`` (column) and ``out_proj`` (row) (``config.lora``)."""
     r, h = lora.rank, d.hidden
     per = {"linear_fc1": r * h + 2 * d.ffn // tp * r,
            "linear_fc2": r * (d.ffn // tp) + h * r}
     if layer_type == LINEAR_ATTENTION:
-        per.update(in_proj=r * h + d.gdn.in_proj_rows(tp) * r, out_proj=r * (d.gdn.v // tp) + h * r)
+        per.update(linear_qkv=r * h + d.gdn.in_proj_rows(tp) * r, linear_proj=r * (d.gdn.v // tp) + h * r)
     else:
         per.update(linear_qkv=r * h + d.qkv_width // tp * r, linear_proj=r * (d.heads * d.head_dim // tp) + h * r)
     return sum(per.get(t, 0) for t in lora.language)

@@ -8,11 +8,12 @@ folds the adapters into the weights and restores the original class.
 
 Tensor parallelism (megatron's local ``ColumnParallelLinear`` / ``RowParallelLinear``):
 
-* column-parallel (``linear_qkv``, ``linear_fc1``; output sharded): A whole and replicated, B holds
+* column-parallel (``linear_qkv`` or a Gated DeltaNet's ``in_proj``, ``linear_fc1``; output
+  sharded): A whole and replicated, B holds
   this rank's output rows. ``A x`` goes through megatron's copy-to-TP region, whose backward
   all-reduces ``dL/d(Ax)`` over TP: every rank then has the full gradient of A (identical on all
   TP ranks) and the full input gradient of the adapter path.
-* row-parallel (``linear_proj``, ``linear_fc2``; input sharded): A holds this rank's input
+* row-parallel (``linear_proj`` or a GDN's ``out_proj``, ``linear_fc2``; input sharded): A holds this rank's input
   columns, its partial product is all-reduced over TP (reduce-from-TP region, identity backward),
   B whole and replicated; ``dL/dB`` is the same on every rank because the output is.
 * with ``--sequence-parallel`` the column layer's input and the row layer's output hold 1/tp of the
@@ -23,8 +24,11 @@ Tensor parallelism (megatron's local ``ColumnParallelLinear`` / ``RowParallelLin
 
 Replicated adapters are marked ``tensor_model_parallel=False`` and sharded ones ``True`` with their
 partition dim, so megatron's grad-norm (``param_is_not_tensor_parallel_duplicate``) counts each
-replicated tensor once (tp rank 0) and checkpoints shard B (column; fc1's B split into gate and up
-like its weight) and A (row) over TP: any TP reads any other's adapters.
+replicated tensor once (tp rank 0) and checkpoints shard B (column) and A (row) over TP, B's rows
+stored as the weight's are: fc1's split into gate and up (megatron's swiglu factory), a GDN
+``in_proj``'s into its named q/k/v/z/beta/alpha sections (rank r holds ``[q_r; k_r; v_r; z_r;
+b_r; a_r]``, not a contiguous slice of the whole; megatron's ``<linear>_split_sections``), so
+any TP reads any other's adapters.
 
 Initialisation is layout-free: A is drawn whole from a generator seeded by ``(seed, layer name with
 its global layer number)`` and sliced (row-parallel), PEFT's Kaiming-uniform bound 1/sqrt(in); B = 0.
@@ -44,11 +48,13 @@ import torch.nn.functional as F
 from mimo_sft.config.lora import LANGUAGE_TARGETS, LoraSpec
 from mimo_sft.parallel.layout import IMAGES
 
-#: language target -> (attribute path inside a TransformerLayer, column- or row-parallel)
-LANGUAGE_LAYERS = {"linear_qkv": ("self_attention.linear_qkv", "column"),
-                   "linear_proj": ("self_attention.linear_proj", "row"),
-                   "linear_fc1": ("mlp.linear_fc1", "column"),
-                   "linear_fc2": ("mlp.linear_fc2", "row")}
+#: language target -> the linears it may adapt, each (attribute path inside a TransformerLayer, column- or
+#: row-parallel); a layer has exactly one of them: its token mixer is attention or, in a hybrid decoder
+#: (Qwen3.5), megatron's ``GatedDeltaNet`` (``config.lora``: why the mixer targets cover both)
+LANGUAGE_LAYERS = {"linear_qkv": (("self_attention.linear_qkv", "column"), ("self_attention.in_proj", "column")),
+                   "linear_proj": (("self_attention.linear_proj", "row"), ("self_attention.out_proj", "row")),
+                   "linear_fc1": (("mlp.linear_fc1", "column"),),
+                   "linear_fc2": (("mlp.linear_fc2", "row"),)}
 #: the vision targets; which encoder linears each adapts is the family's: its encoder class's
 #: ``LORA_LAYERS`` (target -> regex full-matching the module names) and ``is_projector`` (name rule)
 VISION_TARGETS = ("vision_attn", "vision_mlp", "merger")
@@ -59,13 +65,15 @@ class _LoraMixin:
 
     lora_kind: str
 
-    def _lora_setup(self, spec: LoraSpec, a: torch.Tensor, b: torch.Tensor, *, tp_group=None, swiglu: bool = False):
+    def _lora_setup(self, spec: LoraSpec, a: torch.Tensor, b: torch.Tensor, *, tp_group=None, swiglu: bool = False,
+                    b_split=None):
         self.lora_a = torch.nn.Parameter(a)
         self.lora_b = torch.nn.Parameter(b)
         self.lora_scaling = spec.scaling
         self.lora_dropout = spec.dropout
         self.lora_tp_group = tp_group
         self.lora_swiglu = swiglu  # fc1's B is [gate rows; up rows] per rank, checkpointed like its weight
+        self.lora_b_split = b_split  # (rows per section on this rank, section names): B checkpointed by section
         if self.lora_kind != "plain":
             from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
@@ -121,6 +129,11 @@ class _LoraMixin:
         extra = make_sharded_tensors_for_checkpoint({"lora_a": self.lora_a, "lora_b": self.lora_b}, prefix, axis,
                                                     sharded_offsets, tp_group=self.tp_group,
                                                     dp_cp_group=metadata["dp_cp_group"])
+        if self.lora_b_split:  # the weight's named row sections (a GDN in_proj): one stored tensor each
+            from megatron.core.ssm.utils import _split_tensor_factory
+
+            sections, names = self.lora_b_split
+            extra[prefix + "lora_b"] = _split_tensor_factory(extra[prefix + "lora_b"], list(sections), list(names), 0)
         if self.lora_swiglu:
             from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
 
@@ -172,7 +185,8 @@ def _full_a(spec: LoraSpec, in_full: int, key: str, seed: int) -> torch.Tensor:
     return (torch.rand(spec.rank, in_full, generator=g, dtype=torch.float64) * 2 - 1) * bound
 
 
-def _adapt(module: torch.nn.Module, kind: str, spec: LoraSpec, key: str, seed: int, *, swiglu: bool = False) -> None:
+def _adapt(module: torch.nn.Module, kind: str, spec: LoraSpec, key: str, seed: int, *, swiglu: bool = False,
+           b_split=None) -> None:
     w = module.weight
     out_local, in_local = w.shape
     tp_group = getattr(module, "tp_group", None) if kind != "plain" else None
@@ -185,7 +199,7 @@ def _adapt(module: torch.nn.Module, kind: str, spec: LoraSpec, key: str, seed: i
     a = a.to(dtype=w.dtype, device=w.device).contiguous()
     b = torch.zeros(out_local, spec.rank, dtype=w.dtype, device=w.device)
     module.__class__ = _lora_class(type(module), kind)
-    module._lora_setup(spec, a, b, tp_group=tp_group, swiglu=swiglu)
+    module._lora_setup(spec, a, b, tp_group=tp_group, swiglu=swiglu, b_split=b_split)
 
 
 def apply_lora(model, spec: LoraSpec, *, seed: int, dp_rank: int = 0) -> int:
@@ -207,15 +221,44 @@ def apply_lora(model, spec: LoraSpec, *, seed: int, dp_rank: int = 0) -> int:
         for layer in lm.decoder.layers:
             g = layer.layer_number - 1  # global layer index: the same key under any PP split
             for target in spec.language:
-                path, kind = LANGUAGE_LAYERS[target]
+                path, kind = layer_linear(layer, target)
                 _adapt(layer.get_submodule(path), kind, spec, f"language.layers.{g}.{path}", seed,
-                       swiglu=gated and target == "linear_fc1")
+                       swiglu=gated and target == "linear_fc1", b_split=_row_sections(layer, path))
                 count += 1
     vision = [t for t in spec.targets if t in VISION_TARGETS]
     if vision and IMAGES in model.modality_submodules and model.modality_submodules[IMAGES] is not None:
         for enc in model.modality_submodules[IMAGES].encoders.values():
             count += _adapt_vision(enc, vision, spec, seed)
     return count
+
+
+def _has_submodule(module: torch.nn.Module, path: str) -> bool:
+    try:
+        module.get_submodule(path)
+    except AttributeError:
+        return False
+    return True
+
+
+def layer_linear(layer, target: str) -> tuple[str, str]:
+    """(path, 'column' or 'row') of the linear language ``target`` adapts in decoder ``layer``: the one of
+    its ``LANGUAGE_LAYERS`` entries the layer has (an AssertionError if it has none or several: a layer
+    kind this module does not know)."""
+    found = [(path, kind) for path, kind in LANGUAGE_LAYERS[target] if _has_submodule(layer, path)]
+    assert len(found) == 1, (f"LoRA target {target}: decoder layer {layer.layer_number} "
+                             f"({type(layer.self_attention).__name__}) has {len(found)} of "
+                             f"{[p for p, _ in LANGUAGE_LAYERS[target]]}")
+    return found[0]
+
+
+def _row_sections(layer, path: str):
+    """(rows per section on this rank, names) when the linear's owner checkpoints its weight in named row
+    sections (megatron's ``<linear>_split_sections`` / ``_split_names``: a GatedDeltaNet's ``in_proj``), else
+    None; B's rows follow the weight's."""
+    owner_path, _, leaf = path.rpartition(".")
+    owner = layer.get_submodule(owner_path) if owner_path else layer
+    sections, names = (getattr(owner, f"{leaf}_split_sections", None), getattr(owner, f"{leaf}_split_names", None))
+    return (tuple(sections), tuple(names)) if sections is not None and names is not None else None
 
 
 def _adapt_vision(enc, vision: list, spec: LoraSpec, seed: int) -> int:
@@ -258,7 +301,7 @@ def merge_lora(model) -> int:
         with torch.no_grad():
             module.weight.copy_(module.merged_weight())
         del module.lora_a, module.lora_b
-        for attr in ("lora_scaling", "lora_dropout", "lora_tp_group", "lora_swiglu"):
+        for attr in ("lora_scaling", "lora_dropout", "lora_tp_group", "lora_swiglu", "lora_b_split"):
             module.__dict__.pop(attr, None)
         module.__class__ = module._lora_base
         n += 1

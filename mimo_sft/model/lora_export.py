@@ -9,12 +9,16 @@
   applied as the checkpoint's settings say, only the checkpoint's tensors (adapters, trained base
   weights) read into it by the caller's reader (``mimo_sft.train.export`` joins this with
   ``train.checkpoint``; model/ never imports train/), then ``adapter_config.json`` + ``adapter_model.safetensors`` in PEFT's format for
-  the family's transformers model (``Qwen2_5_VLForConditionalGeneration``, ``Qwen3VLForConditionalGeneration``). megatron fuses layers that HF keeps apart, and one fused
-  LoRA is exactly several PEFT LoRAs that share A: ``linear_qkv`` -> ``q_proj``/``k_proj``/``v_proj``
-  (B's rows split per query group as the weight's are, ``decoder_weights.split_qkv``),
-  ``linear_fc1`` -> ``gate_proj``/``up_proj`` (B = [gate; up]), ``linear_proj`` -> ``o_proj``,
-  ``linear_fc2`` -> ``down_proj``; vision layers keep their HF names. ``target_modules`` is a regex
-  naming exactly the adapted modules (the vision MLP reuses the language MLP's names).
+  the family's transformers model (``Qwen2_5_VLForConditionalGeneration``, ``Qwen3VLForConditionalGeneration``,
+  ``Qwen3_5ForConditionalGeneration``). megatron fuses layers that HF keeps apart, and one fused
+  LoRA is exactly several PEFT LoRAs that share A, B's rows split as the weight's rows are -- which
+  the family's own weight export says (:func:`hf_layout`), so no layout is written twice: e.g.
+  ``linear_qkv`` -> ``q_proj``/``k_proj``/``v_proj`` (per query group; Qwen3.5's q rows with their
+  output-gate rows re-interleaved per head), a Gated DeltaNet's ``in_proj`` -> ``in_proj_qkv``/
+  ``in_proj_z``/``in_proj_b``/``in_proj_a``, ``linear_fc1`` -> ``gate_proj``/``up_proj``; the
+  row-parallel ones (``linear_proj``, ``out_proj``, ``linear_fc2``) map one to one. Vision layers keep
+  their HF names. ``target_modules`` is a regex naming exactly the adapted modules (the vision MLP
+  reuses the language MLP's names).
   Base weights that also trained (an unfrozen vision tower or projector, the default with LoRA) go
   in as PEFT ``modules_to_save``: the largest vision modules holding trained weights and no adapter
   (the whole tower, or its patch embedding and blocks when the merger has adapters, or the merger),
@@ -32,11 +36,9 @@ import torch
 
 from mimo_sft.config.lora import LoraSpec
 from mimo_sft.errors import UserError
-from mimo_sft.model.decoder_weights import split_qkv
 from mimo_sft.parallel.layout import IMAGES
 
 PEFT_PREFIX = "base_model.model."
-LANGUAGE_PATH = "model.language_model.layers.{i}."
 VISION_PATH = "model.visual."
 
 
@@ -158,12 +160,44 @@ def _trained_base(model) -> list[str]:
     return [n for n, p in model.named_parameters() if p.requires_grad and not n.endswith((".lora_a", ".lora_b"))]
 
 
+#: the state-dict names transformers' own module tree has (``model.language_model.*``, ``model.visual.*``):
+#: PEFT names the modules it wraps by them, whatever names the source checkpoint's files use
+HF_MODULE_STYLE = "nested"
+
+
+def hf_layout(adapter, hf_cfg, layer_state: dict, key: str, kind: str) -> dict[str, torch.Tensor]:
+    """Where the family's own export (``adapter.export``) puts each row (``kind`` 'column') or column
+    ('row') of the TP-1 megatron weight ``key`` of one decoder layer: ``{HF module path: the megatron
+    row (column) numbers, in that module's order}``.
+
+    Why a probe and not a table per family: a fused LoRA's B rows must split exactly as the fused
+    weight's rows do (A's columns, for a row-parallel linear), and the family's export is that layout's
+    one definition, tested against transformers. The layer is exported with every tensor a meta tensor
+    except ``key``, replaced by its row (column) numbers: the HF tensors that come out real are the ones
+    made from ``key``, and their values say which rows went where. ``layer_state``: the layer's tensors
+    (or their meta stand-ins) under their ``GPTModel`` names."""
+    n = layer_state[key].shape[0 if kind == "column" else 1]
+    numbers = torch.arange(n, dtype=torch.float64)
+    probe = numbers[:, None] if kind == "column" else numbers[None, :]
+    part = {k: probe if k == key else torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in layer_state.items()}
+    made = {name: t for name, t in adapter.export(part, {}, hf_cfg, prefix_style=HF_MODULE_STYLE).items()
+            if not t.is_meta}
+    assert made and all(name.endswith(".weight") for name in made), f"{key}: export made {sorted(made)}"
+    assert kind == "column" or len(made) == 1, f"{key}: a row-parallel linear exported as {sorted(made)}"
+    out = {name[: -len(".weight")]: t.reshape(-1).round().long() for name, t in made.items()}
+    every = torch.sort(torch.cat(list(out.values()))).values
+    assert torch.equal(every, torch.arange(n)), f"{key}: export does not place each of its {n} rows once"
+    return out
+
+
 def peft_tensors(model, info) -> tuple[dict, list[str]]:
     """PEFT's ``adapter_model.safetensors`` tensors of a TP-1 LoRA ``MimoModel`` and the HF module
-    paths they adapt."""
-    t = info.hf_config.text_config
-    head_dim = getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads
-    groups, hpg = t.num_key_value_heads, t.num_attention_heads // t.num_key_value_heads
+    paths they adapt. One fused megatron LoRA is several PEFT LoRAs: a column-parallel one's B rows
+    split, A shared; a row-parallel one's A columns taken in HF's order (:func:`hf_layout`)."""
+    from mimo_sft.model.lora import is_lora
+    from mimo_sft.model.registry import get_family
+
+    adapter = get_family({"model_type": info.model_type}, hf_dir=info.hf_dir or "the model folder")
     out: dict[str, torch.Tensor] = {}
     modules: list[str] = []
 
@@ -173,21 +207,20 @@ def peft_tensors(model, info) -> tuple[dict, list[str]]:
         modules.append(path)
 
     lm = model.language_model
-    for i, layer in enumerate(lm.decoder.layers if lm is not None else ()):
-        base = LANGUAGE_PATH.format(i=i)
-        att, mlp = layer.self_attention, layer.mlp
-        if hasattr(att.linear_qkv, "lora_a"):
-            q, k, v = split_qkv(att.linear_qkv.lora_b, groups, head_dim, hpg)
-            for name, b in (("q_proj", q), ("k_proj", k), ("v_proj", v)):
-                put(base + "self_attn." + name, att.linear_qkv.lora_a, b)
-        if hasattr(att.linear_proj, "lora_a"):
-            put(base + "self_attn.o_proj", att.linear_proj.lora_a, att.linear_proj.lora_b)
-        if hasattr(mlp.linear_fc1, "lora_a"):
-            gate, up = torch.chunk(mlp.linear_fc1.lora_b, 2, dim=0)
-            put(base + "mlp.gate_proj", mlp.linear_fc1.lora_a, gate)
-            put(base + "mlp.up_proj", mlp.linear_fc1.lora_a, up)
-        if hasattr(mlp.linear_fc2, "lora_a"):
-            put(base + "mlp.down_proj", mlp.linear_fc2.lora_a, mlp.linear_fc2.lora_b)
+    for layer in lm.decoder.layers if lm is not None else ():
+        prefix = f"decoder.layers.{layer.layer_number - 1}."
+        state = {prefix + k: v for k, v in layer.state_dict().items()
+                 if isinstance(v, torch.Tensor) and not k.endswith(("_extra_state", ".lora_a", ".lora_b"))}
+        for name, module in layer.named_modules():
+            if not is_lora(module):
+                continue
+            a, b = module.lora_a.detach(), module.lora_b.detach()
+            for path, index in hf_layout(adapter, info.hf_config, state, f"{prefix}{name}.weight",
+                                         module.lora_kind).items():
+                if module.lora_kind == "column":
+                    put(path, a, b[index])
+                else:
+                    put(path, a[:, index], b)
     if IMAGES in model.modality_submodules:
         for enc in model.modality_submodules[IMAGES].encoders.values():
             for name, module in enc.named_modules():
