@@ -87,7 +87,7 @@ def test_check_model_command_path(q35_dir):
     from mimo_sft.model.check import check_model
 
     res = check_model(q35_dir)
-    assert res["ok"] and res["family"] == "qwen3_5" and res["num_images"] >= 2, res
+    assert res["ok"] and res["family"] == "qwen3_5" and res["num_images"] >= 2 and res["seq_length"] > 64, res
 
 
 def test_plain_norms_or_swapped_gates_would_fail(models, monkeypatch):

@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 
 from e2e_runs import CORNER, GROUP_QWEN35, SINGLE, assert_same_step, layout_run
-from train_helpers import bridge_corner_data, metrics
+from train_helpers import bridge_corner_data, checkpoint_tensors, metrics
 
 pytestmark = [pytest.mark.e2e, GROUP_QWEN35]
 
@@ -41,7 +41,8 @@ WEIGHTS_TOL = 1e-4
 #: so fp32 summation order alone moves it by up to ~5e-4 of its size (transformers' own fp32 model against
 #: itself with the rest in fp64: tests/test_qwen3_5.py, where the fp64 run pins it to 1e-6); measured here
 #: 7.5e-5 (dt_bias, tp 2); in_proj's alpha rows (the a projection) follow it (3e-5)
-DECAY = {"self_attention.A_log": 1e-3, "self_attention.dt_bias": 1e-3, "self_attention.in_proj.weight.alpha": 1e-3}
+DECAY = {"self_attention.A_log": 1e-3, "self_attention.dt_bias": 1e-3, "self_attention.in_proj.weight.alpha": 1e-3,
+         "self_attention.in_proj.lora_b.alpha": 1e-3}
 
 
 @functools.lru_cache(maxsize=None)
@@ -93,3 +94,54 @@ def test_colocated_fan_in_sequence_parallel_selective_recompute(reference):
               ["--scalable-dp", "--sequence-parallel", "--recompute-granularity", "selective",
                "--recompute-modules", "core_attn,mlp"])
     assert_same_step(reference, got, weights_tol=WEIGHTS_TOL, loose=DECAY)
+
+
+def test_lora_non_colocated_tp2_sp_equals_one_process():
+    """LoRA with the default targets (q/k/v and output projections of both layer kinds -- the GDN's
+    in_proj and out_proj -- and the MLP), language tp 2 with SP on its own ranks."""
+    ref = run("q35_ref_lora", 1, SINGLE, LORA)
+    got = run("q35_lora_tp2", 3, ["language=tp=2,dp=1", "images=dp=1,rank_offset=2"],
+              ["--scalable-dp", "--sequence-parallel", *LORA])
+    assert_same_step(ref, got, weights_tol=WEIGHTS_TOL, loose=DECAY)
+    grads = checkpoint_tensors(f"{got}/grads/iter_0000001")
+    assert any("self_attention.in_proj.lora_b" in k for k in grads) and any("out_proj.lora_a" in k for k in grads)
+
+
+#: a two-step run with the plain optimizer, saved after each step (any layout may resume it)
+TWO_STEPS = ["--seq-length", "192", "--micro-batch-size", "4", "--global-batch-size", "8", "--lr", "1e-3",
+             "--lr-warmup-iters", "0", "--lr-decay-style", "constant", "--no-tensorboard", "--dataloader-type",
+             "cyclic", "--seed", "7", "--train-iters", "2", "--save-interval", "1", "--no-use-distributed-optimizer"]
+
+
+def test_checkpoint_resumes_on_tp2_and_exports_to_transformers():
+    """The GDN's in_proj is checkpointed in its q/k/v/z/beta/alpha sections (megatron's split factory),
+    so a 1-rank checkpoint resumes at tp 2 (step 2 as the continuous run's) and exports streamed to an
+    HF folder equal to the in-memory export of the checkpoint's model, which transformers loads and
+    check-model passes."""
+    import torch
+    from safetensors.torch import load_file
+
+    from e2e_runs import assert_continues, finetune
+    from mimo_sft.model.builder import build_single_process_model
+    from mimo_sft.model.check import check_model
+    from mimo_sft.model.export import export_model
+    from mimo_sft.train.checkpoint.save import load_model_weights
+    from train_helpers import new_dir, python_m
+
+    cont = finetune("q35_cont", 1, TWO_STEPS, components=SINGLE, model=tiny_qwen3_5()).out
+    resumed = finetune("q35_tp2_resumed", 2, [*TWO_STEPS, "--load-checkpoint", cont + "/checkpoints/iter_0000001"],
+                       components=["language=tp=2,dp=1", "images=tp=2,dp=1"], model=tiny_qwen3_5()).out
+    assert_continues(cont, resumed, [2])
+    streamed, in_memory = new_dir("q35_export"), new_dir("q35_export_ref")
+    proc = python_m(["export", "--checkpoint", cont + "/checkpoints", "--out", streamed])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    model, _ = build_single_process_model(tiny_qwen3_5())
+    load_model_weights(model, cont + "/checkpoints/iter_0000002")
+    export_model(model, tiny_qwen3_5(), in_memory)
+    x, y = load_file(streamed + "/model.safetensors"), load_file(in_memory + "/model.safetensors")
+    assert set(x) == set(y) and all(torch.equal(x[k], y[k]) for k in x)
+    src = load_file(tiny_qwen3_5() + "/model.safetensors")
+    assert not torch.equal(x["model.language_model.layers.0.linear_attn.in_proj_qkv.weight"],
+                           src["model.language_model.layers.0.linear_attn.in_proj_qkv.weight"])
+    res = check_model(streamed)
+    assert res["ok"], res

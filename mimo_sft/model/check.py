@@ -3,7 +3,8 @@
 Both sides load the same folder (transformers: ``AutoModelForImageTextToText``, eager attention, fp32;
 ours: ``build_single_process_model`` with the SDPA attention core training uses, fp32) on this process's device -- one after the other, so only
 one copy of the model is ever resident -- and run one random batch built from config.json alone
-(no processor needed): several images of different sizes, one text-only sample, right padding,
+(no processor needed): several images of different sizes, one text-only sample, right padding, rows
+past 64 tokens (one chunk of a Gated DeltaNet's delta rule: the state is carried across chunks),
 ``mm_token_type_ids`` for transformers and the same mRoPE positions for megatron. We report the
 largest relative logit difference over real tokens (max|ours - hf| / max|hf|) and the loss
 difference; ``ok`` when both are <= ``tolerance``.
@@ -18,6 +19,8 @@ import torch
 from mimo_sft.model.family import modality_inputs_from_batch
 
 DEFAULT_TOLERANCE = 1e-5
+#: leading text tokens of each random row: with the images, every row runs past one 64-token chunk
+CHECK_TEXT_TOKENS = 70
 
 
 def random_batch(hf_cfg, *, seed: int = 0, images_per_sample=((1, 1),), image_grids=None, text_only: int = 1,
@@ -125,7 +128,7 @@ def check_model(hf_dir: str, *, tolerance: float = DEFAULT_TOLERANCE, seed: int 
     device = runtime.device()
     raw = read_config_json(hf_dir)
     hf_cfg = get_family(raw, hf_dir=hf_dir).load_hf_config(hf_dir, raw)
-    batch = {k: v.to(device) for k, v in random_batch(hf_cfg, seed=seed).items()}
+    batch = {k: v.to(device) for k, v in random_batch(hf_cfg, seed=seed, text_len=CHECK_TEXT_TOKENS).items()}
     # transformers first; keep only its outputs (on the host) before building ours
     hf_model = AutoModelForImageTextToText.from_pretrained(hf_dir, attn_implementation="eager", dtype=torch.float32)
     hf_model.to(device).eval()

@@ -144,6 +144,7 @@ def _evaluate(cfg, layout, as_json: bool) -> int:
     from mimo_sft.data.validation import split_sources, valid_flag
     from mimo_sft.data.sources import load_sft_dataset
     from mimo_sft.parallel.bootstrap import start_world
+    from mimo_sft.train.checkpoint.model import encoder_replica_rank
     from mimo_sft.train.checkpoint.save import load_model_weights
     from mimo_sft.train.checkpoint.files import read_meta, resolve_checkpoint
     from mimo_sft.train.checkpoint.lora import check_lora_compatible
@@ -157,7 +158,7 @@ def _evaluate(cfg, layout, as_json: bool) -> int:
     if ckpt:  # the weights only (as --pretrained-checkpoint loads them); no optimizer is built
         folder = resolve_checkpoint(ckpt)
         check_lora_compatible(read_meta(folder), cfg.model, flag="--checkpoint", path=folder, resume=False)
-        load_model_weights(ctx.model, folder, pretrained=True)
+        load_model_weights(ctx.model, folder, pretrained=True, replicated_encoder_rank=encoder_replica_rank(ctx))
     _train, source = split_sources(cfg.data, seed=cfg.train.seed, global_batch_size=cfg.train.global_batch_size)
     flag = valid_flag(cfg.data) if source is not None else "--dataset-path"
     if source is None:

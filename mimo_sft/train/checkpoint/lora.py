@@ -32,6 +32,25 @@ def trainable_entries(sd: dict) -> dict:
     return {k: v for k, v in sd.items() if _trainable(v)}
 
 
+def stored_under(entry) -> set:
+    """The checkpoint keys a model sharded-state-dict entry is written under: its own key, or a factory's
+    parts' keys -- fc1's swiglu factory keeps its key, a Gated DeltaNet's ``in_proj`` weight and LoRA B
+    are written as ``KEY.query``, ``KEY.key``, ... (megatron's ``_split_tensor_factory``)."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
+
+    if isinstance(entry, ShardedTensorFactory):
+        return {part.key for part in nested_values(entry.build())}
+    key = getattr(entry, "key", None)
+    return {key} if key is not None else set()
+
+
+def is_stored(entry, present: set) -> bool:
+    """Whether a checkpoint whose tensor keys are ``present`` holds the whole of ``entry``."""
+    keys = stored_under(entry)
+    return bool(keys) and keys <= present
+
+
 def lora_load_entries(sd: dict, folder: str, *, pretrained: bool) -> tuple[dict, list[str]]:
     """(entries of ``sd`` the checkpoint in ``folder`` holds, state-dict keys that must be loaded).
 
@@ -42,7 +61,7 @@ def lora_load_entries(sd: dict, folder: str, *, pretrained: bool) -> tuple[dict,
     from megatron.core import dist_checkpointing
 
     present = set(dist_checkpointing.load_tensors_metadata(folder).keys())
-    entries = {k: v for k, v in sd.items() if getattr(v, "key", None) in present}
+    entries = {k: v for k, v in sd.items() if is_stored(v, present)}
     if not pretrained:
         return entries, [k for k, v in sd.items() if _trainable(v)]
     has_adapters = any(key.endswith(_ADAPTER_SUFFIXES) for key in present)

@@ -53,22 +53,30 @@ def model_sharded_state_dict(model, replicated_encoder_rank: int = 0) -> dict:
         sd = bare.sharded_state_dict()
         if has_lora(bare):  # a LoRA checkpoint holds what trains; the base weights stay in --hf-model
             sd = trainable_entries(sd)
-    if replicated_encoder_rank:
-        from megatron.core.dist_checkpointing.mapping import ShardedBase
-
-        def walk(node):
-            if isinstance(node, dict):
-                for v in node.values():
-                    walk(v)
-            elif isinstance(node, (list, tuple)):
-                for v in node:
-                    walk(v)
-            elif isinstance(node, ShardedBase) and node.key.startswith("modality_submodules."):
-                rid = node.replica_id if isinstance(node.replica_id, tuple) else (node.replica_id,)
-                node.replica_id = (replicated_encoder_rank, *rid[1:]) if len(rid) > 1 else (replicated_encoder_rank,)
-
-        walk(sd)
+    mark_encoder_replicas(sd, replicated_encoder_rank)
     return sd
+
+
+def mark_encoder_replicas(sd: dict, replicated_encoder_rank: int) -> None:
+    """Re-mark a replicated encoder's tensors as replicas on every tp rank but 0 (see
+    :func:`model_sharded_state_dict`), in place. A save and a load both need it: megatron's load
+    validates that exactly one rank holds replica 0 of each tensor, as its save does."""
+    if not replicated_encoder_rank:
+        return
+    from megatron.core.dist_checkpointing.mapping import ShardedBase
+
+    def walk(node):
+        if isinstance(node, dict):
+            for v in node.values():
+                walk(v)
+        elif isinstance(node, (list, tuple)):
+            for v in node:
+                walk(v)
+        elif isinstance(node, ShardedBase) and node.key.startswith("modality_submodules."):
+            rid = node.replica_id if isinstance(node.replica_id, tuple) else (node.replica_id,)
+            node.replica_id = (replicated_encoder_rank, *rid[1:]) if len(rid) > 1 else (replicated_encoder_rank,)
+
+    walk(sd)
 
 
 def encoder_replica_rank(ctx) -> int:

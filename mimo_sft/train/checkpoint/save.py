@@ -49,9 +49,9 @@ from mimo_sft.train.checkpoint.files import fsync_file, iter_dir, kill_point, pu
 from mimo_sft.train.checkpoint.optimizer import (OPTIMIZER_DIR, has_optimizer, load_optimizer, optimizer_save_request,
                                                  save_format, saved_format)
 from mimo_sft.train.checkpoint.write import PendingSaves, one_request, part_request, run_now
-from mimo_sft.train.checkpoint.lora import check_lora_compatible, has_lora, lora_load_entries, lora_meta
-from mimo_sft.train.checkpoint.model import (encoder_replica_rank, layout_signature, model_sharded_state_dict,
-                                             unwrapped)
+from mimo_sft.train.checkpoint.lora import check_lora_compatible, has_lora, is_stored, lora_load_entries, lora_meta
+from mimo_sft.train.checkpoint.model import (encoder_replica_rank, layout_signature, mark_encoder_replicas,
+                                             model_sharded_state_dict, unwrapped)
 
 
 def save_checkpoint(root: str, *, step: int, consumed_samples: int, ctx, extra_meta: dict | None = None,
@@ -160,19 +160,21 @@ def _gather_sharded_grads(ctx) -> None:
                 dist.all_gather_into_tensor(bucket.grad_data, local, group=pg)
 
 
-def load_model_weights(model, ckpt: str, *, pretrained: bool = False) -> None:
+def load_model_weights(model, ckpt: str, *, pretrained: bool = False, replicated_encoder_rank: int = 0) -> None:
     """Load weights from a checkpoint's dist-checkpoint into ``model`` (any layout).
 
     A model with LoRA adapters loads every tensor the checkpoint holds (a LoRA checkpoint: its
     adapters and unfrozen weights on top of the base weights the model was built with; a full one:
     base weights) and requires what ``lora.lora_load_entries`` says (``pretrained``:
-    ``--pretrained-checkpoint``).
+    ``--pretrained-checkpoint``). ``replicated_encoder_rank``: ``model.encoder_replica_rank`` of a
+    training rank (a tower replicated over its tp ranks loads as replicas, as it saves).
     """
     from megatron.core import dist_checkpointing
 
     folder = os.path.join(ckpt, "model")
     with unwrapped(model) as bare:
         sd = bare.sharded_state_dict()
+        mark_encoder_replicas(sd, replicated_encoder_rank)
         required = None
         if has_lora(bare):
             sd, required = lora_load_entries(sd, folder, pretrained=pretrained)
@@ -225,7 +227,7 @@ def stored_state_keys(ckpt: str):
         present = set(dist_checkpointing.load_tensors_metadata(folder).keys())
         with unwrapped(model) as bare:
             sharded = bare.sharded_state_dict()
-        return {k for k, v in sharded.items() if getattr(v, "key", None) in present}
+        return {k for k, v in sharded.items() if is_stored(v, present)}
 
     return stored
 
@@ -243,7 +245,7 @@ def restore(cfg, ctx) -> tuple[int, int]:
     if cfg.model.pretrained_checkpoint:
         ckpt = resolve_checkpoint(cfg.model.pretrained_checkpoint)
         check_lora_compatible(read_meta(ckpt), cfg.model, flag="--pretrained-checkpoint", path=ckpt, resume=False)
-        load_model_weights(ctx.model, ckpt, pretrained=True)
+        load_model_weights(ctx.model, ckpt, pretrained=True, replicated_encoder_rank=encoder_replica_rank(ctx))
         ctx.optimizer.reload_model_params()
     return 0, 0
 
@@ -281,7 +283,7 @@ def load_checkpoint(path: str, ctx) -> tuple[int, int]:
     rank_file = os.path.join(ckpt, f"rank_{dist.get_rank():05d}.pt")
     if same_layout and not os.path.isfile(rank_file):
         raise UserError(f"--load-checkpoint {ckpt}: {os.path.basename(rank_file)} is missing; the checkpoint is incomplete")
-    load_model_weights(ctx.model, ckpt)
+    load_model_weights(ctx.model, ckpt, replicated_encoder_rank=encoder_replica_rank(ctx))
     ctx.optimizer.reload_model_params()
     load_optimizer(os.path.join(ckpt, OPTIMIZER_DIR), ctx, sharding=saved_format(meta))
     if same_layout:
