@@ -1,10 +1,12 @@
 #!/usr/bin/env python
 """Forecast vs measured activation bytes at real width, on the CPU: the table in docs/benchmarks.md.
 
-    python scripts/bench_memory.py [--preset qwen2.5-vl-7b] [--tokens 512] [--patches 1024] [--dtype bf16] [--tp 2]
+    python scripts/bench_memory.py [--preset qwen2.5-vl-7b | qwen3.5-27b] [--tokens 512] [--patches 1024] [--dtype bf16] [--tp 2]
 
 For one megatron decoder layer of the preset (built as mimo-sft builds it: our config, spec and SDPA
-core, tp 1) with each recompute setting, its attention and MLP parts alone, one transformers
+core, tp 1; for Qwen3.5's hybrid decoder, one of each kind: Gated DeltaNet, whose fla kernels keep what
+fla keeps (``saved_bytes.fla_saved_tensors``), and gated full attention) with each recompute setting,
+its token mixer and MLP parts alone, one transformers
 vision block of the preset's family (with and without ``--recompute-vision``'s checkpointing, full and windowed
 attention), the patch merger (and Qwen3-VL's DeepStack mergers), megatron's vocab-parallel cross entropy on the preset's vocabulary, and
 the layer on ``--tp`` gloo ranks with and without sequence parallelism (which needs the decoder norm
@@ -23,6 +25,7 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+NAME = 84  # the table's first column
 SETTINGS = {
     "no recompute": None,
     "selective core_attn": {"recompute_granularity": "selective", "recompute_modules": ["core_attn"]},
@@ -33,30 +36,43 @@ SETTINGS = {
 }
 
 
-def language_rows(hf_dir, d, tokens, dtype, b):
-    import torch
+def layer_kinds(d):
+    """``[(layer_type, label)]`` to measure: each kind of a hybrid decoder (Qwen3.5), else the one kind."""
+    from mimo_sft.memory.dims import FULL_ATTENTION, LINEAR_ATTENTION
 
+    if not d.layer_types:
+        return [(FULL_ATTENTION, "")]
+    names = {LINEAR_ATTENTION: " (GDN)", FULL_ATTENTION: " (full attention)"}
+    return [(kind, names[kind]) for kind in (LINEAR_ATTENTION, FULL_ATTENTION) if kind in d.layer_types]
+
+
+def _forecast(d, rc, *, tp, sp, b, layer_type):
     from mimo_sft.memory import activations as act
+
+    if rc and rc["recompute_granularity"] == "full":
+        return act.language_layer_input(d, tp=tp, sp=sp, b=b)
+    mods = rc["recompute_modules"] if rc else ()
+    return sum(act.language_layer_terms(d, tp=tp, sp=sp, b=b, recompute_modules=mods, layer_type=layer_type).values())
+
+
+def language_rows(hf_dir, d, tokens, dtype, b):
     from mimo_sft.testing import saved_bytes as sb
 
     rows = []
-    for name, rc in SETTINGS.items():
-        block, cfg = sb.language_layer(hf_dir, dtype=dtype, recompute=rc)
-        measured = sb.language_layer_saved(block, cfg, tokens, dtype=dtype)
-        if rc and rc["recompute_granularity"] == "full":
-            forecast = act.language_layer_input(d, tp=1, sp=False, b=b)
-        else:
-            mods = rc["recompute_modules"] if rc else ()
-            forecast = sum(act.language_layer_terms(d, tp=1, sp=False, b=b, recompute_modules=mods).values())
-        rows.append((f"decoder layer, {name}", "token", forecast, measured / tokens))
-        if rc is None:
-            rows += _layer_parts(block, cfg, d, tokens, dtype, b)
-        del block
+    for kind, label in layer_kinds(d):
+        for name, rc in SETTINGS.items():
+            block, cfg = sb.language_layer(hf_dir, dtype=dtype, recompute=rc, layer_type=kind)
+            measured = sb.language_layer_saved(block, cfg, tokens, dtype=dtype)
+            forecast = _forecast(d, rc, tp=1, sp=False, b=b, layer_type=kind)
+            rows.append((f"decoder layer{label}, {name}", "token", forecast, measured / tokens))
+            if rc is None:
+                rows += _layer_parts(block, cfg, d, tokens, dtype, b, kind)
+            del block
     return rows
 
 
-def _layer_parts(block, cfg, d, tokens, dtype, b):
-    """The attention and MLP halves of the layer alone, against their terms."""
+def _layer_parts(block, cfg, d, tokens, dtype, b, kind):
+    """The token mixer (attention or GDN) and MLP halves of the layer alone, against their terms."""
     import torch
 
     from megatron.core.models.common.embeddings.rotary_pos_embedding import MultimodalRotaryEmbedding
@@ -65,17 +81,19 @@ def _layer_parts(block, cfg, d, tokens, dtype, b):
     from mimo_sft.testing import saved_bytes as sb
 
     layer = block.layers[0]
-    terms = act.language_layer_terms(d, tp=1, sp=False, b=b)
-    rope = MultimodalRotaryEmbedding(kv_channels=cfg.kv_channels, rotary_percent=1.0)
+    terms = act.language_layer_terms(d, tp=1, sp=False, b=b, layer_type=kind)
+    rope = MultimodalRotaryEmbedding(kv_channels=cfg.kv_channels, rotary_percent=block.rotary_percent)
     emb = rope(torch.arange(tokens).view(1, 1, tokens).expand(3, 1, tokens), cfg.mrope_section)
     x = torch.randn(tokens, 1, d.hidden, dtype=dtype, requires_grad=True)
     params = list(layer.parameters())
-    with sb.flash_sdpa():
-        attn, _ = sb.saved_bytes(lambda t: layer.self_attention(t, None, rotary_pos_emb=emb), x, exclude=params + [emb])
+    with sb.flash_sdpa(), sb.fla_saved_tensors(layer):
+        mixer, _ = sb.saved_bytes(lambda t: layer.self_attention(t, None, rotary_pos_emb=emb), x, exclude=params + [emb])
         mlp, _ = sb.saved_bytes(layer.mlp, x, exclude=params)
     half = terms["linear inputs"] / 2
-    return [("  attention part (qkv + rotary + attention + its input)", "token",
-             half + terms["qkv"] + terms["rotary"] + terms["attention"] + terms.get("qk norm", 0), attn / tokens),
+    mixer_terms = [t for t in terms if t not in ("norms", "linear inputs", "mlp")]
+    label = " + ".join(mixer_terms) if len(mixer_terms) <= 4 else "its terms"
+    return [(f"  token mixer part ({label} + its input)", "token",
+             half + sum(terms[t] for t in mixer_terms), mixer / tokens),
             ("  MLP part (mlp + its input)", "token", half + terms["mlp"], mlp / tokens)]
 
 
@@ -132,7 +150,6 @@ def _tp_worker(rank, tp, port, hf_dir, tokens, dtype_name, queue):
     import torch
 
     from mimo_sft.config.checks.context import read_hf_config
-    from mimo_sft.memory import activations as act
     from mimo_sft.memory.dims import TextDims
     from mimo_sft.parallel import runtime
     from mimo_sft.parallel.bootstrap import start_world
@@ -148,21 +165,20 @@ def _tp_worker(rank, tp, port, hf_dir, tokens, dtype_name, queue):
     b = 2 if dtype == torch.bfloat16 else 4
     d = TextDims.from_config(read_hf_config(hf_dir))
     rows = []
-    for sp in (False, True):
-        for name, rc in (("no recompute", None), ("full", SETTINGS["full (uniform, 1 layer)"])):
-            try:
-                block, cfg = sb.language_layer(hf_dir, dtype=dtype, recompute=rc, pstate=pstate,
-                                               extra={"sequence_parallel": sp})
-            except AssertionError as err:  # megatron's WrappedTorchNorm refuses sequence parallelism
-                rows.append((f"decoder layer tp {tp}{', SP' if sp else ''}, {name}: not built ({err})", "token", 0, 0))
-                continue
-            measured = sb.language_layer_saved(block, cfg, tokens, dtype=dtype)
-            if rc:
-                forecast = act.language_layer_input(d, tp=tp, sp=sp, b=b)
-            else:
-                forecast = sum(act.language_layer_terms(d, tp=tp, sp=sp, b=b).values())
-            rows.append((f"decoder layer tp {tp}{', sequence parallel' if sp else ''}, {name} (per rank)", "token",
-                         forecast, measured / tokens))
+    for kind, label in layer_kinds(d):
+        for sp in (False, True):
+            for name, rc in (("no recompute", None), ("full", SETTINGS["full (uniform, 1 layer)"])):
+                try:
+                    block, cfg = sb.language_layer(hf_dir, dtype=dtype, recompute=rc, pstate=pstate,
+                                                   extra={"sequence_parallel": sp}, layer_type=kind)
+                except AssertionError as err:  # a norm without sequence parallelism (megatron's WrappedTorchNorm)
+                    rows.append((f"decoder layer{label} tp {tp}{', SP' if sp else ''}, {name}: not built ({err})",
+                                 "token", 0, 0))
+                    continue
+                measured = sb.language_layer_saved(block, cfg, tokens, dtype=dtype)
+                forecast = _forecast(d, rc, tp=tp, sp=sp, b=b, layer_type=kind)
+                rows.append((f"decoder layer{label} tp {tp}{', sequence parallel' if sp else ''}, {name} (per rank)",
+                             "token", forecast, measured / tokens))
     if rank == 0:
         queue.put(rows)
     import torch.distributed as dist
@@ -221,15 +237,19 @@ def main(argv=None) -> int:
             rows += tp_rows(tmp, a.tp, a.tokens, str(dtype).split(".")[1])
     print(f"{a.preset}, {a.dtype}: language hidden {d.hidden}, {a.tokens} tokens; vision hidden {v.hidden}, "
           f"{a.patches} patches (bytes per token / patch; hidden multiples in brackets)")
-    print(f"| {'what':<58} | {'per':<5} | {'forecast':>18} | {'measured':>18} | {'ratio':>6} |")
-    print(f"|{'-' * 60}|{'-' * 7}|{'-' * 20}|{'-' * 20}|{'-' * 8}|")
+    print(f"| {'what':<{NAME}} | {'per':<5} | {'forecast':>18} | {'measured':>18} | {'ratio':>6} |")
+    print(f"|{'-' * (NAME + 2)}|{'-' * 7}|{'-' * 20}|{'-' * 20}|{'-' * 8}|")
     for name, per, forecast, measured in rows:
         width = d.hidden if per == "token" else v.hidden
         if not measured:
             print(f"| {name} |")
             continue
-        print(f"| {name:<58} | {per:<5} | {forecast:>9,.0f} ({forecast / width:5.1f}h) | "
+        print(f"| {name:<{NAME}} | {per:<5} | {forecast:>9,.0f} ({forecast / width:5.1f}h) | "
               f"{measured:>9,.0f} ({measured / width:5.1f}h) | {forecast / measured if measured else float('nan'):6.3f} |")
+    if d.layer_types:
+        print(f"(hybrid decoder: the measured layers also keep each zero-centred RMSNorm's fp32 1 + w, per layer and "
+              f"not per token, {4 * 2 * d.hidden / a.tokens:.0f} bytes a token here, and attention's q/k norms "
+              f"{4 * 2 * d.head_dim / a.tokens:.0f} more; selective core_attn a 4-byte mask-type tensor)")
     return 0
 
 

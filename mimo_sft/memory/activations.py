@@ -17,6 +17,32 @@ the layer's input, ``b h`` (/tp with sequence parallelism).
 
 Qwen3 adds q/k norms (RMSNorm over the head dim, torch's): (heads + kv) (2 x 4 hd fp32 + 4 rstd) /tp.
 
+Qwen3.5's hybrid decoder (``d.layer_types``; its zero-centred RMSNorms keep what torch's keep, plus a
+fp32 ``1 + w`` per layer, not per token) counts each layer by its kind. A full-attention layer: the
+terms above, its fused output ``b qkv_width`` (q rows doubled by the output gate), rotary over the
+rotated channels only, ``4 b rot`` (partial rotary), and
+    output gate    2 b heads d /tp   (the gate's contiguous copy torch.compile's fused gate keeps, and
+                                      the gated product: the output projection's input)
+A Gated DeltaNet layer (megatron's ``GatedDeltaNet``; its three ``jit_fuser`` helpers compiled, the
+kernels fla's: ``causal_conv1d``, ``l2norm``, ``chunk_gated_delta_rule``), per token, with
+qk = key heads x key dim, v = value heads x value dim, hv = value heads, kh = key heads, all /tp:
+    norms, linear inputs   as above (in_proj's and fc1's inputs)
+    in_proj output   b (2 qk + 2 v + 2 hv)        kept whole: fla's conv keeps its input, a view of it
+    qk l2norm        b 2 qk + 4 x 2 kh            fla's l2norm keeps its output and fp32 1/||x||
+    delta rule       2 b hv dk + b v + 4 hv + b hv + 64 b hv
+                     fla keeps q and k (repeated to the value heads), v, fp32 chunk-cumulative g,
+                     beta and the inverted 64-wide intra-chunk matrix A; everything else it recomputes
+    decay gate       b hv                          the compiled g/beta helper keeps alpha
+    gated norm       2 b v + 4 hv                  the compiled norm keeps the core output, z and rstd
+    out_proj input   b v
+    mlp              as above
+(measured at Qwen3.5-27B's width in bf16, tp 1: 398,216 bytes per GDN layer token and 414,424 per
+full-attention token, equal to the measurement less the per-layer ``1 + w`` tables; the compiled
+helpers' tensors are what torch.compile's partitioner picks, measured with inductor on the CPU, not yet
+checked on a GPU.) Selective
+``core_attn`` recomputes only attention's core: a GDN layer keeps all of the above; ``mlp`` drops
+the MLP in both kinds.
+
 vision block (transformers' Qwen2.5-VL, one SDPA call over all windows: ``model.vision_attention``), per patch:
     norms          2 x (4h fp32 input + 4 rstd + b h normalised + b h scaled)
     qkv            3 b h (the padded q, k, v copies SDPA keeps; window padding at page edges adds a few %)
@@ -32,33 +58,76 @@ Pure arithmetic (no torch).
 
 from __future__ import annotations
 
-from mimo_sft.memory.dims import TextDims, VisionDims
+from mimo_sft.memory.dims import FULL_ATTENTION, LINEAR_ATTENTION, TextDims, VisionDims
 
 FP32 = 4
+#: fla's chunk length: the gated delta rule keeps one ``[64]`` row of the inverted intra-chunk matrix per head and token
+GDN_CHUNK = 64
 #: megatron recompute modules the forecast models (others are ignored: no effect assumed)
 MODELLED_RECOMPUTE_MODULES = ("core_attn", "mlp")
 
 
-def language_layer_terms(d: TextDims, *, tp: int, sp: bool, b: int, recompute_modules=()) -> dict[str, float]:
-    """Bytes per token one decoder layer keeps on one tensor rank, by term."""
-    seq = tp if sp else 1
-    h, hd = d.hidden, d.head_dim
-    heads, kv, ffn = d.heads // tp, d.kv_heads // tp, d.ffn // tp
+def rotary_dim(d: TextDims) -> int:
+    """Rotary channels per attention head: ``d.rotary_dim`` where the dims carry a partial rotary
+    (Qwen3.5's 0.25), else every channel."""
+    return getattr(d, "rotary_dim", 0) or d.head_dim
+
+
+def _attention_terms(d: TextDims, *, tp: int, b: int, recompute_modules) -> dict[str, float]:
+    hd, heads, kv = d.head_dim, d.heads // tp, d.kv_heads // tp
     terms = {
-        "norms": 2 * (2 * FP32 * h + FP32) / seq,
-        "linear inputs": 2 * b * h / seq,
-        "qkv": b * (heads + 2 * kv) * hd + b * (heads + kv) * hd,
-        "rotary": 4 * b * hd,
-        "attention": FP32 * heads + b * heads * hd,
-        "mlp": 5 * b * ffn,
+        "qkv": b * d.qkv_width // tp + b * (heads + kv) * hd,
+        "rotary": 4 * b * rotary_dim(d),
+        "attention": FP32 * heads * ("core_attn" not in recompute_modules) + b * heads * hd,
     }
-    if d.qk_norm:  # Qwen3: torch's RMSNorm on each q and k head (fp32 input and normalised, fp32 rstd)
+    if d.qk_norm:  # Qwen3: an RMSNorm on each q and k head (fp32 input and normalised, fp32 rstd)
         terms["qk norm"] = (heads + kv) * (2 * FP32 * hd + FP32)
-    if "core_attn" in recompute_modules:
-        terms["attention"] -= FP32 * heads
-    if "mlp" in recompute_modules:
-        terms["mlp"] = 0.0
+    if d.attn_gate:  # Qwen3.5: sigmoid(gate) * output, fused by torch.compile
+        terms["output gate"] = 2 * b * heads * hd
     return terms
+
+
+def _gdn_terms(d: TextDims, *, tp: int, b: int) -> dict[str, float]:
+    g = d.gdn
+    qk, v, hv, kh = g.qk // tp, g.v // tp, g.value_heads // tp, g.key_heads // tp
+    return {
+        "in_proj output": b * g.in_proj_rows(tp),
+        "qk l2norm": 2 * b * qk + FP32 * 2 * kh,
+        "delta rule": 2 * b * hv * g.key_dim + b * v + FP32 * hv + b * hv + b * hv * GDN_CHUNK,
+        "decay gate": b * hv,
+        "gated norm": 2 * b * v + FP32 * hv,
+        "out_proj input": b * v,
+    }
+
+
+def language_layer_terms(d: TextDims, *, tp: int, sp: bool, b: int, recompute_modules=(),
+                         layer_type: str = FULL_ATTENTION) -> dict[str, float]:
+    """Bytes per token one decoder layer of ``layer_type`` keeps on one tensor rank, by term."""
+    seq = tp if sp else 1
+    h = d.hidden
+    terms = {"norms": 2 * (2 * FP32 * h + FP32) / seq, "linear inputs": 2 * b * h / seq}
+    if layer_type == LINEAR_ATTENTION:
+        terms.update(_gdn_terms(d, tp=tp, b=b))
+    else:
+        terms.update(_attention_terms(d, tp=tp, b=b, recompute_modules=recompute_modules))
+    terms["mlp"] = 0.0 if "mlp" in recompute_modules else 5 * b * (d.ffn // tp)
+    return terms
+
+
+def language_stage_layers(d: TextDims, *, tp: int, sp: bool, b: int, pp: int, stage: int,
+                          recompute_modules=()) -> list[float]:
+    """Bytes per token of each layer of pipeline stage ``stage``, in order, each by its own kind."""
+    return [sum(language_layer_terms(d, tp=tp, sp=sp, b=b, recompute_modules=recompute_modules,
+                                     layer_type=d.layer_type(i)).values()) for i in d.stage_layers(pp, stage)]
+
+
+def lora_dropout_bytes(d: TextDims, targets, *, tp: int, b: int, layer_type: str = FULL_ATTENTION) -> float:
+    """Per token, with LoRA dropout: each adapted linear's input is dropped out into a copy, with its
+    bool mask. The mixer targets adapt attention's ``linear_qkv`` / ``linear_proj`` or a GDN layer's
+    ``in_proj`` / ``out_proj`` (``model.lora.LANGUAGE_LAYERS``)."""
+    out_width = d.gdn.v // tp if layer_type == LINEAR_ATTENTION else d.heads * d.head_dim // tp
+    widths = {"linear_qkv": d.hidden, "linear_proj": out_width, "linear_fc1": d.hidden, "linear_fc2": d.ffn // tp}
+    return sum((b + 1) * widths[t] for t in targets)
 
 
 def language_layer_input(d: TextDims, *, tp: int, sp: bool, b: int) -> float:

@@ -97,6 +97,9 @@ class TextDims:
     layer_types: tuple[str, ...] = ()
     gdn: GdnDims | None = None
     attn_gate: bool = False
+    #: rotary channels per attention head where only part of each head rotates (Qwen3.5's
+    #: ``partial_rotary_factor`` 0.25: 64 of 256, megatron's ``rotary_percent``); 0: every channel
+    rotary_dim: int = 0
 
     @classmethod
     def from_config(cls, config: dict) -> "TextDims":
@@ -105,9 +108,12 @@ class TextDims:
         tied = bool(config.get("tie_word_embeddings", t.get("tie_word_embeddings", False)))
         arch = architecture_of(config)
         hybrid = arch.hybrid_gdn
+        head_dim = t.get("head_dim") or t["hidden_size"] // heads
+        partial = float((t.get("rope_parameters") or {}).get("partial_rotary_factor",
+                                                             t.get("partial_rotary_factor", 1.0)))
         return cls(hidden=t["hidden_size"], ffn=t["intermediate_size"], layers=t["num_hidden_layers"], heads=heads,
-                   kv_heads=t.get("num_key_value_heads") or heads,
-                   head_dim=t.get("head_dim") or t["hidden_size"] // heads, vocab=t["vocab_size"], tied=tied,
+                   kv_heads=t.get("num_key_value_heads") or heads, head_dim=head_dim, vocab=t["vocab_size"], tied=tied,
+                   rotary_dim=int(head_dim * partial) if partial < 1 else 0,
                    qkv_bias=arch.qkv_bias, qk_norm=arch.qk_norm,
                    deepstack=len((config.get("vision_config") or {}).get("deepstack_visual_indexes") or ())
                    if arch.deepstack else 0,

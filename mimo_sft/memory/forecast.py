@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 
 from mimo_sft.config.lora import LoraSpec
 from mimo_sft.memory import activations as act
-from mimo_sft.memory.dims import (TextDims, VisionDims, language_lora_params, language_params, language_stage_params,
-                                  vision_module_params)
+from mimo_sft.memory.dims import (TextDims, VisionDims, language_params, language_stage_lora_params,
+                                  language_stage_params, vision_module_params)
 from mimo_sft.parallel.layout import IMAGES, LANGUAGE
 
 GIB = 1024 ** 3
@@ -134,13 +134,26 @@ def _in_flight(layout, module: str, stage: int, num_microbatches: int) -> int:
     return min(pp + 1 if module != LANGUAGE else pp - stage, num_microbatches)
 
 
+def _stored_and_transient(m, full: list[float], kept: list[float], inp: float) -> tuple[float, float]:
+    """What a stage keeps per token (``full``/``kept``: each layer's bytes without / with selective
+    recomputation; ``inp``: a recomputed group's input) and the largest group rebuilt during backward.
+    Uniform: groups of ``recompute_num_layers``, each keeping its input; block: the stage's first n
+    layers recomputed one at a time, the rest kept."""
+    layers = len(full)
+    n = min(m.recompute_num_layers or 1, layers)
+    if m.recompute_granularity == "full" and (m.recompute_method or "uniform") == "uniform":
+        return -(-layers // n) * inp, max(sum(full[i:i + n]) for i in range(0, layers, n))
+    if m.recompute_granularity == "full":  # block: the first n layers of the stage
+        return n * inp + sum(kept[n:]), max(full[:n])
+    return sum(kept), 0.0
+
+
 def _language_stage(cfg, layout, d: TextDims, stage: int, wl: Workload, lora: LoraSpec | None) -> dict[str, int]:
     m, lang = cfg.model, layout.spec(LANGUAGE)
     tp, pp, b = lang.tp, lang.pp, _bytes(m.dtype)
     sp = bool(m.sequence_parallel) and tp > 1
     held = language_stage_params(d, tp=tp, pp=pp, stage=stage)
-    layers = d.layers // pp
-    adapters = layers * language_lora_params(d, lora, tp) if lora else 0
+    adapters = language_stage_lora_params(d, lora, tp=tp, pp=pp, stage=stage) if lora else 0
     trainable = adapters if lora else (0 if m.freeze_language else held)
     distributed = cfg.optimizer.use_distributed_optimizer and not lora
     terms = _state_terms(held + adapters, trainable, b=b, distributed=distributed, shards=lang.dp * lang.cp)
@@ -148,23 +161,17 @@ def _language_stage(cfg, layout, d: TextDims, stage: int, wl: Workload, lora: Lo
     modules = tuple(m.recompute_modules if isinstance(m.recompute_modules, (list, tuple))
                     else str(m.recompute_modules or "").split(","))
     selective = modules if m.recompute_granularity == "selective" else ()
-    full = sum(act.language_layer_terms(d, tp=tp, sp=sp, b=b).values()) * tokens
-    kept = sum(act.language_layer_terms(d, tp=tp, sp=sp, b=b, recompute_modules=selective).values()) * tokens
-    if lora and m.lora_dropout > 0:  # each adapted input is dropped out into a copy, with its mask
-        widths = {"linear_qkv": d.hidden, "linear_proj": d.heads * d.head_dim // tp, "linear_fc1": d.hidden,
-                  "linear_fc2": d.ffn // tp}
-        kept += sum((b + 1) * widths[t] for t in lora.language) * tokens
-    inp = act.language_layer_input(d, tp=tp, sp=sp, b=b) * tokens
-    n = min(m.recompute_num_layers or 1, layers)
-    if m.recompute_granularity == "full" and (m.recompute_method or "uniform") == "uniform":
-        stored, transient = -(-layers // n) * inp, n * full
-    elif m.recompute_granularity == "full":  # block: the first n layers of the stage
-        stored, transient = n * inp + (layers - n) * kept, full
-    else:
-        stored, transient = layers * kept, 0
+    shape = dict(tp=tp, sp=sp, b=b, pp=pp, stage=stage)
+    full = act.language_stage_layers(d, **shape)  # per token, each layer by its kind
+    kept = act.language_stage_layers(d, **shape, recompute_modules=selective)
+    if lora and m.lora_dropout > 0:
+        kept = [k + act.lora_dropout_bytes(d, lora.language, tp=tp, b=b, layer_type=d.layer_type(i))
+                for k, i in zip(kept, d.stage_layers(pp, stage))]
+    inp = act.language_layer_input(d, tp=tp, sp=sp, b=b)
+    stored, transient = _stored_and_transient(m, full, kept, inp)
     flight = _in_flight(layout, LANGUAGE, stage, _num_microbatches(cfg))
-    terms["activations"] = int(flight * stored)
-    terms["recompute"] = int(transient)
+    terms["activations"] = int(flight * stored * tokens)
+    terms["recompute"] = int(transient * tokens)
     terms["logits"] = int(sum(act.language_head_terms(d, tp=tp, sp=sp, b=b).values()) * tokens) if stage == pp - 1 else 0
     hidden_stream = tokens * d.hidden * b // (tp if sp else 1)
     bridge = (stage > 0) * flight * hidden_stream + (stage < pp - 1) * flight * hidden_stream
@@ -193,8 +200,8 @@ def language_forecast(cfg, layout, hf_config: dict, wl: Workload) -> ModuleForec
     terms["allowance"] = _allowance(terms, fixed=True)
     tp = layout.spec(LANGUAGE).tp
     held = language_stage_params(d, tp=tp, pp=pp, stage=best)
-    adapters = d.layers // pp * language_lora_params(d, lora, tp) if lora else 0
-    total = language_params(d) + (d.layers * language_lora_params(d, lora, 1) if lora else 0)
+    adapters = language_stage_lora_params(d, lora, tp=tp, pp=pp, stage=best) if lora else 0
+    total = language_params(d) + (language_stage_lora_params(d, lora, tp=1, pp=1, stage=0) if lora else 0)
     return ModuleForecast(LANGUAGE, total, held + adapters, f"pp stage {best} of {pp}" if pp > 1 else "every rank",
                           terms)
 

@@ -6,7 +6,10 @@ adds up the distinct storages the graph holds (a view and its base count once; p
 buffers, which live anyway, are left out). ``language_layer`` builds one megatron decoder layer with
 mimo-sft's own spec and config at a checkpoint's real width; ``vision_block`` one transformers
 vision block of the checkpoint's family. Both run on the CPU with torch's flash SDPA kernel, the one GPUs use
-(the CPU's math fallback would save the ``s x s`` score matrix, which no GPU run keeps).
+(the CPU's math fallback would save the ``s x s`` score matrix, which no GPU run keeps). Likewise a
+Qwen3.5 Gated DeltaNet layer's three kernels keep what fla's GPU kernels keep, not what autograd would
+keep of their torch stand-ins (``fla_saved_tensors``); megatron's ``jit_fuser`` helpers around them run
+under torch.compile as on a GPU.
 
 Used by ``scripts/bench_memory.py`` and the memory tests; not part of training.
 """
@@ -21,18 +24,22 @@ import mimo_sft.parallel  # noqa: F401  (makes megatron importable)
 
 
 class SavedBytes:
-    """Distinct storages saved for backward during a forward (``with counter.recording(): ...``)."""
+    """Distinct storages saved for backward during a forward (``with counter.recording(): ...``).
+
+    Sizes are read when asked (``total``), not when saved: megatron's ``CheckpointWithoutOutput``
+    (selective ``gdn_norm_out``) empties a saved output's storage once the next layer has used it."""
 
     def __init__(self, exclude=()):
-        self._seen: dict[int, int] = {}
-        self._exclude = {t.untyped_storage().data_ptr() for t in exclude}
+        self._seen: dict[int, torch.UntypedStorage] = {}
+        self._exclude = {t.untyped_storage()._cdata for t in exclude}
 
     def _pack(self, t: torch.Tensor):
+        # keyed by the storage itself (held here, so its key is never reused), not by its address: a
+        # freed storage's address can come back for a later tensor
         if t.layout == torch.strided and t.device.type != "meta":
             st = t.untyped_storage()
-            ptr = st.data_ptr()
-            if ptr not in self._exclude:
-                self._seen[ptr] = max(self._seen.get(ptr, 0), st.nbytes())
+            if st._cdata not in self._exclude:
+                self._seen.setdefault(st._cdata, st)
         return t
 
     @contextmanager
@@ -42,7 +49,7 @@ class SavedBytes:
 
     @property
     def total(self) -> int:
-        return sum(self._seen.values())
+        return sum(st.nbytes() for st in self._seen.values())
 
 
 def saved_bytes(fn, *args, exclude=(), **kwargs) -> tuple[int, object]:
@@ -63,28 +70,136 @@ def flash_sdpa():
         yield
 
 
+# ---- fla's saved tensors, for the Gated DeltaNet kernels' stand-ins ----------------------------------
+class _MeasureOnly(torch.autograd.Function):
+    """Base of the three measurement Functions: their forward keeps what fla's keeps; no backward."""
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError("testing.saved_bytes: fla's saved tensors are counted here, not differentiated")
+
+
+class _FlaConv(_MeasureOnly):
+    """fla's ``CausalConv1dFunction`` keeps its input (a view of the in_proj output) and the weight; the
+    SiLU is recomputed in backward."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, activation, cu_seqlens):
+        from mimo_sft.model import gdn_kernels as gk
+
+        ctx.save_for_backward(x, weight, bias)
+        return gk.causal_conv1d(x, weight, bias, activation=activation, cu_seqlens=cu_seqlens)[0]
+
+
+class _FlaL2Norm(_MeasureOnly):
+    """fla's ``L2NormFunction`` keeps its output and fp32 ``1 / ||x||`` per row."""
+
+    @staticmethod
+    def forward(ctx, x, eps, output_dtype):
+        from mimo_sft.model import gdn_kernels as gk
+
+        y = gk.l2norm(x, eps=eps, output_dtype=output_dtype)
+        rstd = torch.rsqrt(x.float().pow(2).sum(-1) + eps)
+        ctx.save_for_backward(y, rstd)
+        return y
+
+
+class _FlaChunkRule(_MeasureOnly):
+    """fla 0.4's ``ChunkGatedDeltaRuleFunction`` (``use_qk_l2norm_in_kernel`` off, as megatron calls it)
+    keeps q, k, v and beta as given, g's chunk-local cumulative sum (fp32, ``g``'s shape) and the inverted
+    intra-chunk matrix ``A`` (``[B, T, H, 64]`` in k's dtype); both allocated at those shapes here (what
+    is saved depends on shapes, not values, as for ``language_layer``'s uninitialised weights)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, scale, cu_seqlens):
+        from mimo_sft.model import gdn_kernels as gk
+
+        o, _ = gk.chunk_gated_delta_rule(q, k, v, g, beta, scale=scale, cu_seqlens=cu_seqlens)
+        g_cumsum = torch.empty_like(g, dtype=torch.float32)
+        a = k.new_empty(*k.shape[:3], gk.CHUNK)
+        ctx.save_for_backward(q, k, v, g_cumsum, beta, a)
+        return o.to(q.dtype)  # fla returns q's dtype
+
+
+@torch.compiler.disable
+def _fla_conv(x, weight, bias=None, activation=None, initial_state=None, output_final_state=False,
+              cu_seqlens=None, **_):
+    assert initial_state is None and not output_final_state, "measured as megatron's GatedDeltaNet calls it"
+    return _FlaConv.apply(x, weight, bias, activation, cu_seqlens), None
+
+
+@torch.compiler.disable
+def _fla_l2norm(x, eps: float = 1e-6, output_dtype=None):
+    return _FlaL2Norm.apply(x, eps, output_dtype)
+
+
+@torch.compiler.disable
+def _fla_chunk_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                    use_qk_l2norm_in_kernel=False, cu_seqlens=None, **_):
+    assert initial_state is None and not output_final_state and not use_qk_l2norm_in_kernel
+    scale = k.shape[-1] ** -0.5 if scale is None else scale
+    return _FlaChunkRule.apply(q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous(),
+                               scale, cu_seqlens), None
+
+
+@contextmanager
+def fla_saved_tensors(block):
+    """While measuring ``block``: its Gated DeltaNet layers' three kernels keep what fla's keep.
+
+    Why: GPUs run fla's triton ``causal_conv1d``, ``l2norm`` and ``chunk_gated_delta_rule``, autograd
+    Functions that keep a few tensors and recompute the rest in backward; on the CPU the layer runs
+    ``model.gdn_kernels``' torch stand-ins, whose every chunk intermediate autograd would keep. Each
+    kernel is swapped for a Function that computes the stand-in's output without a graph and saves
+    exactly fla's tensors (a no-op where fla itself is installed, or the block has no GDN layer). The
+    kernels stay out of torch.compile (megatron compiles the helpers around ``l2norm``), as fla's
+    autograd Functions are opaque to its partitioner.
+    """
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNet, common, gdn
+
+    from mimo_sft.model import gdn_kernels as gk
+
+    layers = [m for m in block.modules() if isinstance(m, GatedDeltaNet)]
+    if not layers or common.chunk_gated_delta_rule is not gk.chunk_gated_delta_rule:
+        yield
+        return
+    before = gdn.causal_conv1d, common.l2norm, [m.gated_delta_rule for m in layers]
+    gdn.causal_conv1d, common.l2norm = _fla_conv, _fla_l2norm
+    for m in layers:
+        m.gated_delta_rule = _fla_chunk_rule
+    try:
+        yield
+    finally:
+        gdn.causal_conv1d, common.l2norm = before[0], before[1]
+        for m, rule in zip(layers, before[2]):
+            m.gated_delta_rule = rule
+
+
 # ---- one megatron decoder layer ------------------------------------------------------------------
 def language_layer(hf_dir: str, *, dtype: torch.dtype, recompute: dict | None = None, pstate=None,
-                   extra: dict | None = None):
+                   extra: dict | None = None, layer_type: str | None = None):
     """One decoder layer (``TransformerBlock`` with ``num_layers=1``, no final norm) of ``hf_dir``'s
     language model, built as ``model.builder`` builds them (our adapter's config and spec, SDPA core),
     weights not initialised. ``recompute``: TransformerConfig recompute fields (``recompute_granularity``,
     ``recompute_method``, ``recompute_num_layers``, ``recompute_modules``); ``extra``: other config fields
-    (``sequence_parallel``). Runs in the 1-rank world (``parallel.bootstrap.start_single_process``), or
-    on the tp of ``pstate`` (a ``parallel.groups.ParallelState`` of a ``language=tp=N`` layout)."""
+    (``sequence_parallel``); ``layer_type``: a hybrid decoder's layer kind (``text_config.layer_types``
+    entry, default its first layer's). Runs in the 1-rank world (``parallel.bootstrap.start_single_process``),
+    or on the tp of ``pstate`` (a ``parallel.groups.ParallelState`` of a ``language=tp=N`` layout). The
+    block carries ``rotary_percent`` (the rotary share of each head) for ``language_layer_saved``."""
     from megatron.core.transformer.transformer_block import TransformerBlock
 
     from mimo_sft.model.hf_checkpoint import read_config_json
     from mimo_sft.model.registry import get_family
-    from mimo_sft.model.vision_attention import SEGMENT_ATTENTION
     from mimo_sft.parallel.bootstrap import start_single_process
 
-    state = pstate or start_single_process("cpu")
+    state = start_single_process("cpu") if pstate is None else pstate
     tp = state.modules["language"].pg_collection.tp.size()
     raw = read_config_json(hf_dir)
     adapter = get_family(raw, hf_dir=hf_dir)
     hf_cfg = adapter.load_hf_config(hf_dir, raw)
-    hf_cfg.text_config.num_hidden_layers = 1
+    text = hf_cfg.text_config
+    if getattr(text, "layer_types", None):  # one layer, of the kind asked for
+        text.layer_types = [layer_type or text.layer_types[0]]
+    text.num_hidden_layers = 1
     overrides = {"calculate_per_token_loss": True, "attention_dropout": 0.0, "hidden_dropout": 0.0}
     overrides.update(recompute or {})
     overrides.update(extra or {})
@@ -94,23 +209,26 @@ def language_layer(hf_dir: str, *, dtype: torch.dtype, recompute: dict | None = 
                                               overrides=overrides)
     spec = adapter.block_spec(hf_cfg, 1)
     block = TransformerBlock(cfg, spec, post_layer_norm=False, pg_collection=state.modules["language"].pg_collection)
-    return block.to(dtype), cfg
+    block = block.to(dtype)
+    block.rotary_percent = float((getattr(text, "rope_parameters", None) or {}).get("partial_rotary_factor", 1.0))
+    return block, cfg
 
 
 def language_layer_saved(block, cfg, tokens: int, *, dtype: torch.dtype, batch: int = 1) -> int:
     """Bytes one decoder layer saves on this rank for ``batch`` rows of ``tokens`` positions (this rank's
     ``1/tp`` of them under sequence parallelism). The input counts where the layer keeps it (fp32, or
-    under full recomputation); the rotary table, shared by every layer, does not."""
+    under full recomputation); the rotary table, shared by every layer, does not. A Gated DeltaNet
+    layer's kernels keep what fla's keep (``fla_saved_tensors``)."""
     from megatron.core.models.common.embeddings.rotary_pos_embedding import MultimodalRotaryEmbedding
 
     h = cfg.hidden_size
     local = tokens // cfg.tensor_model_parallel_size if cfg.sequence_parallel else tokens
     x = torch.randn(local, batch, h, dtype=dtype, requires_grad=True)
-    rope = MultimodalRotaryEmbedding(kv_channels=cfg.kv_channels, rotary_percent=1.0)
+    rope = MultimodalRotaryEmbedding(kv_channels=cfg.kv_channels, rotary_percent=getattr(block, "rotary_percent", 1.0))
     pos = torch.arange(tokens).view(1, 1, tokens).expand(3, batch, tokens)
     emb = rope(pos, cfg.mrope_section)
     params = list(block.parameters())
-    with flash_sdpa():
+    with flash_sdpa(), fla_saved_tensors(block):
         total, out = saved_bytes(block, x, None, rotary_pos_emb=emb, exclude=params + [emb])
     return total
 

@@ -16,8 +16,10 @@ from mimo_sft.parallel.layout import LANGUAGE
 
 #: megatron's selective-recompute modules that run in a dense Qwen-VL decoder on the local spec
 SELECTIVE_MODULES = ("core_attn", "mlp")
-#: megatron modules for other architectures (MoE, MLA, Gated DeltaNet): nothing of theirs is here
-_OTHER_ARCHITECTURES = ("moe_act", "moe", "shared_experts", "mla_up_proj", "gdn_norm_out")
+#: megatron modules for other architectures (MoE, MLA): nothing of theirs is here
+_OTHER_ARCHITECTURES = ("moe_act", "moe", "shared_experts", "mla_up_proj")
+#: modules megatron-core 0.19.2 recomputes with ``CheckpointWithoutOutput``, which reads Transformer Engine's FP8 state
+_NEEDS_TE = ("layernorm", "gdn_norm_out")
 
 
 def _language(ctx):
@@ -79,12 +81,12 @@ def _selective_recompute(m):
         yield ("--recompute-granularity selective with empty --recompute-modules recomputes nothing; "
                f"give some of {', '.join(SELECTIVE_MODULES)}")
     for name in modules:
-        if name == "layernorm":
-            yield ("--recompute-modules layernorm needs Transformer Engine in megatron-core 0.19.2 (its "
+        if name in _NEEDS_TE:
+            yield (f"--recompute-modules {name} needs Transformer Engine in megatron-core 0.19.2 (its "
                    f"checkpoint without output assumes FP8 state); use {' / '.join(SELECTIVE_MODULES)}")
         elif name in _OTHER_ARCHITECTURES:
-            yield (f"--recompute-modules {name}: a Qwen-VL dense decoder has no such part (MoE, MLA or Gated "
-                   f"DeltaNet); use {' / '.join(SELECTIVE_MODULES)}")
+            yield (f"--recompute-modules {name}: a Qwen-VL dense decoder has no such part (MoE or MLA); use "
+                   f"{' / '.join(SELECTIVE_MODULES)}")
         elif name not in SELECTIVE_MODULES:
             yield f"--recompute-modules {name}: unknown module; choose from {', '.join(SELECTIVE_MODULES)}"
 
