@@ -23,6 +23,7 @@ adds the ``width`` shifted, weighted copies: channels stay the fast axis, no ``[
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 from typing import Optional
 
@@ -79,7 +80,15 @@ def _conv_prefix(initial_state, batch: int, nseg: int, dim: int, width: int, dty
     return initial_state.to(dtype).reshape(batch, nseg, dim, width).transpose(2, 3)
 
 
-def _laid_out_inputs(xs, prefix, bounds) -> tuple[torch.Tensor, torch.Tensor]:
+def _refuse_extras(fn: str, kwargs: dict) -> None:
+    """fla's functions take more options than megatron passes; one set here would be silently ignored,
+    so it fails instead (``cu_seqlens_cpu`` only repeats ``cu_seqlens`` and is ignored)."""
+    used = sorted(k for k, v in kwargs.items() if k != "cu_seqlens_cpu" and v is not None and v is not False)
+    if used:
+        raise NotImplementedError(f"{fn}: the CPU stand-in does not implement {', '.join(used)}")
+
+
+def _laid_out_inputs(xs, prefix, bounds) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """``[b, size, d]``: every segment after its ``width - 1`` prefix inputs; and the window start of
     each token (its output's position in the valid convolution)."""
     batch, total, dim = xs.shape
@@ -104,6 +113,7 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     (batch 1) every segment restarts. ``state`` (``output_final_state``) is each segment's last
     ``width`` inputs, ``[N, d, width]``. Accumulates in fp32 (fp64 for fp64 inputs); ``y`` has x's dtype.
     """
+    _refuse_extras("causal_conv1d", kwargs)
     if activation not in (None, "silu", "swish"):
         raise ValueError(f"causal_conv1d activation must be None, 'silu' or 'swish', got {activation!r}")
     batch, total, dim = x.shape
@@ -185,16 +195,19 @@ def _scan(u, w, k_write, chunk_decay, spans: list[int], init: list[torch.Tensor]
     """The state recurrence over chunks, restarting at every segment's first chunk.
 
     Returns the state entering every chunk ``[b, h, C, dk, dv]``, every chunk's corrected values
-    ``v - w S`` ``[b, h, C, 64, dv]`` and each segment's final state.
+    ``v - w S`` ``[b, h, C, 64, dv]`` and each segment's final state. The per-chunk operands are split
+    once (``unbind``): indexing the full tensors per chunk would make autograd build and sum one
+    full-size gradient per chunk, quadratic in the sequence length.
     """
+    u, w, k_write, chunk_decay = (t.unbind(2) for t in (u, w, k_write.transpose(-1, -2), chunk_decay))
     states, values, finals, c = [], [], [], 0
     for j, span in enumerate(spans):
         state = init[j]
         for _ in range(span // CHUNK):
             states.append(state)
-            v_new = u[:, :, c] - w[:, :, c] @ state
+            v_new = u[c] - w[c] @ state
             values.append(v_new)
-            state = state * chunk_decay[:, :, c] + k_write[:, :, c].transpose(-1, -2) @ v_new
+            state = state * chunk_decay[c] + k_write[c] @ v_new
             c += 1
         finals.append(state)
     return torch.stack(states, 2), torch.stack(values, 2), finals
@@ -224,11 +237,12 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     restarts at every segment (from zero, or that segment's ``initial_state``). ``o`` has v's dtype; the
     final state is fp32 (fp64 for fp64 inputs).
     """
+    _refuse_extras("chunk_gated_delta_rule", kwargs)
     _check_rule_shapes(q, k, v, g, beta)
     batch, total, hk, dk = q.shape
     hv, dv = v.shape[2:]
     bounds = _segment_bounds(cu_seqlens, batch, total)
-    dtype = _compute_dtype(q, k, v, g, beta)
+    dtype, out_dtype = _compute_dtype(q, k, v, g, beta), v.dtype
     if hk != hv:
         q, k = (t.repeat_interleave(hv // hk, dim=2) for t in (q, k))
     q, k, v, g, beta = (t.to(dtype) for t in (q, k, v, g, beta))
@@ -238,7 +252,7 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     init = _initial_states(initial_state, batch, len(bounds), hv, dk, dv, dtype, q.device)
     size, token_pos, _, spans = _layout(bounds, 0, CHUNK, q.device)
     if size == 0:
-        out = v.new_zeros(batch, 0, hv, dv)
+        out = v.new_zeros(batch, 0, hv, dv)  # no tokens at all
     else:
         qc, kc, vc, gc, bc = (_to_chunks(t, size, token_pos) for t in (q, k, v, g, beta))
         u, w, scores, q_read, k_write, chunk_decay = _intra_chunk(qc, kc, vc, gc, bc)
@@ -246,7 +260,7 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
         o = q_read @ states + scores @ values  # [b, h, C, 64, dv]
         out = o.reshape(batch, hv, size, dv).index_select(2, token_pos).transpose(1, 2)
     final = torch.stack(init, 1).reshape(-1, hv, dk, dv) if output_final_state else None
-    return out.to(v.dtype).contiguous(), final
+    return out.to(out_dtype).contiguous(), final
 
 
 # ---- binding into megatron --------------------------------------------------------------------------
@@ -274,4 +288,43 @@ def install() -> bool:
         for attr, value in ours.items():
             if attr in vars(module):
                 setattr(module, attr, value)
+    _run_helpers_eagerly()
     return True
+
+
+#: megatron's ``jit_fuser`` (``torch.compile``) helpers on Qwen3.5's path: ``(module, class, method)``
+_COMPILED_HELPERS = (("megatron.core.ssm.gated_delta_net.common", "_GDNBase", "_prepare_input_for_gated_delta_rule"),
+                     ("megatron.core.ssm.gated_delta_net.common", "_GDNBase", "_compute_g_and_beta"),
+                     ("megatron.core.ssm.gated_delta_net.common", "_GDNBase", "_apply_gated_norm"),
+                     ("megatron.core.transformer.attention", "Attention", "_apply_output_gate"))
+_COMPILED: dict = {}
+
+
+def _run_helpers_eagerly() -> None:
+    """On the stand-ins' path, megatron's compiled helpers run as plain functions.
+
+    Why: inductor compiles them on the CPU in ~12 s per process and again for each new sequence
+    length until shapes go dynamic (measured: 11 s and 10 s for the first two lengths of a tiny model,
+    against 0.3 s eager), every rank of every CPU run; the numbers are the same functions'. A GPU run
+    with fla keeps megatron's compiled ones (what the memory forecast counts: :func:`compiled_helpers`)."""
+    for module, cls, name in _COMPILED_HELPERS:
+        owner = getattr(importlib.import_module(module), cls)
+        fn = owner.__dict__[name]
+        original = getattr(fn, "_torchdynamo_orig_callable", None)
+        if original is not None:
+            _COMPILED[(module, cls, name)] = fn
+            setattr(owner, name, original)
+
+
+@contextlib.contextmanager
+def compiled_helpers():
+    """megatron's compiled helpers back for the duration (``testing.saved_bytes``: what a GPU run keeps)."""
+    owners = {key: getattr(importlib.import_module(key[0]), key[1]) for key in _COMPILED}
+    eager = {key: owner.__dict__[key[2]] for key, owner in owners.items()}
+    for key, owner in owners.items():
+        setattr(owner, key[2], _COMPILED[key])
+    try:
+        yield
+    finally:
+        for key, owner in owners.items():
+            setattr(owner, key[2], eager[key])

@@ -228,7 +228,9 @@ def language_layer_saved(block, cfg, tokens: int, *, dtype: torch.dtype, batch: 
     pos = torch.arange(tokens).view(1, 1, tokens).expand(3, batch, tokens)
     emb = rope(pos, cfg.mrope_section)
     params = list(block.parameters())
-    with flash_sdpa(), fla_saved_tensors(block):
+    from mimo_sft.model.gdn_kernels import compiled_helpers
+
+    with flash_sdpa(), fla_saved_tensors(block), compiled_helpers():  # megatron's compiled helpers, as on a GPU
         total, out = saved_bytes(block, x, None, rotary_pos_emb=emb, exclude=params + [emb])
     return total
 
