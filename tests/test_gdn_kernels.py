@@ -351,3 +351,11 @@ def test_install_runs_megatrons_compiled_helpers_eagerly_and_can_restore_them():
     with gdn_kernels.compiled_helpers():
         assert all(compiled(owner.__dict__[name]) for owner, name in owners)
     assert not any(compiled(owner.__dict__[name]) for owner, name in owners)
+
+
+def test_the_test_environment_has_no_fla():
+    """fla must not be installed here: megatron and transformers would both switch to it, and the CPU
+    runs would test fla's (GPU-only) kernels instead of the stand-ins."""
+    import importlib.util
+
+    assert importlib.util.find_spec("fla") is None
