@@ -57,6 +57,11 @@ def test_preset_builds_transformers_config_of_the_published_size(preset):
     count = sum(p.numel() for p in model.parameters())  # tied embeddings counted once (parameters() dedups)
     digits, unit = PUBLISHED[preset]
     assert math.floor(count / unit) == digits, count
+    # the memory forecast's counts (what validate reports for a --config-only folder) are transformers' own
+    from mimo_sft.memory.dims import TextDims, VisionDims, language_params, vision_params
+
+    hf = cfg.to_dict()
+    assert language_params(TextDims.from_config(hf)) + sum(vision_params(VisionDims.from_config(hf))) == count
 
 
 def test_config_only_folder_loads_through_transformers_and_the_adapter(q08):
