@@ -11,7 +11,9 @@
 #      - colocated on every GPU (reordering does not apply to colocated layouts): megatron's local
 #        attention, the SDPA core (default), and the SDPA core with --in-batch-packing;
 #      - with >= 4 GPUs also non-colocated (language on half the GPUs, vision tower on the other
-#        half), reordering off and on.
+#        half), reordering off and on;
+#    and of Qwen3.5-0.8B's architecture (hybrid Gated DeltaNet), colocated and packed.
+#    Before them, fla's Gated DeltaNet kernels against mimo-sft's torch stand-ins (scripts/check_gdn_fla.py).
 #    Each prints tokens/s, step time, model TFLOP/s per GPU, MFU and peak GPU memory per module.
 # Knobs: GPU_CHECK_STEPS (20), GPU_CHECK_SEQ (2048), GPU_CHECK_MBS (4, at least the GPU count),
 #        GPU_CHECK_GBS (4 micro-batches),
@@ -44,6 +46,9 @@ echo "== check-model (fp32, GPU): transformers vs mimo-sft on a mid-sized Qwen2.
   --vision-heads 4 --text-hidden 1024 --text-layers 8 --heads 16 --kv-heads 4 --intermediate 2816 >/dev/null
 $PY -m mimo_sft check-model --hf-model "$OUT/mid"
 
+echo "== Qwen3.5 Gated DeltaNet kernels: fla vs mimo-sft's torch stand-ins (packed, forward and backward, bf16)"
+$PY scripts/check_gdn_fla.py
+
 echo "== model and data"
 [ -f "$OUT/qwen2.5-vl-3b/config.json" ] || $PY scripts/make_tiny_qwen_vl.py "$OUT/qwen2.5-vl-3b" --preset qwen2.5-vl-3b --config-only
 [ -d "$OUT/data" ] || $PY scripts/make_demo_data.py "$OUT/data" --samples 1024 --long-answers >/dev/null
@@ -57,7 +62,7 @@ run() {  # run NAME NPROC ARGS...
   shift 2
   echo "== $name ($nproc GPU(s))"
   rm -rf "$OUT/$name"
-  $TORCHRUN --nproc-per-node "$nproc" -m mimo_sft finetune --hf-model "$OUT/qwen2.5-vl-3b" --allow-random-init \
+  $TORCHRUN --nproc-per-node "$nproc" -m mimo_sft finetune --hf-model "${RUN_MODEL:-$OUT/qwen2.5-vl-3b}" --allow-random-init \
     --dataset-path "$OUT/data" --dtype bf16 --use-distributed-optimizer --seq-length "$SEQ" \
     --micro-batch-size "$MBS" --global-batch-size "$GBS" --train-iters "$STEPS" --lr 1e-5 --lr-warmup-iters 2 \
     --dataloader-type cyclic --log-interval 5 --no-tensorboard --output-dir "$OUT/$name" "${PEAK[@]}" \
@@ -77,7 +82,11 @@ if [ "$NGPU" -ge 4 ]; then
   NONCO=(--component "language=dp=$HALF" --component "images=dp=$HALF,rank_offset=$HALF" --scalable-dp)
   run noncolocated-reorder-off "$NGPU" "${NONCO[@]}"
   run noncolocated-reorder-on "$NGPU" "${NONCO[@]}" --intra-microbatch-reorder
-else
+fi
+# Qwen3.5-0.8B's public architecture (hybrid Gated DeltaNet; fla's kernels when importable, else the stand-ins)
+[ -f "$OUT/qwen3.5-0.8b/config.json" ] || $PY scripts/make_tiny_qwen_vl.py "$OUT/qwen3.5-0.8b" --preset qwen3.5-0.8b --config-only
+RUN_MODEL="$OUT/qwen3.5-0.8b" run qwen3.5-0.8b-colocated-packed "$NGPU" "${COLO[@]}" --in-batch-packing
+if [ "$NGPU" -lt 4 ]; then
   echo "== reordering: skipped (needs >= 4 GPUs: a non-colocated layout with a data-parallel vision tower;"
   echo "   NCCL cannot put two ranks on one GPU)"
 fi
