@@ -62,11 +62,14 @@ def test_wheel_declares_runtime_dependencies_and_extras(wheel):
         assert name in by_name and all(r.marker is None for r in by_name[name]), name
     assert set(meta.get_all("Provides-Extra")) >= {"tracking", "test"}
     extra = {e: {r.name for r in reqs if r.marker is not None and r.marker.evaluate({"extra": e, "python_version": "3.12"})
-                 and not r.marker.evaluate({"extra": "", "python_version": "3.12"})} for e in ("tracking", "test")}
-    assert extra == {"tracking": {"wandb", "mlflow-skinny"}, "test": {"pytest", "pytest-xdist", "pytest-timeout"}}
+                 and not r.marker.evaluate({"extra": "", "python_version": "3.12"})} for e in ("tracking", "test", "gpu")}
+    assert extra == {"tracking": {"wandb", "mlflow-skinny"}, "test": {"pytest", "pytest-xdist", "pytest-timeout"},
+                     "gpu": {"flash-linear-attention"}}
     assert meta["Requires-Python"] == ">=3.11"
     # requirements.txt (make install) = the wheel's requirements without torch/megatron (install.sh pins those)
-    declared = {str(Requirement(str(r).split(";")[0])) for r in reqs if r.name not in ("torch", "megatron-core")}
+    # and without the gpu extra (fla: triton kernels; the CPU test environment must not have it)
+    declared = {str(Requirement(str(r).split(";")[0])) for r in reqs
+                if r.name not in ("torch", "megatron-core", "flash-linear-attention")}
     assert declared == _requirements_txt()
 
 
