@@ -5,10 +5,12 @@
 
 For one megatron decoder layer of the preset (built as mimo-sft builds it: our config, spec and SDPA
 core, tp 1; for Qwen3.5's hybrid decoder, one of each kind: Gated DeltaNet, whose fla kernels keep what
-fla keeps (``saved_bytes.fla_saved_tensors``), and gated full attention) with each recompute setting,
-its token mixer and MLP parts alone, one transformers
+fla keeps (``saved_bytes.fla_saved_tensors``), and gated full attention) with each recompute setting
+(the ``cpu`` terms: what the CPU's kernels keep), without recomputation also on CUDA's dispatch path
+(torch's fused RMSNorm: ``saved_bytes.cuda_rms_norm_saved_tensors``, derived from torch's own autograd node,
+no GPU) and with the SwiGLU fusion off, its token mixer and MLP parts alone, one transformers
 vision block of the preset's family (with and without ``--recompute-vision``'s checkpointing, full and windowed
-attention), the patch merger (and Qwen3-VL's DeepStack mergers), megatron's vocab-parallel cross entropy on the preset's vocabulary, and
+attention, and three pages and a part at once: several images' windows and images), the patch merger (and Qwen3-VL's DeepStack mergers), megatron's vocab-parallel cross entropy on the preset's vocabulary, and
 the layer on ``--tp`` gloo ranks with and without sequence parallelism (which needs the decoder norm
 that supports it, ``model.norm``; without it those rows say so),
 it prints the bytes ``mimo_sft.memory``'s formulas forecast and the bytes autograd saves
@@ -26,6 +28,8 @@ import tempfile
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 NAME = 84  # the table's first column
+#: several images in one micro-batch (``[t, h, w]`` patches): three pages, scaled down from 2 Mpx, and a part
+PAGES = [[1, 42, 30]] * 3 + [[1, 16, 20]]
 SETTINGS = {
     "no recompute": None,
     "selective core_attn": {"recompute_granularity": "selective", "recompute_modules": ["core_attn"]},
@@ -46,16 +50,19 @@ def layer_kinds(d):
     return [(kind, names[kind]) for kind in (LINEAR_ATTENTION, FULL_ATTENTION) if kind in d.layer_types]
 
 
-def _forecast(d, rc, *, tp, sp, b, layer_type):
+def _forecast(d, rc, *, tp, sp, b, layer_type, device="cpu", swiglu_fused=None):
     from mimo_sft.memory import activations as act
 
     if rc and rc["recompute_granularity"] == "full":
         return act.language_layer_input(d, tp=tp, sp=sp, b=b)
     mods = rc["recompute_modules"] if rc else ()
-    return sum(act.language_layer_terms(d, tp=tp, sp=sp, b=b, recompute_modules=mods, layer_type=layer_type).values())
+    fused = act.FUSED_SWIGLU if swiglu_fused is None else swiglu_fused
+    return sum(act.language_layer_terms(d, tp=tp, sp=sp, b=b, recompute_modules=mods, layer_type=layer_type,
+                                        device=device, swiglu_fused=fused).values())
 
 
 def language_rows(hf_dir, d, tokens, dtype, b):
+    from mimo_sft.memory import activations as act
     from mimo_sft.testing import saved_bytes as sb
 
     rows = []
@@ -66,8 +73,16 @@ def language_rows(hf_dir, d, tokens, dtype, b):
             forecast = _forecast(d, rc, tp=1, sp=False, b=b, layer_type=kind)
             rows.append((f"decoder layer{label}, {name}", "token", forecast, measured / tokens))
             if rc is None:
+                cuda = sb.language_layer_saved(block, cfg, tokens, dtype=dtype, device="cuda")
+                rows.append((f"decoder layer{label}, {name}, CUDA's RMSNorm (derived)", "token",
+                             _forecast(d, rc, tp=1, sp=False, b=b, layer_type=kind, device="cuda"), cuda / tokens))
                 rows += _layer_parts(block, cfg, d, tokens, dtype, b, kind)
             del block
+        fusion = not act.FUSED_SWIGLU
+        block, cfg = sb.language_layer(hf_dir, dtype=dtype, layer_type=kind, extra={"bias_activation_fusion": fusion})
+        rows.append((f"decoder layer{label}, no recompute, SwiGLU fusion {'on' if fusion else 'off'}", "token",
+                     _forecast(d, None, tp=1, sp=False, b=b, layer_type=kind, swiglu_fused=fusion),
+                     sb.language_layer_saved(block, cfg, tokens, dtype=dtype) / tokens))
     return rows
 
 
@@ -81,7 +96,7 @@ def _layer_parts(block, cfg, d, tokens, dtype, b, kind):
     from mimo_sft.testing import saved_bytes as sb
 
     layer = block.layers[0]
-    terms = act.language_layer_terms(d, tp=1, sp=False, b=b, layer_type=kind)
+    terms = act.language_layer_terms(d, tp=1, sp=False, b=b, layer_type=kind, device="cpu")
     rope = MultimodalRotaryEmbedding(kv_channels=cfg.kv_channels, rotary_percent=block.rotary_percent)
     emb = rope(torch.arange(tokens).view(1, 1, tokens).expand(3, 1, tokens), cfg.mrope_section)
     x = torch.randn(tokens, 1, d.hidden, dtype=dtype, requires_grad=True)
@@ -110,6 +125,13 @@ def vision_rows(hf_dir, v, patches, dtype, b):
              sb.vision_block_saved(block, vcfg, patches, dtype=dtype, window=64) / patches),
             ("vision block, --recompute-vision", "patch", act.vision_block_input(v, b=b),
              sb.vision_block_saved(block, vcfg, patches, dtype=dtype, recompute=True) / patches)]
+    windows, images = sb.image_segments(vcfg, PAGES)
+    for what, segments in (("windows", windows), ("images", images)):
+        if what == "windows" and windows == images:
+            continue  # a tower without windows
+        n = sum(images)
+        label = f"vision block, {len(images) - 1} pages of 42 x 30 patches and one of 16 x 20, attention per {what[:-1]}"
+        rows.append((label, "patch", full, sb.vision_block_saved(block, vcfg, n, dtype=dtype, segments=segments) / n))
     measured = 0
     x = torch.randn(patches, v.hidden, dtype=dtype, requires_grad=True)
     for j, merger in enumerate(sb.projector_modules(hf_dir, dtype=dtype)):
@@ -175,10 +197,12 @@ def _tp_worker(rank, tp, port, hf_dir, tokens, dtype_name, queue):
                     rows.append((f"decoder layer{label} tp {tp}{', SP' if sp else ''}, {name}: not built ({err})",
                                  "token", 0, 0))
                     continue
-                measured = sb.language_layer_saved(block, cfg, tokens, dtype=dtype)
-                forecast = _forecast(d, rc, tp=tp, sp=sp, b=b, layer_type=kind)
-                rows.append((f"decoder layer{label} tp {tp}{', sequence parallel' if sp else ''}, {name} (per rank)",
-                             "token", forecast, measured / tokens))
+                for device in ("cpu", "cuda") if rc is None else ("cpu",):
+                    measured = sb.language_layer_saved(block, cfg, tokens, dtype=dtype, device=device)
+                    forecast = _forecast(d, rc, tp=tp, sp=sp, b=b, layer_type=kind, device=device)
+                    where = ", CUDA's RMSNorm (derived)" if device == "cuda" else ""
+                    rows.append((f"decoder layer{label} tp {tp}{', sequence parallel' if sp else ''}, {name}{where} "
+                                 f"(per rank)", "token", forecast, measured / tokens))
     if rank == 0:
         queue.put(rows)
     import torch.distributed as dist

@@ -2,6 +2,7 @@
 
 ``forecast.forecast_memory`` computes it (``dims`` counts parameters, ``activations`` holds the
 per-token and per-patch formulas), ``fixes`` finds the cheapest change that makes a layout fit,
-``gpu`` reads the local GPU's size. Pure (no torch.distributed, no megatron): ``validate`` and
-``plan`` run it on a laptop; docs/memory.md lists the formulas and which were measured.
+``gpu`` reads the local GPU's size and picks the device whose kernels are counted. Pure (no
+torch.distributed, no megatron): ``validate`` and ``plan`` run it on a laptop; docs/memory.md lists the
+formulas and which were measured.
 """

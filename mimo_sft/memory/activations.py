@@ -2,20 +2,34 @@
 
 Each formula lists the tensors the real layer saves (``mimo_sft.testing.saved_bytes`` counts them; the
 figures in docs/memory.md and the tests compare both), with ``b`` the parameter dtype's bytes and
-fp32 statistics at 4 bytes:
+fp32 statistics at 4 bytes. The forecast targets a device (``DEVICES``, ``cuda`` by default: what
+clusters run), because torch's RMSNorm keeps less on CUDA:
+
+    RMSNorm over w   cuda: b w + 4          torch's fused kernel (``_fused_rms_norm``; its derivative in
+                                            torch's derivatives.yaml keeps the input, the weight and fp32
+                                            rstd): derived, torch's own autograd node recorded on the CPU
+                                            (``saved_bytes.cuda_rms_norm_saved_tensors``), not measured on a GPU
+                     cpu:  4w + 4w + 4      the composite torch runs elsewhere: fp32 copies of the input and
+                                            of the normalised rows, rstd (measured)
+Our own composite norms (Qwen3.5's zero-centred ones, the vision towers') keep the cpu figure on every device.
 
 decoder layer (megatron local spec, our SDPA core, torch's RMSNorm), per token, tensor rank of ``tp``:
-    norms          2 x (4h fp32 input + 4h fp32 normalised + 4 rstd)     [/tp with sequence parallelism]
+    norms          2 x RMSNorm over h                                     [/tp with sequence parallelism]
     linear inputs  b h (QKV input) + b h (fc1 input)                      [/tp with sequence parallelism]
     qkv            b (heads + 2 kv) d (fused output, held by V's view) + b (heads + kv) d (rotated q, k) /tp
     rotary         4 b d (cos and sin for q and k)
     attention      4 heads (log-sum-exp) + b heads d (output)             /tp
-    mlp            b 2 ffn (fc1 output) + 3 b ffn (SiLU output, product, gate view)   /tp
+    mlp            fused SwiGLU (megatron's ``bias_activation_fusion``, ``FUSED_SWIGLU``): 2 b ffn (fc1
+                   output, all its autograd Function keeps) + b ffn (its output, fc2's input) = 3 b ffn;
+                   unfused: 2 b ffn + 3 b ffn (SiLU output, ``up + 0`` copy, product)   /tp
 selective ``core_attn`` drops the log-sum-exp (flash attention keeps no score matrix, so this module
 saves little); ``mlp`` keeps only its input (already the fc1 input above); full recompute keeps only
 the layer's input, ``b h`` (/tp with sequence parallelism).
 
-Qwen3 adds q/k norms (RMSNorm over the head dim, torch's): (heads + kv) (2 x 4 hd fp32 + 4 rstd) /tp.
+Qwen3 adds q/k norms (RMSNorm over the head dim, torch's), /tp: cpu (heads + kv) (2 x 4 hd + 4); cuda the
+fused kernel keeps its inputs: k is a view of the fused QKV output (counted above), q a fresh copy
+``b heads hd`` where several q heads share a KV group (megatron reshapes q out of the fused output),
+plus 4 (heads + kv) rstd.
 
 Qwen3.5's hybrid decoder (``d.layer_types``; its zero-centred RMSNorms keep what torch's keep, plus a
 fp32 ``1 + w`` per layer, not per token) counts each layer by its kind. A full-attention layer: the
@@ -36,18 +50,25 @@ qk = key heads x key dim, v = value heads x value dim, hv = value heads, kh = ke
     gated norm       2 b v + 4 hv                  the compiled norm keeps the core output, z and rstd
     out_proj input   b v
     mlp              as above
-(measured at Qwen3.5-27B's width in bf16, tp 1: 398,216 bytes per GDN layer token and 414,424 per
-full-attention token, equal to the measurement less the per-layer ``1 + w`` tables; the compiled
+(measured at Qwen3.5-27B's width in bf16, tp 1: 328,584 bytes per GDN layer token and 344,792 per
+full-attention token with the fused SwiGLU, 398,216 and 414,424 without, equal to the measurement less
+the per-layer ``1 + w`` tables; the compiled
 helpers' tensors are what torch.compile's partitioner picks, measured with inductor on the CPU, not yet
 checked on a GPU.) Selective
 ``core_attn`` recomputes only attention's core: a GDN layer keeps all of the above; ``mlp`` drops
 the MLP in both kinds.
 
-vision block (transformers' Qwen2.5-VL, one SDPA call over all windows: ``model.vision_attention``), per patch:
+vision block (transformers' Qwen2.5-VL, one SDPA call over all windows: ``model.vision_attention``), per patch
+(the same on every device: its norms are transformers' own composite, the kernels flash-style):
     norms          2 x (4h fp32 input + 4 rstd + b h normalised + b h scaled)
-    qkv            3 b h (the padded q, k, v copies SDPA keeps; window padding at page edges adds a few %)
+    qkv            3 b h (the padded q, k, v copies SDPA keeps)
     attention      4 heads (log-sum-exp) + 2 b h (output, its contiguous copy for proj)
     mlp            4 b ffn (gate and up outputs, SiLU output, product)
+Attention is per image (full-attention blocks) or per window: each segment is one row of a padded batch
+(``model.segments``), so its q, k, v, output and log-sum-exp are kept per padded slot, ``(4 b h + 4 heads)``
+each: linear in the patches of every image of a sample, no term in an image's patches squared. The
+formulas count real patches; the padding (each image to a multiple of 8 patches, windows at image edges
+to 64, a short image padded to its group's longest) adds a few % to a block (measured: docs/memory.md).
 Qwen3-VL's block (LayerNorm, plain GELU MLP): norms 2 x (b h input + 8 mean/rstd + b h output),
 mlp 2 b ffn (fc1 output, GELU output), qkv and attention as above (measured at width 1152: 38,032
 bytes per patch in bf16, equal to the formula).
@@ -61,10 +82,30 @@ from __future__ import annotations
 from mimo_sft.memory.dims import FULL_ATTENTION, LINEAR_ATTENTION, TextDims, VisionDims
 
 FP32 = 4
+#: the forecast's target devices; their kernels keep different tensors for backward (``norm_bytes``)
+CUDA, CPU = "cuda", "cpu"
+DEVICES = (CUDA, CPU)
+#: megatron's fused SwiGLU in the decoder MLP (``bias_activation_fusion``): what the model's
+#: ``language_transformer_config`` sets (tests/test_memory_swiglu.py holds the two equal)
+FUSED_SWIGLU = True
 #: fla's chunk length: the gated delta rule keeps one ``[64]`` row of the inverted intra-chunk matrix per head and token
 GDN_CHUNK = 64
 #: megatron recompute modules the forecast models (others are ignored: no effect assumed)
 MODELLED_RECOMPUTE_MODULES = ("core_attn", "mlp")
+
+
+def norm_bytes(width: int, *, b: int, fused: bool) -> float:
+    """Bytes per row an RMSNorm over ``width`` keeps: torch's fused CUDA kernel its input and fp32 rstd
+    (``b w + 4``), the composite (torch on the CPU, our own norms everywhere) fp32 copies of the input and
+    of the normalised rows and rstd (``8 w + 4``; in fp32 the first copy is the input itself)."""
+    return b * width + FP32 if fused else 2 * FP32 * width + FP32
+
+
+def fused_norms(d: TextDims, device: str) -> bool:
+    """Whether the decoder's norms run torch's fused RMSNorm kernel: torch's ``nn.RMSNorm`` on CUDA."""
+    if device not in DEVICES:
+        raise ValueError(f"device must be one of {DEVICES}, got {device!r}")
+    return device == CUDA and d.torch_norm
 
 
 def rotary_dim(d: TextDims) -> int:
@@ -73,15 +114,17 @@ def rotary_dim(d: TextDims) -> int:
     return getattr(d, "rotary_dim", 0) or d.head_dim
 
 
-def _attention_terms(d: TextDims, *, tp: int, b: int, recompute_modules) -> dict[str, float]:
+def _attention_terms(d: TextDims, *, tp: int, b: int, recompute_modules, fused: bool) -> dict[str, float]:
     hd, heads, kv = d.head_dim, d.heads // tp, d.kv_heads // tp
     terms = {
         "qkv": b * d.qkv_width // tp + b * (heads + kv) * hd,
         "rotary": 4 * b * rotary_dim(d),
         "attention": FP32 * heads * ("core_attn" not in recompute_modules) + b * heads * hd,
     }
-    if d.qk_norm:  # Qwen3: an RMSNorm on each q and k head (fp32 input and normalised, fp32 rstd)
-        terms["qk norm"] = (heads + kv) * (2 * FP32 * hd + FP32)
+    if d.qk_norm and fused:  # the fused kernel keeps its inputs: k a view of the QKV output, q a copy under GQA
+        terms["qk norm"] = FP32 * (heads + kv) + (b * heads * hd if heads > kv else 0)
+    elif d.qk_norm:  # Qwen3 on the CPU, Qwen3.5 everywhere: the composite over each q and k head
+        terms["qk norm"] = (heads + kv) * norm_bytes(hd, b=b, fused=False)
     if d.attn_gate:  # Qwen3.5: sigmoid(gate) * output, fused by torch.compile
         terms["output gate"] = 2 * b * heads * hd
     return terms
@@ -101,24 +144,27 @@ def _gdn_terms(d: TextDims, *, tp: int, b: int) -> dict[str, float]:
 
 
 def language_layer_terms(d: TextDims, *, tp: int, sp: bool, b: int, recompute_modules=(),
-                         layer_type: str = FULL_ATTENTION) -> dict[str, float]:
-    """Bytes per token one decoder layer of ``layer_type`` keeps on one tensor rank, by term."""
+                         layer_type: str = FULL_ATTENTION, device: str = CUDA,
+                         swiglu_fused: bool = FUSED_SWIGLU) -> dict[str, float]:
+    """Bytes per token one decoder layer of ``layer_type`` keeps on one tensor rank of ``device``, by term."""
     seq = tp if sp else 1
     h = d.hidden
-    terms = {"norms": 2 * (2 * FP32 * h + FP32) / seq, "linear inputs": 2 * b * h / seq}
+    fused = fused_norms(d, device)
+    terms = {"norms": 2 * norm_bytes(h, b=b, fused=fused) / seq, "linear inputs": 2 * b * h / seq}
     if layer_type == LINEAR_ATTENTION:
         terms.update(_gdn_terms(d, tp=tp, b=b))
     else:
-        terms.update(_attention_terms(d, tp=tp, b=b, recompute_modules=recompute_modules))
-    terms["mlp"] = 0.0 if "mlp" in recompute_modules else 5 * b * (d.ffn // tp)
+        terms.update(_attention_terms(d, tp=tp, b=b, recompute_modules=recompute_modules, fused=fused))
+    terms["mlp"] = 0.0 if "mlp" in recompute_modules else (3 if swiglu_fused else 5) * b * (d.ffn // tp)
     return terms
 
 
 def language_stage_layers(d: TextDims, *, tp: int, sp: bool, b: int, pp: int, stage: int,
-                          recompute_modules=()) -> list[float]:
+                          recompute_modules=(), device: str = CUDA) -> list[float]:
     """Bytes per token of each layer of pipeline stage ``stage``, in order, each by its own kind."""
     return [sum(language_layer_terms(d, tp=tp, sp=sp, b=b, recompute_modules=recompute_modules,
-                                     layer_type=d.layer_type(i)).values()) for i in d.stage_layers(pp, stage)]
+                                     layer_type=d.layer_type(i), device=device).values())
+            for i in d.stage_layers(pp, stage)]
 
 
 def lora_dropout_bytes(d: TextDims, targets, *, tp: int, b: int, layer_type: str = FULL_ATTENTION) -> float:
@@ -135,13 +181,13 @@ def language_layer_input(d: TextDims, *, tp: int, sp: bool, b: int) -> float:
     return b * d.hidden / (tp if sp else 1)
 
 
-def language_head_terms(d: TextDims, *, tp: int, sp: bool, b: int) -> dict[str, float]:
+def language_head_terms(d: TextDims, *, tp: int, sp: bool, b: int, device: str = CUDA) -> dict[str, float]:
     """Per token on the last stage: the final norm, the output layer's input, and megatron's
     vocab-parallel cross entropy, which keeps the fp32 softmax of this rank's vocabulary slice, with the
     bf16 logits (forward) or their gradient (backward) beside it."""
     seq = tp if sp else 1
     vocab = d.padded_vocab(tp) // tp
-    return {"final norm": (2 * FP32 * d.hidden + FP32 + b * d.hidden) / seq,
+    return {"final norm": (norm_bytes(d.hidden, b=b, fused=fused_norms(d, device)) + b * d.hidden) / seq,
             "cross entropy": (FP32 + (b if b != FP32 else 0)) * vocab}
 
 

@@ -3,7 +3,9 @@
 It lives here, beside the forecast, and reaches the numbered checks as ``CheckContext.forecaster``
 (``mimo_sft.validate`` passes it), so that config/ never imports memory/.
 
-Runs ``memory.forecast`` on ``--hf-model``'s config.json (no weights read) for the checked layout;
+Runs ``memory.forecast`` on ``--hf-model``'s config.json (no weights read) for the checked layout, on
+the kernels of the device the run will use (``memory.gpu.forecast_device``: CUDA unless a run starts here
+on the CPU);
 a GPU group over ``--gpu-memory-gb`` (default: this machine's GPU, else 80 GiB) is an error that
 names the module, the forecast, its largest terms and the cheapest fix (``memory.fixes``). The
 forecast is kept on the check context so ``validate`` prints its table and ``--json`` carries it.
@@ -18,8 +20,8 @@ import os
 
 from mimo_sft.config import families
 from mimo_sft.memory.fixes import over_budget_messages
-from mimo_sft.memory.forecast import forecast_memory, max_pixels_of
-from mimo_sft.memory.gpu import gpu_budget_bytes
+from mimo_sft.memory.forecast import forecast_memory
+from mimo_sft.memory.gpu import forecast_device, gpu_budget_bytes
 from mimo_sft.parallel.layout import LANGUAGE
 
 
@@ -65,10 +67,11 @@ def forecast_check(ctx):
     if not _forecastable(ctx):
         return  # check 16 (no config.json, unsupported model) or the layout checks say what to change
     proc_pixels = processor_max_pixels(ctx.cfg.model.hf_model)
+    # plan hands in its data's workload: it forecasts the run on the cluster, like validate
+    device = forecast_device(for_run=ctx.for_run, planning=ctx.workload is not None)
     forecast = forecast_memory(ctx.cfg, ctx.layout, ctx.hf_config, workload=ctx.workload,
-                               processor_max_pixels=proc_pixels)
+                               processor_max_pixels=proc_pixels, device=device)
     budget, source = gpu_budget_bytes(gb)
     ctx.memory = forecast.report(budget, source)
     yield from over_budget_messages(ctx.cfg, ctx.layout, ctx.hf_config, forecast, budget,
-                                    max_pixels=max_pixels_of(ctx.cfg, proc_pixels),
                                     processor_max_pixels=proc_pixels)

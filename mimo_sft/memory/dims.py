@@ -100,6 +100,10 @@ class TextDims:
     #: rotary channels per attention head where only part of each head rotates (Qwen3.5's
     #: ``partial_rotary_factor`` 0.25: 64 of 256, megatron's ``rotary_percent``); 0: every channel
     rotary_dim: int = 0
+    #: the decoder's RMSNorms are torch's ``nn.RMSNorm`` (``model.norm.RMSNorm``: Qwen2.5-VL, Qwen3-VL), which
+    #: CUDA torch runs as one fused kernel keeping less for backward than the CPU's composite
+    #: (``memory.activations.norm_bytes``); False: our own composite norms on every device (Qwen3.5's zero-centred)
+    torch_norm: bool = True
 
     @classmethod
     def from_config(cls, config: dict) -> "TextDims":
@@ -118,7 +122,7 @@ class TextDims:
                    deepstack=len((config.get("vision_config") or {}).get("deepstack_visual_indexes") or ())
                    if arch.deepstack else 0,
                    layer_types=hybrid_layer_types(t) if hybrid else (),
-                   gdn=GdnDims.from_text_config(t) if hybrid else None, attn_gate=hybrid)
+                   gdn=GdnDims.from_text_config(t) if hybrid else None, attn_gate=hybrid, torch_norm=not hybrid)
 
     def padded_vocab(self, tp: int) -> int:
         """megatron's embedding rows: the vocabulary padded to a multiple of tp (``decoder_weights.pad_vocab``)."""

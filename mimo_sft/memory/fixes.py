@@ -1,11 +1,12 @@
 """The cheapest change that makes an over-budget layout fit, and check 23's message.
 
 Changes are tried in order of what they cost the run (nothing, then a little compute, then more
-compute, then a layout change, then image detail), each on top of the previous ones, until the
+compute, then a layout change), each on top of the previous ones, until the
 forecast fits: the distributed optimizer (free: shards Adam's state over dp), sequence parallelism
 (free with tp > 1), selective recomputation of the MLP (one MLP forward again), full recomputation
 one layer at a time (one forward again), a doubled language tp; for the vision tower the
-distributed optimizer, ``--recompute-vision``, then a smaller ``--max-pixels``.
+distributed optimizer, then ``--recompute-vision``. (A smaller ``--max-pixels`` is no fix: the worst case
+fills every sample with image tokens whatever their size, ``memory.forecast.worst_case_workload``.)
 
 Pure: re-runs ``memory.forecast`` on modified copies of the config.
 """
@@ -59,7 +60,7 @@ def _language_steps(cfg, layout, hf_config):
         yield f"language tp={tp2}, dp={lang.dp // 2}", raise_tp
 
 
-def _vision_steps(cfg, layout, max_pixels: int):
+def _vision_steps(cfg, layout):
     m = cfg.model
     if IMAGES not in layout.names:
         return
@@ -67,26 +68,23 @@ def _vision_steps(cfg, layout, max_pixels: int):
         yield "--use-distributed-optimizer", _set("optimizer", "use_distributed_optimizer", True)
     if not m.recompute_vision:
         yield "--recompute-vision", _set("model", "recompute_vision", True)
-    pixels = max_pixels
-    for _ in range(6):
-        pixels //= 2
-        yield f"--max-pixels {pixels}", _set("data", "max_pixels", pixels)
 
 
-def cheapest_fix(cfg, layout, hf_config: dict, group: str, budget: int, *, max_pixels: int,
-                 processor_max_pixels=None) -> tuple[list[str], int] | None:
+def cheapest_fix(cfg, layout, hf_config: dict, group: str, budget: int, *, processor_max_pixels=None,
+                 device: str = "cuda") -> tuple[list[str], int] | None:
     """The shortest prefix of the ordered changes after which GPU group ``group`` (a module, or the
-    colocated ``language+images``) fits ``budget`` bytes: ``(changes, new peak)``, or None."""
+    colocated ``language+images``) fits ``budget`` bytes on ``device``: ``(changes, new peak)``, or None."""
     steps = []
     if group in (LANGUAGE,) or "+" in group:
         steps += list(_language_steps(cfg, layout, hf_config))
     if group == IMAGES or "+" in group:
-        steps += [s for s in _vision_steps(cfg, layout, max_pixels) if s[0] not in {n for n, _ in steps}]
+        steps += [s for s in _vision_steps(cfg, layout) if s[0] not in {n for n, _ in steps}]
     c, lay, done = copy.deepcopy(cfg), layout, []
     for name, apply in steps:
         lay = apply(c, lay)
         done.append(name)
-        peak = forecast_memory(c, lay, hf_config, processor_max_pixels=processor_max_pixels).gpu_peaks()[group]
+        peak = forecast_memory(c, lay, hf_config, processor_max_pixels=processor_max_pixels,
+                               device=device).gpu_peaks()[group]
         if peak <= budget:
             if any(d.startswith("--recompute-granularity full") for d in done):  # full recompute replaces selective
                 done = [d for d in done if not d.startswith("--recompute-granularity selective")]
@@ -95,7 +93,7 @@ def cheapest_fix(cfg, layout, hf_config: dict, group: str, budget: int, *, max_p
 
 
 def over_budget_messages(cfg, layout, hf_config: dict, forecast: MemoryForecast, budget: int, *,
-                         max_pixels: int, processor_max_pixels=None) -> list[str]:
+                         processor_max_pixels=None) -> list[str]:
     """One message per GPU group whose forecast exceeds ``budget`` bytes (check 23)."""
     out = []
     for group, peak in forecast.gpu_peaks().items():
@@ -108,10 +106,13 @@ def over_budget_messages(cfg, layout, hf_config: dict, forecast: MemoryForecast,
                 terms[k] = terms.get(k, 0) + v
         top = ", ".join(f"{k} {_gib(v)}" for k, v in sorted(terms.items(), key=lambda kv: -kv[1])[:3])
         where = " and ".join(f"{n} ({forecast.modules[n].rank})" for n in names)
-        fix = cheapest_fix(cfg, layout, hf_config, group, budget, max_pixels=max_pixels,
-                           processor_max_pixels=processor_max_pixels)
+        fix = cheapest_fix(cfg, layout, hf_config, group, budget, processor_max_pixels=processor_max_pixels,
+                           device=forecast.device)
+        more = ("more GPUs for the tower (raise images dp), a smaller --micro-batch-size or --seq-length (the worst "
+                "case fills every sample with image tokens)" if group == IMAGES else
+                "more GPUs (raise tp or pp) or a smaller --micro-batch-size")
         advice = (f"cheapest fix: {' + '.join(fix[0])} (forecast {_gib(fix[1])})" if fix else
-                  "no flag alone makes it fit: use more GPUs (raise tp or pp) or a smaller --micro-batch-size")
+                  f"no flag alone makes it fit: use {more}")
         out.append(f"{where}: forecast {_gib(peak)} per GPU exceeds --gpu-memory-gb {budget / GIB:g} "
                    f"(largest: {top}); {advice}")
     return out

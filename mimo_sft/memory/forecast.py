@@ -13,8 +13,9 @@ Terms (bytes, per rank; docs/memory.md has every formula and what was measured):
 * ``optimizer``: Adam's two moments, plus fp32 main weights in bf16: 8 or 12 bytes per trainable
   parameter, divided by the module's dp x cp with the distributed optimizer (megatron shards it over
   ``dp_cp``). LoRA runs the plain optimizer.
-* ``activations``: what autograd keeps (``memory.activations``) times the micro-batches the schedule
-  holds: 1F1B (non-colocated) keeps ``stages - stage`` in flight, the encoder stage ``pp + 1``; a
+* ``activations``: what autograd keeps (``memory.activations``, on the target ``device``: ``cuda`` by
+  default, where torch's RMSNorm is one fused kernel; ``cpu`` for a run on the CPU) times the
+  micro-batches the schedule holds: 1F1B (non-colocated) keeps ``stages - stage`` in flight, the encoder stage ``pp + 1``; a
   colocated step runs one at a time. ``recompute``: the one layer group (or block) rebuilt during
   backward. ``logits``: last stage's final norm and cross entropy.
 * ``inputs`` (vision): pixel values and rotary tables. ``bridge``: the tensors crossing the
@@ -75,6 +76,7 @@ class MemoryForecast:
     modules: dict[str, ModuleForecast]
     colocated: bool
     workload: Workload
+    device: str = act.CUDA  # whose kernels the activation terms count
 
     def gpu_peaks(self) -> dict[str, int]:
         """Peak bytes per GPU group: each module's own ranks, or one sum when colocated."""
@@ -88,7 +90,7 @@ class MemoryForecast:
     def report(self, budget_bytes: int, budget_source: str) -> dict:
         """The JSON-ready report the tables print and ``--json`` carries: modules, per-GPU peaks, budget."""
         return {"modules": self.to_json(), "gpu_peaks": self.gpu_peaks(), "budget_bytes": budget_bytes,
-                "budget_source": budget_source, "workload": self.workload.source}
+                "budget_source": budget_source, "workload": self.workload.source, "device": self.device}
 
 
 def _bytes(dtype: str) -> int:
@@ -110,20 +112,33 @@ def max_pixels_of(cfg, processor_max_pixels: int | None) -> int:
     return int(cfg.data.max_pixels or processor_max_pixels or DEFAULT_MAX_PIXELS)
 
 
+def worst_case_images(seq: int, tokens_per_image: int) -> str:
+    """How ``seq`` image tokens split into images of at most ``tokens_per_image``: "3 images of 2,560 tokens
+    and one of 512"."""
+    full, rest = divmod(seq, tokens_per_image)
+    if full == 0 or (full == 1 and not rest):
+        return f"one image of {seq:,} tokens"
+    head = f"{full} images" if full > 1 else "one image"
+    head += f" of {tokens_per_image:,} tokens"
+    return head + (f" and one of {rest:,}" if rest else "")
+
+
 def worst_case_workload(cfg, layout, hf_config: dict, *, max_pixels: int) -> Workload:
-    """Every sample padded to ``--seq-length`` and carrying one image at ``--max-pixels`` (its tokens
-    capped at ``--seq-length``: a larger one does not fit and is dropped)."""
+    """Every sample padded to ``--seq-length``, every one of its tokens an image token: a sample may hold
+    any number of images, each at most ``--max-pixels`` (a page of 2 Mpx is 2,560 tokens, so an 8k sample
+    holds three and a part). What a vision rank keeps is linear in the patches of all of them (attention
+    is per image or window, and keeps no score matrix: ``memory.activations``), so ``--max-pixels`` only
+    sets how they split, not how many there are."""
     v = VisionDims.from_config(hf_config)
     mbs, seq = cfg.train.micro_batch_size, cfg.data.seq_length
     lang = layout.spec(LANGUAGE)
     tokens_per_image = max(1, max_pixels // (v.patch * v.merge) ** 2)
-    image_tokens = min(tokens_per_image, seq)
     vis_dp = layout.spec(IMAGES).dp if IMAGES in layout.names else 1
     return Workload(language_tokens=max(1, mbs // lang.dp) * seq,
-                    image_patches=max(1, mbs // vis_dp) * image_tokens * v.merge ** 2,
-                    image_tokens=max(1, mbs // lang.dp) * image_tokens,
-                    source=f"worst case: every sample {seq} tokens with one image of {image_tokens} tokens "
-                           f"(--max-pixels {max_pixels:,})")
+                    image_patches=max(1, mbs // vis_dp) * seq * v.merge ** 2,
+                    image_tokens=max(1, mbs // lang.dp) * seq,
+                    source=f"worst case: every sample {seq:,} tokens, all of them image tokens, as "
+                           f"{worst_case_images(seq, tokens_per_image)} (--max-pixels {max_pixels:,})")
 
 
 def _in_flight(layout, module: str, stage: int, num_microbatches: int) -> int:
@@ -148,7 +163,8 @@ def _stored_and_transient(m, full: list[float], kept: list[float], inp: float) -
     return sum(kept), 0.0
 
 
-def _language_stage(cfg, layout, d: TextDims, stage: int, wl: Workload, lora: LoraSpec | None) -> dict[str, int]:
+def _language_stage(cfg, layout, d: TextDims, stage: int, wl: Workload, lora: LoraSpec | None,
+                    device: str) -> dict[str, int]:
     m, lang = cfg.model, layout.spec(LANGUAGE)
     tp, pp, b = lang.tp, lang.pp, _bytes(m.dtype)
     sp = bool(m.sequence_parallel) and tp > 1
@@ -161,7 +177,7 @@ def _language_stage(cfg, layout, d: TextDims, stage: int, wl: Workload, lora: Lo
     modules = tuple(m.recompute_modules if isinstance(m.recompute_modules, (list, tuple))
                     else str(m.recompute_modules or "").split(","))
     selective = modules if m.recompute_granularity == "selective" else ()
-    shape = dict(tp=tp, sp=sp, b=b, pp=pp, stage=stage)
+    shape = dict(tp=tp, sp=sp, b=b, pp=pp, stage=stage, device=device)
     full = act.language_stage_layers(d, **shape)  # per token, each layer by its kind
     kept = act.language_stage_layers(d, **shape, recompute_modules=selective)
     if lora and m.lora_dropout > 0:
@@ -172,7 +188,8 @@ def _language_stage(cfg, layout, d: TextDims, stage: int, wl: Workload, lora: Lo
     flight = _in_flight(layout, LANGUAGE, stage, _num_microbatches(cfg))
     terms["activations"] = int(flight * stored * tokens)
     terms["recompute"] = int(transient * tokens)
-    terms["logits"] = int(sum(act.language_head_terms(d, tp=tp, sp=sp, b=b).values()) * tokens) if stage == pp - 1 else 0
+    head = act.language_head_terms(d, tp=tp, sp=sp, b=b, device=device)
+    terms["logits"] = int(sum(head.values()) * tokens) if stage == pp - 1 else 0
     hidden_stream = tokens * d.hidden * b // (tp if sp else 1)
     bridge = (stage > 0) * flight * hidden_stream + (stage < pp - 1) * flight * hidden_stream
     if stage == 0 and IMAGES in layout.names:  # with DeepStack, k more features per image token
@@ -190,11 +207,11 @@ def _allowance(terms: dict[str, int], *, fixed: bool) -> int:
     return int((ALLOWANCE_FIXED if fixed else 0) + share)
 
 
-def language_forecast(cfg, layout, hf_config: dict, wl: Workload) -> ModuleForecast:
+def language_forecast(cfg, layout, hf_config: dict, wl: Workload, device: str = act.CUDA) -> ModuleForecast:
     d = TextDims.from_config(hf_config)
     lora = LoraSpec.from_model_config(cfg.model)
     pp = layout.spec(LANGUAGE).pp
-    stages = [_language_stage(cfg, layout, d, s, wl, lora) for s in range(pp)]
+    stages = [_language_stage(cfg, layout, d, s, wl, lora, device) for s in range(pp)]
     best = max(range(pp), key=lambda s: sum(stages[s].values()))
     terms = stages[best]
     terms["allowance"] = _allowance(terms, fixed=True)
@@ -239,12 +256,13 @@ def vision_forecast(cfg, layout, hf_config: dict, wl: Workload) -> ModuleForecas
 
 
 def forecast_memory(cfg, layout, hf_config: dict, *, workload: Workload | None = None,
-                    processor_max_pixels: int | None = None) -> MemoryForecast:
+                    processor_max_pixels: int | None = None, device: str = act.CUDA) -> MemoryForecast:
     """The forecast of every module in ``layout`` (a checked ``parallel.layout.Layout``) for ``cfg``
-    (an ``ExperimentConfig``) and a Qwen2.5-VL config.json dict."""
+    (an ``ExperimentConfig``) and a Qwen-VL config.json dict, on ``device``'s kernels (``act.DEVICES``;
+    the vision tower keeps the same on both)."""
     wl = workload or worst_case_workload(cfg, layout, hf_config,
                                          max_pixels=max_pixels_of(cfg, processor_max_pixels))
-    modules = {LANGUAGE: language_forecast(cfg, layout, hf_config, wl)}
+    modules = {LANGUAGE: language_forecast(cfg, layout, hf_config, wl, device)}
     if IMAGES in layout.names:
         modules[IMAGES] = vision_forecast(cfg, layout, hf_config, wl)
-    return MemoryForecast(modules, layout.colocated, wl)
+    return MemoryForecast(modules, layout.colocated, wl, device)

@@ -1,4 +1,5 @@
-"""The budget check 23 holds a forecast to: ``--gpu-memory-gb``, else this machine's GPU, else 80 GB.
+"""The budget check 23 holds a forecast to (``--gpu-memory-gb``, else this machine's GPU, else 80 GB), and
+the device whose kernels it counts (``forecast_device``).
 
 Why lazy: ``validate`` stays fast on a laptop, so torch is imported only where a CUDA driver is
 present (``/proc/driver/nvidia`` or ``/dev/nvidia0``) or already imported (``finetune``).
@@ -36,3 +37,13 @@ def gpu_budget_bytes(gpu_memory_gb: float | None) -> tuple[int, str]:
     if local is not None:
         return local, f"this machine's GPU ({local / GB:.1f} GiB)"
     return int(DEFAULT_GPU_GB * GB), f"default {DEFAULT_GPU_GB:g} GiB (no GPU here; set --gpu-memory-gb)"
+
+
+def forecast_device(*, for_run: bool, planning: bool) -> str:
+    """The device whose kernels the forecast counts (``memory.activations.DEVICES``): ``cuda``, what clusters
+    run, for ``validate`` and ``plan`` (both forecast a run elsewhere), and for a run on a machine with a
+    CUDA GPU; ``cpu`` for a ``finetune`` / ``evaluate`` (``for_run``) on a machine without one, which then
+    trains on the CPU (``parallel.runtime.select_device``)."""
+    if for_run and not planning and local_gpu_bytes() is None:
+        return "cpu"
+    return "cuda"

@@ -155,7 +155,7 @@ class Qwen25VLAdapter(FamilyAdapter):
             tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, sequence_parallel=False,
             params_dtype=dtype, bf16=dtype == torch.bfloat16, pipeline_dtype=dtype,
             use_cpu_initialization=cpu_init, perform_initialization=random_init,
-            apply_rope_fusion=False, bias_activation_fusion=False, masked_softmax_fusion=False,
+            apply_rope_fusion=False, bias_activation_fusion=True, masked_softmax_fusion=False,
             bias_dropout_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
             cross_entropy_loss_fusion=False,
             # the multi-module schedules need variable sequence lengths, which config validation

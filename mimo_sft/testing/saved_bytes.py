@@ -9,14 +9,16 @@ vision block of the checkpoint's family. Both run on the CPU with torch's flash 
 (the CPU's math fallback would save the ``s x s`` score matrix, which no GPU run keeps). Likewise a
 Qwen3.5 Gated DeltaNet layer's three kernels keep what fla's GPU kernels keep, not what autograd would
 keep of their torch stand-ins (``fla_saved_tensors``); megatron's ``jit_fuser`` helpers around them run
-under torch.compile as on a GPU.
+under torch.compile as on a GPU. torch's RMSNorm, one fused kernel on CUDA, can take CUDA's dispatch path
+(``cuda_rms_norm_saved_tensors``: the ``device="cuda"`` figures; torch's own autograd node for that kernel
+keeps the tensors, with torch's reference of the kernel standing in for the CUDA one, which cannot run here).
 
 Used by ``scripts/bench_memory.py`` and the memory tests; not part of training.
 """
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 
@@ -174,6 +176,45 @@ def fla_saved_tensors(block):
             m.gated_delta_rule = rule
 
 
+# ---- torch's fused CUDA RMSNorm, for the device="cuda" figures --------------------------------------
+@contextmanager
+def cuda_rms_norm_saved_tensors():
+    """While measuring: torch's RMSNorm takes the path it takes on CUDA, so its autograd node keeps what it
+    keeps on a GPU.
+
+    Why: CUDA torch's ``rms_norm`` calls the ``_fused_rms_norm`` op, whose CUDA kernel is one fused kernel
+    and whose autograd node (``FusedRmsNormBackward0``, torch's derivatives.yaml) keeps the input as given,
+    the weight and the per-row rstd; the CPU build has no kernel for that op, so it falls back to the
+    composite, whose every step autograd records (fp32 copies). Here the op gets a CPU kernel for the
+    duration -- torch's own reference of the CUDA kernel, its decomposition (``torch._decomp``: the one fake
+    tensors use; rstd in fp32 for bf16, as the CUDA kernel's accumulate type) -- so ``rms_norm`` dispatches
+    exactly as on CUDA (the composite still where CUDA takes it: channels-last, complex, a weight of another
+    dtype) and torch's real autograd node records the saved tensors. Only torch's ``rms_norm`` changes:
+    our own norms (Qwen3.5's zero-centred, the towers') are composites on every device."""
+    from torch._decomp import decomposition_table
+    from torch.library import Library
+
+    aten = torch.ops.aten
+    forward_ref = decomposition_table[aten._fused_rms_norm.default]
+    backward_ref = decomposition_table[aten._fused_rms_norm_backward.default]
+
+    def forward(x, normalized_shape, weight, eps):
+        with torch._C._AutoDispatchBelowAutograd():
+            return forward_ref(x, normalized_shape, weight, eps)
+
+    def backward(grad, x, normalized_shape, rstd, weight, mask):
+        with torch._C._AutoDispatchBelowAutograd():
+            return backward_ref(grad, x, normalized_shape, rstd, weight, mask)
+
+    lib = Library("aten", "IMPL")
+    lib.impl("_fused_rms_norm", forward, "CPU")
+    lib.impl("_fused_rms_norm_backward", backward, "CPU")
+    try:
+        yield
+    finally:
+        lib._destroy()
+
+
 # ---- one megatron decoder layer ------------------------------------------------------------------
 def language_layer(hf_dir: str, *, dtype: torch.dtype, recompute: dict | None = None, pstate=None,
                    extra: dict | None = None, layer_type: str | None = None):
@@ -182,7 +223,9 @@ def language_layer(hf_dir: str, *, dtype: torch.dtype, recompute: dict | None = 
     weights not initialised. ``recompute``: TransformerConfig recompute fields (``recompute_granularity``,
     ``recompute_method``, ``recompute_num_layers``, ``recompute_modules``); ``extra``: other config fields
     (``sequence_parallel``); ``layer_type``: a hybrid decoder's layer kind (``text_config.layer_types``
-    entry, default its first layer's). Runs in the 1-rank world (``parallel.bootstrap.start_single_process``),
+    entry, default its first layer's). megatron's fused SwiGLU is on or off as the forecast counts it
+    (``memory.activations.FUSED_SWIGLU``, which tests hold equal to the model's own config) unless ``extra`` sets
+    ``bias_activation_fusion``. Runs in the 1-rank world (``parallel.bootstrap.start_single_process``),
     or on the tp of ``pstate`` (a ``parallel.groups.ParallelState`` of a ``language=tp=N`` layout). The
     block carries ``rotary_percent`` (the rotary share of each head) for ``language_layer_saved``."""
     from megatron.core.transformer.transformer_block import TransformerBlock
@@ -200,7 +243,10 @@ def language_layer(hf_dir: str, *, dtype: torch.dtype, recompute: dict | None = 
     if getattr(text, "layer_types", None):  # one layer, of the kind asked for
         text.layer_types = [layer_type or text.layer_types[0]]
     text.num_hidden_layers = 1
-    overrides = {"calculate_per_token_loss": True, "attention_dropout": 0.0, "hidden_dropout": 0.0}
+    from mimo_sft.memory.activations import FUSED_SWIGLU
+
+    overrides = {"calculate_per_token_loss": True, "attention_dropout": 0.0, "hidden_dropout": 0.0,
+                 "bias_activation_fusion": FUSED_SWIGLU}
     overrides.update(recompute or {})
     overrides.update(extra or {})
     # no initialisation (weights left as allocated): what is saved depends on shapes, not values, and a
@@ -214,11 +260,12 @@ def language_layer(hf_dir: str, *, dtype: torch.dtype, recompute: dict | None = 
     return block, cfg
 
 
-def language_layer_saved(block, cfg, tokens: int, *, dtype: torch.dtype, batch: int = 1) -> int:
+def language_layer_saved(block, cfg, tokens: int, *, dtype: torch.dtype, batch: int = 1, device: str = "cpu") -> int:
     """Bytes one decoder layer saves on this rank for ``batch`` rows of ``tokens`` positions (this rank's
     ``1/tp`` of them under sequence parallelism). The input counts where the layer keeps it (fp32, or
-    under full recomputation); the rotary table, shared by every layer, does not. A Gated DeltaNet
-    layer's kernels keep what fla's keep (``fla_saved_tensors``)."""
+    under full recomputation, or as the input of CUDA's fused RMSNorm); the rotary table, shared by every
+    layer, does not. A Gated DeltaNet layer's kernels keep what fla's keep (``fla_saved_tensors``);
+    ``device="cuda"``: torch's RMSNorms keep what its fused CUDA kernel keeps (``cuda_rms_norm_saved_tensors``)."""
     from megatron.core.models.common.embeddings.rotary_pos_embedding import MultimodalRotaryEmbedding
 
     h = cfg.hidden_size
@@ -230,7 +277,8 @@ def language_layer_saved(block, cfg, tokens: int, *, dtype: torch.dtype, batch: 
     params = list(block.parameters())
     from mimo_sft.model.gdn_kernels import compiled_helpers
 
-    with flash_sdpa(), fla_saved_tensors(block), compiled_helpers():  # megatron's compiled helpers, as on a GPU
+    norms = cuda_rms_norm_saved_tensors() if device == "cuda" else nullcontext()
+    with flash_sdpa(), fla_saved_tensors(block), compiled_helpers(), norms:  # megatron's compiled helpers, as on a GPU
         total, out = saved_bytes(block, x, None, rotary_pos_emb=emb, exclude=params + [emb])
     return total
 
@@ -253,17 +301,42 @@ def vision_block(hf_dir: str, *, dtype: torch.dtype):
     return adapter.vision_block_class()(vcfg).to(dtype), vcfg
 
 
+def image_segments(vcfg, grids) -> tuple[list[int], list[int]]:
+    """``(windows, images)``: the attention segment lengths, in patches, of images with these ``grids``
+    (``[t, h, w]`` patches each) as transformers' Qwen2.5-VL tower lays them out -- its windows
+    (``window_size`` pixels a side; partial at image edges) for windowed blocks, whole images for
+    full-attention blocks (and every block of a tower without windows)."""
+    from transformers.vision_utils import get_vision_cu_seqlens, get_vision_window_index
+
+    from mimo_sft.model.segments import lengths_of
+
+    grid = torch.tensor(grids, dtype=torch.int64)
+    images = lengths_of(get_vision_cu_seqlens(grid).tolist())
+    if not getattr(vcfg, "window_size", None):
+        return images, images
+    _, cu_window = get_vision_window_index(grid, spatial_merge_size=vcfg.spatial_merge_size,
+                                           window_size=vcfg.window_size, patch_size=vcfg.patch_size)
+    return [n for n in lengths_of(cu_window.tolist()) if n], images
+
+
 def vision_block_saved(block, vcfg, patches: int, *, dtype: torch.dtype, recompute: bool = False,
-                       window: int | None = None) -> int:
+                       window: int | None = None, segments: list[int] | None = None) -> int:
     """Bytes one vision block saves for ``patches`` patches of one image (attention in windows of
-    ``window`` patches, default the whole image: a full-attention block); with ``recompute``, under
-    non-reentrant ``torch.utils.checkpoint`` as ``--recompute-vision`` runs it."""
+    ``window`` patches, default the whole image: a full-attention block), or in ``segments`` (lengths
+    in patches, summing to ``patches``: several images' windows or images, ``image_segments``); with
+    ``recompute``, under non-reentrant ``torch.utils.checkpoint`` as ``--recompute-vision`` runs it."""
     from torch.utils.checkpoint import checkpoint
 
     head_dim = vcfg.hidden_size // vcfg.num_heads
     x = torch.randn(patches, vcfg.hidden_size, dtype=dtype, requires_grad=True)
-    window = window or patches
-    bounds = list(range(0, patches, window)) + [patches]
+    if segments is not None:
+        assert sum(segments) == patches, f"segments cover {sum(segments)} patches, not {patches}"
+        bounds = [0]
+        for n in segments:
+            bounds.append(bounds[-1] + n)
+    else:
+        window = window or patches
+        bounds = list(range(0, patches, window)) + [patches]
     cu = torch.tensor(bounds, dtype=torch.int32)
     angles = torch.randn(patches, head_dim // 2)
     emb = torch.cat([angles, angles], dim=-1)
