@@ -88,14 +88,17 @@ def test_a_run_resumed_past_the_profile_range_says_so(capsys, tmp_path):
     assert capsys.readouterr().out == ""  # not a profiled rank
 
 
-def test_ddp_configs_overlap_only_the_language_model():
+def test_ddp_configs_overlap_both_reductions_and_the_language_gather():
     from mimo_sft.train.setup import ddp_config_for
 
     cfg = load_config(GOOD)
     lang = ddp_config_for(cfg, language=True, bucket_size=1000)
     vision = ddp_config_for(cfg, language=False, bucket_size=1000)
     assert (lang.overlap_grad_reduce, lang.overlap_param_gather, lang.bucket_size) == (True, True, 1000)
-    assert (vision.overlap_grad_reduce, vision.overlap_param_gather, vision.bucket_size) == (False, False, None)
+    assert (vision.overlap_grad_reduce, vision.overlap_param_gather, vision.bucket_size) == (True, False, 1000)
+    one = ddp_config_for(cfg, language=False, bucket_size=None)  # a checkpoint's one vision bucket
+    assert (one.overlap_grad_reduce, one.bucket_size) == (False, None)
+    assert not lang.check_for_nan_in_grad and not vision.check_for_nan_in_grad  # one check per step instead
     off = ddp_config_for(load_config(GOOD + ["--no-overlap-grad-reduce"]), language=True, bucket_size=None)
     assert (off.overlap_grad_reduce, off.overlap_param_gather) == (False, False)
     assert lang is not ddp_config_for(cfg, language=True, bucket_size=1000)  # megatron writes into it
@@ -116,6 +119,25 @@ def test_language_bucket_size_follows_a_dp_reshardable_checkpoint(tmp_path):
         (ckpt / "meta.json").write_text(__import__("json").dumps({"step": 2, **meta}))
         cfg = load_config(GOOD + ["--ddp-bucket-size", "7000", "--load-checkpoint", str(ckpt)])
         assert language_bucket_size(cfg, announce=False) == expected, meta
+
+
+def test_vision_bucket_size_follows_a_dp_reshardable_checkpoint(tmp_path):
+    """A DP-reshardable checkpoint without ``vision_ddp_bucket_size`` was saved with one vision bucket."""
+    from mimo_sft.train.buckets import DEFAULT_BUCKET_SIZE
+    from mimo_sft.train.setup import VISION_META_KEY, vision_bucket_size
+
+    assert vision_bucket_size(load_config(GOOD)) == DEFAULT_BUCKET_SIZE
+    assert vision_bucket_size(load_config(GOOD + ["--no-overlap-grad-reduce"])) is None
+    ckpt = tmp_path / "iter_0000002"
+    ckpt.mkdir()
+    for meta, expected in (({"use_distributed_optimizer": True, "distributed_optimizer_format": "dp_reshardable",
+                             VISION_META_KEY: 5000}, 5000),
+                           ({"use_distributed_optimizer": True, "distributed_optimizer_format": "dp_reshardable"}, None),
+                           ({"use_distributed_optimizer": True, "distributed_optimizer_format": "fully_reshardable",
+                             VISION_META_KEY: 5000}, 7000)):
+        (ckpt / "meta.json").write_text(__import__("json").dumps({"step": 2, **meta}))
+        cfg = load_config(GOOD + ["--ddp-bucket-size", "7000", "--load-checkpoint", str(ckpt)])
+        assert vision_bucket_size(cfg) == expected, meta
 
 
 def test_module_phases_name_forward_and_backward_ranges():

@@ -11,6 +11,12 @@ in the forward) continues it bit for bit: test_resume_relayout.py's same-layout 
 The trace of the profiled runs proves the overlap happened: the language DP reduction's collectives
 are issued inside the ``language backward`` range with overlap, and only in ``gradient finalize`` without.
 
+The vision module overlaps too, in bucket order (``parallel.megatron_patches.OrderedGradReduce``): an
+encoder rank whose micro-batch has no image skips the encoder and starts all of its buckets at the
+finalize, pairing the collectives its DP peer started during backward. The bridge corner data, one
+micro-batch a step, covers a step where one encoder rank has images and the other none, one where
+both have, and one where neither has.
+
 Other layouts (language pp 2, tp 2, colocated fan-in/fan-out, LoRA with tp 2) run with overlap on by
 default in test_train_e2e.py and test_lora_e2e.py against their single-process references.
 """
@@ -22,7 +28,7 @@ import math
 import pytest
 
 from e2e_runs import GROUP_OVERLAP, assert_same_gradients, finetune
-from train_helpers import checkpoint_tensors, metrics
+from train_helpers import bridge_corner_data, checkpoint_tensors, metrics
 
 pytestmark = [pytest.mark.e2e, GROUP_OVERLAP]
 
@@ -36,8 +42,9 @@ SMALL_BUCKETS = ["--ddp-bucket-size", "8000"]
 PROFILE = ["--profile-steps", "2:2", "--profile-ranks", "0,2"]  # rank 0: language dp 0; rank 2: images dp 0
 
 
-def _run(name, nproc, args, iters):
-    return finetune(name, nproc, [*BASE, "--train-iters", str(iters), "--save-grads", "{out}/grads", *args]).out
+def _run(name, nproc, args, iters, data=None):
+    return finetune(name, nproc, [*BASE, "--train-iters", str(iters), "--save-grads", "{out}/grads", *args],
+                    data=data).out
 
 
 def _assert_same_steps(ref, got, steps, *, rel=1e-6):
@@ -131,3 +138,37 @@ def test_overlap_colocated_lora_with_a_frozen_tower_equals_no_overlap():
     run = _run("ovl_lora_on", 2, [*args, "--ddp-bucket-size", "3000"], iters=2)
     _assert_same_steps(ref, run, (2,))
     assert math.isclose(metrics(run)[0]["loss"], metrics(ref)[0]["loss"], rel_tol=1e-6)
+
+
+def test_vision_overlap_in_bucket_order_equals_no_overlap_when_encoder_ranks_have_no_images():
+    """Images dp 2 in several buckets, one micro-batch of the bridge corner samples a step (read in
+    order): step 1 images on encoder rank 2 only, step 2 on both, step 3 on neither. Every step's loss
+    and reduced gradients equal the no-overlap run's; in step 1 rank 2 starts reductions inside its
+    encoder backward, rank 3 (no image: the encoder is skipped) starts more of them in the finalize than
+    the one bucket of the reference."""
+    args = ["--component", "language=dp=2", "--component", "images=dp=2,rank_offset=2", "--scalable-dp",
+            "--dataloader-type", "single", "--global-batch-size", "4", "--no-save",
+            "--profile-steps", "1:1", "--profile-ranks", "2,3"]
+    ref = _run("ovl_vision_off", 4, [*args, "--no-overlap-grad-reduce"], iters=3, data=bridge_corner_data())
+    run = _run("ovl_vision_on", 4, [*args, *SMALL_BUCKETS], iters=3, data=bridge_corner_data())
+    _assert_same_steps(ref, run, (1, 2))
+    assert math.isclose(metrics(run)[2]["loss"], metrics(ref)[2]["loss"], rel_tol=1e-6)
+    assert_same_gradients(ref, run, step=3, rel=1e-6, most_nonzero=False)  # text only: the tower's are 0
+    on2, off2, on3, off3 = _trace(run, 2), _trace(ref, 2), _trace(run, 3), _trace(ref, 3)
+    assert _dp_reductions_in(on2, "encoder backward") > 0 and _dp_reductions_in(off2, "encoder backward") == 0
+    assert not _ranges(on3, "encoder backward")
+    assert _dp_reductions_in(on3, "gradient finalize") > _dp_reductions_in(off3, "gradient finalize")
+
+
+def test_vision_overlap_through_the_colocated_bridge_equals_no_overlap():
+    """Colocated fan-in (language tp 2, images dp 2 on the same 2 ranks) in several vision buckets: an
+    encoder rank without images runs the tower on zero rows for the bridge's gather, and the step
+    without any image skips it on both. The bridge corner samples as above; every step equals the
+    no-overlap run's."""
+    args = ["--component", "language=tp=2,dp=1", "--component", "images=dp=2", "--scalable-dp",
+            "--dataloader-type", "single", "--global-batch-size", "4", "--no-save"]
+    ref = _run("ovl_cofanin_off", 2, [*args, "--no-overlap-grad-reduce"], iters=3, data=bridge_corner_data())
+    run = _run("ovl_cofanin_on", 2, [*args, *SMALL_BUCKETS], iters=3, data=bridge_corner_data())
+    _assert_same_steps(ref, run, (1, 2))
+    assert math.isclose(metrics(run)[2]["loss"], metrics(ref)[2]["loss"], rel_tol=1e-6)
+    assert_same_gradients(ref, run, step=3, rel=1e-6, most_nonzero=False)

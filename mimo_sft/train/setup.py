@@ -25,7 +25,9 @@ from mimo_sft.parallel.groups import ParallelState, build_parallel_state
 from mimo_sft.parallel.layout import LANGUAGE, Layout
 from mimo_sft.model.lora import apply_lora
 from mimo_sft.train.bridge import install_padded_bridges
-from mimo_sft.train.buckets import check_bucket_shards, language_bucket_size
+from mimo_sft.errors import UserError
+from mimo_sft.parallel.megatron_patches import FiniteGradMimoOptimizer, OrderedGradReduce
+from mimo_sft.train.buckets import check_bucket_shards, language_bucket_size, requested_bucket_size
 
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig  # noqa: E402
 from megatron.core.enums import ModelType  # noqa: E402
@@ -46,6 +48,8 @@ class TrainContext:
     rank: int
     #: parameters per gradient bucket of the language model (``train.buckets``; None: one bucket)
     language_bucket_size: Optional[int] = None
+    #: the same for the vision modules (:func:`vision_bucket_size`; None: one bucket, no overlap)
+    vision_bucket_size: Optional[int] = None
 
     def finish_param_gather(self) -> None:
         """Every DP replica holds the updated weights on return. With ``--overlap-param-gather`` the
@@ -95,8 +99,27 @@ def build_model_and_optimizer(cfg: ExperimentConfig, layout: Layout, pstate: Par
     if layout.colocated:  # fan-in / fan-out bridges cut encoder output on sample boundaries
         install_padded_bridges(model, layout, micro_batch_size=cfg.train.micro_batch_size,
                                image_token_id=info.image_token_id)
+    modules, bucket_size, vision_size = _wrap_in_ddp(cfg, model, info, pstate, rank)
+    if not with_optimizer:
+        return TrainContext(cfg, layout, pstate, model, info, modules, None, rank, bucket_size, vision_size)
+    o = cfg.optimizer
+    opt_cfg = OptimizerConfig(
+        optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay, adam_beta1=o.adam_beta1,
+        adam_beta2=o.adam_beta2, adam_eps=o.adam_eps, clip_grad=o.clip_grad, bf16=bf16, fp16=False,
+        params_dtype=torch.bfloat16 if bf16 else torch.float32,
+        use_distributed_optimizer=distributed_optimizer_in_use(cfg),
+        overlap_param_gather=overlap_param_gather_in_use(cfg))  # megatron: "the same value as" DDP's
+    optimizer = _without_empty_optimizers(build_mimo_optimizer(model, opt_cfg, _lr_overrides(o)), modules)
+    return TrainContext(cfg, layout, pstate, model, info, modules, optimizer, rank, bucket_size, vision_size)
+
+
+def _wrap_in_ddp(cfg: ExperimentConfig, model, info, pstate: ParallelState, rank: int):
+    """megatron DDP around each module this rank runs: ``(modules, language bucket size, vision bucket
+    size)``. A vision module that overlaps starts its buckets' reductions in bucket order
+    (``parallel.megatron_patches.OrderedGradReduce``: its ranks may skip it)."""
     modules = {}
     bucket_size = language_bucket_size(cfg, announce=rank == 0)  # every rank: rank 0 writes it to meta.json
+    vision_size = vision_bucket_size(cfg)
     if model.language_model is not None:
         model.language_model = DistributedDataParallel(
             config=info.language_config, ddp_config=ddp_config_for(cfg, language=True, bucket_size=bucket_size),
@@ -107,21 +130,46 @@ def build_model_and_optimizer(cfg: ExperimentConfig, layout: Layout, pstate: Par
         sub = model.modality_submodules[name]
         if sub is None:
             continue
-        wrapped = DistributedDataParallel(config=info.vision_config, ddp_config=ddp_config_for(cfg, language=False), module=sub,
-                                          pg_collection=pstate.modules[name].pg_collection)
+        wrapped = DistributedDataParallel(config=info.vision_config,
+                                          ddp_config=ddp_config_for(cfg, language=False, bucket_size=vision_size),
+                                          module=sub, pg_collection=pstate.modules[name].pg_collection)
+        _check_vision_shards(wrapped, name, vision_size)
+        OrderedGradReduce.install(wrapped)
         model.modality_submodules[name] = wrapped
         modules[name] = wrapped
-    if not with_optimizer:
-        return TrainContext(cfg, layout, pstate, model, info, modules, None, rank, bucket_size)
-    o = cfg.optimizer
-    opt_cfg = OptimizerConfig(
-        optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay, adam_beta1=o.adam_beta1,
-        adam_beta2=o.adam_beta2, adam_eps=o.adam_eps, clip_grad=o.clip_grad, bf16=bf16, fp16=False,
-        params_dtype=torch.bfloat16 if bf16 else torch.float32,
-        use_distributed_optimizer=distributed_optimizer_in_use(cfg),
-        overlap_param_gather=overlap_param_gather_in_use(cfg))  # megatron: "the same value as" DDP's
-    optimizer = _without_empty_optimizers(build_mimo_optimizer(model, opt_cfg, _lr_overrides(o)), modules)
-    return TrainContext(cfg, layout, pstate, model, info, modules, optimizer, rank, bucket_size)
+    return modules, bucket_size, vision_size
+
+
+#: the checkpoint meta.json key of the vision modules' bucket size (absent: one bucket, as every
+#: checkpoint saved before the vision modules overlapped holds)
+VISION_META_KEY = "vision_ddp_bucket_size"
+
+
+def vision_bucket_size(cfg: ExperimentConfig) -> Optional[int]:
+    """Parameters per gradient bucket of the vision modules (None: one bucket, reduced after backward):
+    ``--ddp-bucket-size`` as for the language model (``train.buckets``), except on a resume of a
+    DP-reshardable distributed-optimizer checkpoint, whose buffers load only into the buckets they were
+    saved in: its ``vision_ddp_bucket_size``."""
+    from mimo_sft.train.checkpoint.files import read_meta, resolve_checkpoint
+    from mimo_sft.train.checkpoint.optimizer import DP_RESHARDABLE, saved_format
+
+    wanted = requested_bucket_size(cfg)
+    path = cfg.checkpoint.load_checkpoint
+    if not path or not distributed_optimizer_in_use(cfg):
+        return wanted
+    try:
+        meta = read_meta(resolve_checkpoint(path))
+    except UserError:
+        return wanted  # train.checkpoint.restore says what is wrong with the folder
+    return meta.get(VISION_META_KEY) if saved_format(meta) == DP_RESHARDABLE else wanted
+
+
+def _check_vision_shards(ddp_module, name: str, bucket_size: Optional[int]) -> None:
+    """``train.buckets.check_bucket_shards`` for a vision module (its message names the module)."""
+    try:
+        check_bucket_shards(ddp_module, bucket_size)
+    except UserError as err:
+        raise UserError(str(err).replace("the language model's", f"the {name} module's")) from None
 
 
 def ddp_config_for(cfg: ExperimentConfig, *, language: bool, bucket_size: Optional[int] = None) -> DistributedDataParallelConfig:
@@ -138,18 +186,24 @@ def ddp_config_for(cfg: ExperimentConfig, *, language: bool, bucket_size: Option
     collectives in the same order. ``bucket_size``: parameters per bucket (``train.buckets``; None:
     one bucket).
 
-    The vision modules do not: a vision rank whose micro-batch has no image skips the encoder, so its
-    buckets would become ready (and its forward pre-hooks fire) at other times than its DP peers' --
-    megatron would wait for a reduction never started, or pair different buckets' collectives. They
-    reduce after backward and gather right after the optimizer step, as without the flags; their
-    backward of the last micro-batch ends the step on their ranks in both schedules, so a reduction
-    started early would have little compute left to hide behind."""
+    The vision modules overlap their reduction too (with ``bucket_size`` their own, ``vision_bucket_size``;
+    None: one bucket, reduced after backward), but a vision rank whose micro-batch has no image skips
+    the encoder, so its buckets would never become ready: ``parallel.megatron_patches.OrderedGradReduce``
+    starts every rank's buckets in bucket order, in backward as they complete and the rest just before
+    the finalize (``train.step``), so DP peers pair the same collectives. They gather their weights
+    right after the optimizer step (no ``overlap_param_gather``): their forward pre-hooks would fire
+    only on ranks with images.
+
+    No ``check_for_nan_in_grad``: megatron's check costs two host syncs per bucket inside the overlapped
+    backward; ``parallel.megatron_patches.FiniteGradMimoOptimizer`` checks the step's reduced gradients
+    once, in the grad norm."""
     o = cfg.optimizer
+    overlap = bool(o.overlap_grad_reduce) and (language or bucket_size is not None)
     return DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, overlap_grad_reduce=bool(o.overlap_grad_reduce) and language,
+        grad_reduce_in_fp32=True, overlap_grad_reduce=overlap,
         overlap_param_gather=overlap_param_gather_in_use(cfg) and language,
         use_distributed_optimizer=distributed_optimizer_in_use(cfg),
-        check_for_nan_in_grad=True, bucket_size=bucket_size if language else None)
+        check_for_nan_in_grad=False, bucket_size=bucket_size if overlap else None)
 
 
 #: parameter attributes that route a vision-module parameter to its learning rate (set below, read by
@@ -202,8 +256,7 @@ def build_mimo_optimizer(model, config: OptimizerConfig, overrides: dict):
     optimizer with the standard ones only): one megatron optimizer per module this rank runs, over the
     module grid's groups, joined in a ``MimoOptimizer``."""
     from megatron.core.models.mimo.config.role import MIMO_LANGUAGE_MODULE_KEY
-    from megatron.core.models.mimo.optimizer import (
-        MimoOptimizer, ModuleOptimizerInfo, _get_pg_collection_for_optimizer)
+    from megatron.core.models.mimo.optimizer import ModuleOptimizerInfo, _get_pg_collection_for_optimizer
     from megatron.core.optimizer import get_megatron_optimizer
 
     infos = {}
@@ -219,7 +272,7 @@ def build_mimo_optimizer(model, config: OptimizerConfig, overrides: dict):
                                                use_gloo_process_groups=False, config_overrides=dict(overrides))
         infos[name] = ModuleOptimizerInfo(optimizer=optimizer, grid=grid, pg_collection=pg_collection,
                                           is_active=active)
-    return MimoOptimizer(infos, config)
+    return FiniteGradMimoOptimizer(infos, config)
 
 
 def _without_empty_optimizers(optimizer, modules: dict):
@@ -229,8 +282,6 @@ def _without_empty_optimizers(optimizer, modules: dict):
     state, which can never report its step), and its checkpointing cannot describe it. Such a module then
     counts 0 in the grad norm and has no optimizer state, as an inactive one. Decided by the module's
     parameters, so every DP rank of the module decides alike."""
-    from megatron.core.models.mimo.optimizer import MimoOptimizer
-
     infos = optimizer.module_infos
     empty = [name for name, info in infos.items() if info.optimizer is not None and name in modules
              and not any(p.requires_grad for p in modules[name].parameters())]
@@ -238,11 +289,12 @@ def _without_empty_optimizers(optimizer, modules: dict):
         return optimizer
     for name in empty:
         infos[name].optimizer = None
-    return MimoOptimizer(infos, optimizer.config)
+    return type(optimizer)(infos, optimizer.config)
 
 
 def build_state(cfg: ExperimentConfig, layout: Layout) -> ParallelState:
     """The layout's grids and process groups (collective), with the reorder thread's own gloo DP
-    group where the exchange overlaps the step."""
-    reorder_side = cfg.reorder.enabled and cfg.reorder.overlap and not layout.colocated
+    group where the exchange overlaps the step or index mode gathers its shard costs."""
+    r = cfg.reorder
+    reorder_side = r.enabled and (r.overlap or r.mode == "index") and not layout.colocated
     return build_parallel_state(layout, reorder_side_group=reorder_side)

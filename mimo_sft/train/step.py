@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from mimo_sft.parallel import runtime  # first: importing mimo_sft.parallel makes megatron importable
+from mimo_sft.parallel.megatron_patches import guard_bridge_debug_logging, start_pending_grad_reductions
 from mimo_sft.train.bridge import padded_bridges
 from mimo_sft.train.packing import pack_micro_batch
 from mimo_sft.train.profile import phase
@@ -153,6 +154,7 @@ class StepRunner:
             self.communicator = None
             self.pg_collection = pstate.modules[LANGUAGE].pg_collection
         else:
+            guard_bridge_debug_logging()  # its debug strings would sync on every transfer
             self.communicator = _BridgeRanges(
                 pstate.grids,
                 {**{s.name: [LANGUAGE] for s in layout.encoders}, LANGUAGE: []},
@@ -175,9 +177,13 @@ class StepRunner:
 
     def _finalize(self, model_list, num_tokens=None, pg_collection=None, force_all_reduce=False):
         """megatron's gradient finalize per module (with ``--overlap-grad-reduce`` it waits for the
-        buckets' reductions started during backward), then the global token scale."""
+        buckets' reductions started during backward; a vision module first starts, in bucket order,
+        those its backward did not: ``parallel.megatron_patches.OrderedGradReduce``), then the global
+        token scale."""
         with phase("gradient finalize"):
             total = self.global_tokens()
+            for module in self.modules.values():  # all started before any wait
+                start_pending_grad_reductions(module, force_all_reduce=force_all_reduce)
             for name, module in self.modules.items():
                 pgs = self.pstate.modules[name].pg_collection
                 finalize_model_grads([module], num_tokens=None, pg_collection=pgs, force_all_reduce=force_all_reduce)
@@ -245,9 +251,9 @@ class StepRunner:
         else:
             store = schedules.forward_backward_pipelining_without_interleaving(
                 p2p_communicator=self.communicator, pg_collection=self.pg_collection, **common)
-        loss_sum = tokens = 0.0
-        for item in store or []:
-            if isinstance(item, dict) and "loss_sum_and_tokens" in item:
-                loss_sum += float(item["loss_sum_and_tokens"][0])
-                tokens += float(item["loss_sum_and_tokens"][1])
+        reports = [item["loss_sum_and_tokens"] for item in store or []
+                   if isinstance(item, dict) and "loss_sum_and_tokens" in item]
+        if not reports:
+            return 0.0, 0.0
+        loss_sum, tokens = torch.stack(reports).double().sum(dim=0).tolist()  # one host read per step
         return loss_sum, tokens

@@ -297,11 +297,13 @@ def load_checkpoint(path: str, ctx) -> tuple[int, int]:
 
 
 def bucket_meta(ctx) -> dict:
-    """The language model's DDP bucket size as built (``train.buckets``: a DP-reshardable optimizer
-    state resumes only into the same buckets); the same on every rank, so rank 0 can write it."""
+    """The language and vision modules' DDP bucket sizes as built (``train.buckets``, ``train.setup``: a
+    DP-reshardable optimizer state resumes only into the same buckets); the same on every rank, so rank 0
+    can write them."""
     from mimo_sft.train.buckets import META_KEY
+    from mimo_sft.train.setup import VISION_META_KEY
 
-    return {META_KEY: ctx.language_bucket_size}
+    return {META_KEY: ctx.language_bucket_size, VISION_META_KEY: getattr(ctx, "vision_bucket_size", None)}
 
 
 def _optimizer_kind(ctx) -> dict:
