@@ -2,7 +2,7 @@
 step while a background save is written; and (``--suite load``) host memory while loading the
 Hugging Face weights.
 
-    .venv/bin/python scripts/bench_checkpoint.py [--text-hidden 1024] [--text-layers 12] [--nproc 2]
+    .venv/bin/python scripts/bench_checkpoint.py [--text-hidden 1024] [--text-layers 12] [--nproc 2] [--save-before GIT_REV]
     .venv/bin/python scripts/bench_checkpoint.py --suite load
     .venv/bin/python scripts/bench_checkpoint.py --suite export [--before GIT_REV] [--lora]
     .venv/bin/python scripts/bench_checkpoint.py --suite gil
@@ -29,15 +29,18 @@ Writes a Qwen2.5-VL whose language model is real-width (``make_tiny_qwen_vl.py -
 --text-layers 12 --intermediate 4096``: about 0.19B language parameters; the vision tower stays
 tiny) and the synthetic document dataset, then runs ``--nproc`` CPU ranks (colocated, language dp N,
 images dp N, distributed optimizer, fp32) under torchrun. Each rank builds the real trainer, trains
-one step (so Adam state exists), and saves three ways into fresh folders:
+one step (so Adam state exists), saves four ways into fresh folders, and after each save resumes from it
+(``load_checkpoint`` into the same trainer: weights, optimizer state, RNG):
 
-* ``fully_reshardable`` (``--save-reshardable``; what every save wrote before): the module's
-  optimizer state gathered on each DP rank while saving;
-* ``dp_reshardable`` (the default): each rank writes its own shards, no gather;
-* ``dp_reshardable, --async-save``: the same, from the save's own host copy, written by a thread of
-  the training process while the rank trains on; the save is published by the first poll after
-  every rank's writer is done.
+* ``--save-reshardable``: the form that resumes on any layout (megatron's gather of the module's whole
+  optimizer state on every DP rank before issue 33; each rank's own shard as boxes now), and its resume
+  (before: every rank reading the module's whole state; now: its own shard);
+* the same with ``--async-save``;
+* ``dp_reshardable`` (the default): each rank writes its own shards, no gather; and with ``--async-save``:
+  from the save's own host copy, written by a thread of the training process while the rank trains on;
+  the save is published by the first poll after every rank's writer is done.
 
+``--save-before GIT_REV``: the same rows first with that revision's mimo_sft (a ``git archive`` copy).
 A sampler thread reads this process's RSS (and the private memory, USS, of any process started
 during the save: the forked writer of older revisions, run with ``BENCH_MIMO_TREE``) every 20 ms. Per rank it prints the rank's own state (its parameters, gradient buffer and
 optimizer shard, counted from the tensors), the peak extra RSS during the save over the RSS just
@@ -159,14 +162,54 @@ def _timed_step(trainer) -> tuple[float, int, float, float]:
             q1 - q0)
 
 
+#: the save suite's saves: (row name, --save-reshardable, --async-save); the last one is an async save (the
+#: step times while it is written are measured)
+SAVES = (("--save-reshardable", True, False), ("--save-reshardable, --async-save", True, True),
+         ("dp_reshardable (the default)", False, False), ("dp_reshardable, --async-save", False, True))
+
+
+def _measured_save(trainer, ctx, folder: str, reshardable: bool, background: bool) -> tuple:
+    """One save (then the steps that run while it is written) and the resume from it: (peak extra RSS,
+    extra RSS when the call returned, writer USS, blocked s, until published s, step times, load peak
+    extra RSS, load s)."""
+    import torch.distributed as dist
+
+    from mimo_sft.train.checkpoint.save import load_checkpoint, save_checkpoint
+    from mimo_sft.train.checkpoint.write import PendingSaves
+
+    ctx.cfg.checkpoint.save_reshardable = reshardable
+    dist.barrier()
+    pending = PendingSaves() if background else None
+    published = []
+    mem = PeakMemory()
+    t0 = time.perf_counter()
+    path = save_checkpoint(folder, step=trainer.step, consumed_samples=trainer.consumed, ctx=ctx, pending=pending,
+                           on_published=published.append)
+    blocked = time.perf_counter() - t0
+    staged = mem.proc.memory_info().rss - mem.base  # the save's own copies, before any step runs
+    during = []
+    if background:
+        while not published or len(during) < 2:
+            during.append(_timed_step(trainer))
+            pending.poll()
+        pending.wait()
+    total = time.perf_counter() - t0
+    extra, child = mem.stop()
+    dist.barrier()
+    mem = PeakMemory()
+    t0 = time.perf_counter()
+    load_checkpoint(path or published[0], ctx)  # every rank reads what this layout needs of it
+    load_s = time.perf_counter() - t0
+    load_extra, _ = mem.stop()
+    return extra, staged, child, blocked, total, during, load_extra, load_s
+
+
 def worker(args: list[str], out_dir: str) -> int:
     import torch.distributed as dist
 
     from mimo_sft.validate import require_valid
     from mimo_sft.config.loader import load_config
     from mimo_sft.quiet import quiet_libraries
-    from mimo_sft.train.checkpoint.save import save_checkpoint
-    from mimo_sft.train.checkpoint.write import PendingSaves
     from mimo_sft.train.trainer import Trainer
 
     quiet_libraries()
@@ -176,34 +219,14 @@ def worker(args: list[str], out_dir: str) -> int:
     trainer.train_step()
     ctx, rank = trainer.ctx, dist.get_rank()
     rows = []
-    saves = (("fully_reshardable (before)", True, False), ("dp_reshardable", False, False),
-             ("dp_reshardable, --async-save", False, True))
-    for name, reshardable, background in saves[-1:] if os.environ.get("BENCH_ASYNC_ONLY") else saves:
-        cfg.checkpoint.save_reshardable = reshardable
-        dist.barrier()
-        pending = PendingSaves() if background else None
-        published = []
-        mem = PeakMemory()
-        t0 = time.perf_counter()
-        save_checkpoint(os.path.join(out_dir, name.split()[0] + ("_async" if background else "")), step=trainer.step,
-                        consumed_samples=trainer.consumed, ctx=ctx, pending=pending, on_published=published.append)
-        blocked = time.perf_counter() - t0
-        staged = mem.proc.memory_info().rss - mem.base  # the save's own copies, before any step runs
-        during = []
-        if background:
-            while not published or len(during) < 2:
-                during.append(_timed_step(trainer))
-                pending.poll()
-            pending.wait()
-        total = time.perf_counter() - t0
-        extra, child = mem.stop()
-        rows.append((name, extra, staged, child, blocked, total, during))
+    for i, (name, reshardable, background) in enumerate(SAVES[-1:] if os.environ.get("BENCH_ASYNC_ONLY") else SAVES):
+        rows.append((name, *_measured_save(trainer, ctx, os.path.join(out_dir, f"save_{i}"), reshardable, background)))
     normal = [_timed_step(trainer) for _ in range(3)]
     own = _own_state_bytes(ctx)
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, (rank, own, rows, normal), group=trainer.pstate.world_gloo)
     if rank == 0:
-        _print_table(gathered)
+        _print_table(gathered, os.environ.get("BENCH_LABEL", "now"))
     trainer.close()
     trainer.shutdown()
     return 0
@@ -384,20 +407,20 @@ def gil_suite(tensor_mb: int = 256, files: int = 4) -> int:
     return 0
 
 
-def _print_table(gathered) -> None:
+def _print_table(gathered, label: str) -> None:
     mb = 2 ** 20
-    print("| save | rank | rank's own state MB | peak extra RSS MB | extra RSS when the call returned MB "
-          "| writer peak USS MB | blocked s | until published s |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| code | save | rank | rank's own state MB | peak extra RSS MB | extra RSS when the call returned MB "
+          "| writer peak USS MB | blocked s | until published s | load: peak extra RSS MB | load s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for rank, own, rows, _normal in sorted(gathered):
-        for name, extra, staged, child, blocked, total, _during in rows:
-            print(f"| {name} | {rank} | {own / mb:.0f} | {extra / mb:.0f} | {staged / mb:.0f} | {child / mb:.0f} "
-                  f"| {blocked:.2f} | {total:.2f} |")
+        for name, extra, staged, child, blocked, total, _during, load_extra, load_s in rows:
+            print(f"| {label} | {name} | {rank} | {own / mb:.0f} | {extra / mb:.0f} | {staged / mb:.0f} | {child / mb:.0f} "
+                  f"| {blocked:.2f} | {total:.2f} | {load_extra / mb:.0f} | {load_s:.2f} |")
     print()
     print("| rank | training step s, no save (median) | training step s, async save in flight (median) | ratio |")
     print("|---|---|---|---|")
     for rank, _own, rows, normal in sorted(gathered):
-        during = rows[-1][-1]
+        during = rows[-1][6]
         a = statistics.median(t for t, *_ in normal)
         b = statistics.median(t for t, *_ in during) if during else float("nan")
         print(f"| {rank} | {a:.2f} | {b:.2f} ({len(during)} steps) | {b / a:.2f} |")
@@ -406,7 +429,7 @@ def _print_table(gathered) -> None:
           "| its minor page faults |")
     print("|---|---|---|---|---|---|---|")
     for rank, _own, rows, normal in sorted(gathered):
-        for i, (t, faults, cpu, queued) in enumerate(rows[-1][-1]):
+        for i, (t, faults, cpu, queued) in enumerate(rows[-1][6]):
             print(f"| {rank} | {i + 1} after the save started | yes | {t:.2f} | {cpu:.2f} | {queued:.2f} | {faults:,} |")
         for i, (t, faults, cpu, queued) in enumerate(normal):
             print(f"| {rank} | {i + 1} after it was published | no | {t:.2f} | {cpu:.2f} | {queued:.2f} | {faults:,} |")
@@ -423,6 +446,7 @@ def main() -> int:
     p.add_argument("--lora", action="store_true", help="--suite export: a LoRA run (--lora-rank 8, the vision tower "
                    "training), exported merged; measure 'before' with --before b8ace25 (the whole-model merge)")
     p.add_argument("--before", default="9b562d4", help="--suite export/load: the git revision measured as 'before'")
+    p.add_argument("--save-before", help="--suite save: also measure this git revision's code ('before' rows)")
     p.add_argument("--worker", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     p.add_argument("--load-worker", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     a = p.parse_args()
@@ -456,14 +480,17 @@ def main() -> int:
             "--global-batch-size", str(n), "--train-iters", "100", "--use-distributed-optimizer", "--no-tensorboard",
             "--component", f"language=dp={n}", "--component", f"images=dp={n}", "--output-dir", os.path.join(work, "run")]
     torchrun = os.path.join(os.path.dirname(py), "torchrun")
-    log = os.path.join(work, "bench.log")
-    run_session([torchrun, "--nproc-per-node", str(n), "scripts/bench_checkpoint.py", "--worker",
-                 os.path.join(work, "saves"), *args], cwd=ROOT, env=env, log=log)
-    text = open(log).read()
-    print(text[text.index("| save |"):] if "| save |" in text else text[-3000:])
-    for written in ("saves", "run"):  # gigabytes of checkpoints per run; the model and the log stay
-        shutil.rmtree(os.path.join(work, written), ignore_errors=True)
-    print(f"(model: {model}; log: {log})")
+    trees = ([(f"before ({a.save_before})", _archive(a.save_before, work))] if a.save_before else []) + [("now", ROOT)]
+    for label, tree in trees:
+        log = os.path.join(work, f"bench_{os.path.basename(tree)}.log")
+        run_session([torchrun, "--nproc-per-node", str(n), "scripts/bench_checkpoint.py", "--worker",
+                     os.path.join(work, "saves"), *args], cwd=ROOT, env=dict(env, BENCH_MIMO_TREE=tree, BENCH_LABEL=label),
+                    log=log)
+        text = open(log).read()
+        print(text[text.index("| code |"):] if "| code |" in text else text[-3000:])
+        for written in ("saves", "run"):  # gigabytes of checkpoints per run; the model and the log stay
+            shutil.rmtree(os.path.join(work, written), ignore_errors=True)
+    print(f"(model: {model}; logs: {work}/bench_*.log)")
     return 0
 
 

@@ -53,11 +53,17 @@ def test_a_dp_only_checkpoint_is_refused_on_another_tp_and_resumes_on_another_dp
     assert _problems(dp1 + ["--load-checkpoint", ckpt, "--use-distributed-optimizer"])[0] == []
 
 
-@pytest.mark.parametrize("fmt", [None, "fully_reshardable"])
+@pytest.mark.parametrize("fmt", [None, "fully_reshardable", "fully_reshardable_boxes"])
 def test_a_reshardable_checkpoint_resumes_on_any_layout(tmp_path, fmt):
+    """(None: a plain optimizer's.) megatron's gathered form is noted: megatron-core 0.19.2 stores it shifted
+    past a module's first gradient bucket (test_checkpoint_scale.py)."""
     ckpt = _checkpoint(tmp_path, fmt)
     for comps in (("language=tp=2,dp=1", "images=dp=2"), ("language=pp=2,dp=1", "images=dp=2,rank_offset=2")):
-        assert _problems(_layout(*comps) + ["--load-checkpoint", ckpt])[0] == []
+        problems, notes = _problems(_layout(*comps) + ["--load-checkpoint", ckpt])
+        assert problems == []
+        shifted = [n for n in notes if "written by megatron's gather" in n]
+        assert len(shifted) == (fmt == "fully_reshardable"), notes
+        assert all("--pretrained-checkpoint" in n for n in shifted)
         assert reshard_problem(json.load(open(os.path.join(ckpt, "iter_0000004", "meta.json"))), []) is None
 
 
@@ -77,6 +83,8 @@ def test_checkpoint_writing_notes():
 
     assert save_format(load_config(_layout("language=dp=2", "images=dp=2") + ["--lora-rank", "8"])) is None
     assert save_format(load_config(_layout("language=dp=2", "images=dp=2"))) == "dp_reshardable"
+    assert save_format(load_config(_layout("language=dp=2", "images=dp=2") + ["--save-reshardable"])) == \
+        "fully_reshardable_boxes"
 
 
 def _info(*args):

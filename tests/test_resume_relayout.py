@@ -85,7 +85,7 @@ def test_plain_optimizer_resumes_on_another_layout():
 @GROUP_RESUME
 def test_distributed_optimizer_resumes_on_other_layouts():
     """The distributed optimizer's DP-only form: 4 ranks -> 2 (DP 2 -> 1); the reshardable form of a
-    1-rank run: 1 -> 4 ranks, and 1 -> another TP."""
+    1-rank run (each DP rank's boxes, train.checkpoint.reshard): 1 -> 4 ranks, and 1 -> another TP."""
     # (a) 4 -> 2 ranks, from step 4 of the run resumed bit for bit above, stopped after step 6
     cont = resume_continuous().out
     two, proc = finetune("relayout_two_distributed", 2, [*RESUME_FLAGS, "--exit-interval", "6",
@@ -93,9 +93,11 @@ def test_distributed_optimizer_resumes_on_other_layouts():
                          components=TWO["distributed"])
     assert RELAYOUT_NOTICE in proc.stdout
     diffs = {f"4->2 step {k}": v for k, v in assert_continues(cont, two, [5, 6]).items()}
-    # (b) 1 rank -> 4 ranks, against the 1-rank continuous run (saved --save-reshardable)
+    # (b) 1 rank -> 4 ranks, against the 1-rank continuous run (saved --save-reshardable, in several padded
+    # gradient buckets: megatron's gathered form stored the state after the first one shifted)
     extra = ["--use-distributed-optimizer"]
-    cont1, _ = _run("relayout_cont1_distributed", 1, ONE, [*extra, "--save-reshardable"], iters=4)
+    cont1, _ = _run("relayout_cont1_distributed", 1, ONE, [*extra, "--save-reshardable", "--ddp-bucket-size", "8000"],
+                    iters=4)
     ckpt1 = cont1 + "/checkpoints/iter_0000002"
     four, proc = _run("relayout_four_distributed", 4, FOUR, extra, iters=4, load=ckpt1)
     assert RELAYOUT_NOTICE in proc.stdout

@@ -152,7 +152,7 @@ class CheckpointConfig:
     export_shard_size: str = opt("5GB", "--export-shard-size", "largest safetensors shard of a Hugging Face export (transformers' max_shard_size: 5GB, 500MB or bytes); the export streams one layer at a time into shards of this size")
     keep_last_checkpoints: Optional[int] = opt(None, "--keep-last-checkpoints", "after each save, remove all but the newest N checkpoints (default: keep all)")
     async_save: bool = opt(False, "--async-save", "write periodic checkpoints in the background while training goes on (published once every rank's bytes are on disk; a run waits for its last one)")
-    save_reshardable: bool = opt(False, "--save-reshardable", "distributed optimizer: save its state in the form that resumes on any TP/PP (gathers each module's state over its DP group while saving); the default form resumes on any DP size with TP and PP as saved")
+    save_reshardable: bool = opt(False, "--save-reshardable", "distributed optimizer: save its state in the form that resumes on any TP/PP (each DP rank writes and reads its own shard, as with the default form, which resumes on any DP size with TP and PP as saved)")
     save_best: bool = opt(False, "--save-best", "save a checkpoint whenever valid_loss reaches a new low and name it in CHECKPOINTS/best (never removed by --keep-last-checkpoints)")
 
 

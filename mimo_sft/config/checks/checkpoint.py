@@ -1,5 +1,6 @@
-"""Checks 15, 24, 34 and 35: the checkpoint flags, checkpoint-writing settings, whether ``--load-checkpoint`` can resume on this
-layout, the export's shard size, and whether a resume's flags keep the saved data order.
+"""Checks 15, 24, 34 and 35: the checkpoint flags, checkpoint-writing settings (and whether the checkpoints a run
+keeps fit the disk: :func:`checkpoint_bytes`), whether ``--load-checkpoint`` can resume on this layout, the export's
+shard size, and whether a resume's flags keep the saved data order.
 
 The resharding rule lives here, pure (a checkpoint's ``meta.json`` against a layout), so that
 ``validate``, ``finetune`` (before any tensor is read) and ``mimo-sft checkpoint info --component``
@@ -10,12 +11,16 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 from mimo_sft.config.lora import distributed_optimizer_in_use
 
 #: the distributed optimizer's DP-only format (``train.checkpoint.optimizer``): its flat buffers
 #: follow each module's TP/PP-local parameters
 DP_ONLY_FORMAT = "dp_reshardable"
+#: megatron's own reshardable form, gathered on every DP rank (what --save-reshardable wrote before
+#: ``fully_reshardable_boxes``; also what a meta.json without the key holds)
+GATHERED_FORMAT = "fully_reshardable"
 
 
 def reshard_problem(meta: dict, components) -> str | None:
@@ -90,6 +95,83 @@ def c24_checkpoint_writing(ctx):
         problem = reshard_problem(meta, ctx.specs) if meta else None
         if problem:
             yield f"--load-checkpoint {c.load_checkpoint}: {problem}"
+        if meta and meta.get("use_distributed_optimizer") and meta.get("distributed_optimizer_format",
+                                                                        GATHERED_FORMAT) == GATHERED_FORMAT:
+            yield (f"--load-checkpoint {c.load_checkpoint}: its distributed-optimizer state was written by megatron's "
+                   f"gather (an older --save-reshardable), which in megatron-core 0.19.2 stores the state of the "
+                   f"parameters after a module's first gradient bucket shifted by the bucket padding; it resumes exactly "
+                   f"only if every module had one bucket, else start from its weights with --pretrained-checkpoint "
+                   f"{c.load_checkpoint}", "note")
+    yield from _disk_notes(ctx)
+
+
+def checkpoint_bytes(cfg, memory: dict | None) -> int | None:
+    """Bytes of one checkpoint's tensors, from check 23's forecast (``memory``: each module's whole
+    parameter count, and its most loaded rank's held parameters and gradient bytes, 4 per trainable
+    parameter); None without a forecast. Weights in the run's dtype (a LoRA run's: only what trains,
+    :mod:`train.checkpoint.lora`), and per trainable parameter the fp32 Adam moments plus the fp32 main
+    weight (the distributed optimizer stores it in either dtype, the plain one for bf16 parameters)."""
+    if not memory or not memory.get("modules"):
+        return None
+    bf16 = cfg.model.dtype == "bf16"
+    lora = int(cfg.model.lora_rank or 0) > 0
+    per_trainable = 12 if (bf16 or distributed_optimizer_in_use(cfg)) else 8
+    total = 0
+    for module in memory["modules"].values():
+        held = module.get("rank_parameters") or 0
+        trainable = round(module["parameters"] * module["terms"].get("gradients", 0) / 4 / held) if held else 0
+        total += (trainable if lora else module["parameters"]) * (2 if bf16 else 4) + trainable * per_trainable
+    return total
+
+
+def _saves(cfg) -> int:
+    """Checkpoints a run writes: every ``--save-interval`` steps and the last step."""
+    iters, every = cfg.train.train_iters, cfg.checkpoint.save_interval
+    return iters // every + (1 if iters % every else 0) if every and every > 0 else 1
+
+
+def _free_bytes(folder: str) -> int | None:
+    """Free bytes on the disk ``folder`` will be on (its nearest existing parent's)."""
+    path = os.path.abspath(folder)
+    while not os.path.isdir(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return None
+
+
+def _size(n: float) -> str:
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n / 1e3:.0f} kB"
+
+
+def _disk_notes(ctx):
+    """A note when the checkpoints this run keeps at once do not fit the free space of the disk the save
+    folder is on (validate may run on another machine than the run, hence a note, not an error)."""
+    c = ctx.cfg.checkpoint
+    size = checkpoint_bytes(ctx.cfg, ctx.memory)
+    if c.no_save or not size:
+        return
+    folder = c.save or os.path.join(ctx.cfg.logging.output_dir, "checkpoints")
+    free = _free_bytes(folder)
+    saves, keep = _saves(ctx.cfg), c.keep_last_checkpoints
+    at_once = min(saves, keep + 1) if keep else saves  # the newest N and the one being written
+    if free is None or at_once * size <= free:
+        return
+    fit = max(0, free // size - 1)
+    if keep:
+        fix = f"lower --keep-last-checkpoints to {fit}" if fit >= 1 else "free space there"
+        yield (f"--keep-last-checkpoints {keep}: {at_once} checkpoints of about {_size(size)} each ({_size(at_once * size)}) "
+               f"are on disk at once while saving, more than the {_size(free)} free where {folder} is; {fix} or point "
+               f"--save at a disk with room", "note")
+        return
+    fix = f"add --keep-last-checkpoints N (N <= {fit} fits)" if fit >= 1 else "free space there"
+    yield (f"--keep-last-checkpoints is unset, so all {saves} checkpoints of this run are kept: about {_size(size)} each, "
+           f"{_size(saves * size)} in all, more than the {_size(free)} free where {folder} is; {fix}, raise "
+           f"--save-interval, or point --save at a disk with room", "note")
 
 
 def shard_size_bytes(size) -> int:

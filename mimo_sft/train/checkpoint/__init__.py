@@ -6,6 +6,8 @@
 - ``write``: the save's host copy and writer thread (``--async-save``), megatron's save requests.
 - ``read``: chunked reads of stored tensors (the streamed export reads one group at a time).
 - ``model`` / ``optimizer``: the model's and the optimizer's sharded state dicts, layout signatures and formats.
+- ``reshard``: ``--save-reshardable``'s form written and read by each DP rank's own shard (boxes), no gather.
+- ``spread``: a resume's weights read once per DP group (each rank a part, then broadcast).
 - ``lora``: which tensors a LoRA run saves, and which checkpoints a LoRA run may start from.
 - ``info``: ``mimo-sft checkpoint-info`` -- what a folder holds and whether it resumes on a layout (no torch).
 

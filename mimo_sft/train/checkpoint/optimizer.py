@@ -3,15 +3,23 @@
 Every module's optimizer (plain or distributed, fp32 or bf16) describes its state with
 ``MimoOptimizer.sharded_state_dict``. A plain optimizer's Adam moments are sharded tensors keyed by
 the model parameter they belong to: layout-free. A distributed optimizer's state is written in one
-of megatron's two formats (``meta.json``'s ``distributed_optimizer_format``):
+of three forms (``meta.json``'s ``distributed_optimizer_format``):
 
 * ``dp_reshardable`` (the default): each rank writes its own shard of the flat buffers (fp32 main
   weights, Adam moments), as it holds them: no gather, no copy, every rank in parallel; a resume
   reads only its own shard. Loads on any DP size, colocated or not, but only with each module's TP
   and PP as saved (the buffers follow the TP/PP-local parameters) -- :func:`check_resumable`.
-* ``fully_reshardable`` (``--save-reshardable``): the shards gathered over the module's DP group into
-  parameter-shaped tensors while saving, sliced again while loading: resumes on any layout, at the
-  cost of holding a module's whole TP/PP-local optimizer state on each of its DP ranks while saving.
+* ``fully_reshardable_boxes`` (``--save-reshardable``): each parameter's main weight and moments as
+  tensors of the parameter's shape (the tensors and keys of megatron's ``fully_reshardable``), each DP
+  rank writing its own shard of them as boxes and reading back only its own (:mod:`reshard`): resumes on
+  any layout, with no gather and no copy, saved and loaded in parallel like the DP-only form.
+* ``fully_reshardable`` (read only: what ``--save-reshardable`` wrote before): megatron's own form,
+  built by gathering a module's whole TP/PP-local state on every DP rank (109 GB per rank at 72B on tp
+  8). Read as boxes like the form above (the same tensors). In megatron-core 0.19.2 the gather
+  stores the state of every parameter after a module's first padded gradient bucket shifted by the
+  padding before it (it indexes the padded buffer into a concatenation without the padding; its own
+  load slices correctly, so the shift is not undone): such a checkpoint resumes exactly only where each
+  module had one gradient bucket (check 24 says so).
 
 What megatron leaves as "common" state (the plain optimizers' shared Adam ``step``) would be
 written by rank 0 only -- in a non-colocated run rank 0 holds no encoder, so the encoder's step
@@ -34,6 +42,7 @@ _COMMON = "_mimo_sft_common"
 #: the distributed optimizer's formats (see the module docstring); megatron-core 0.19.2 refuses the
 #: flattened ShardedTensors of its default 'fully_sharded_model_space'
 DP_RESHARDABLE, FULLY_RESHARDABLE = "dp_reshardable", "fully_reshardable"
+RESHARDABLE_BOXES = "fully_reshardable_boxes"
 #: what a checkpoint without ``distributed_optimizer_format`` in its meta.json holds (written before it existed)
 OLDER_FORMAT = FULLY_RESHARDABLE
 
@@ -43,7 +52,7 @@ def save_format(cfg) -> str | None:
     which keeps the plain one whatever ``--use-distributed-optimizer`` says)."""
     if not distributed_optimizer_in_use(cfg):
         return None
-    return FULLY_RESHARDABLE if cfg.checkpoint.save_reshardable else DP_RESHARDABLE
+    return RESHARDABLE_BOXES if cfg.checkpoint.save_reshardable else DP_RESHARDABLE
 
 
 def saved_format(meta: dict) -> str | None:
@@ -58,9 +67,15 @@ def _optimizer_sharded_state_dict(ctx, *, is_loading: bool, sharding: str | None
     from megatron.core.models.mimo.optimizer import _get_replica_id
 
 
+    from mimo_sft.train.checkpoint.reshard import boxes_for_reshardable
+
     model_sd = model_sharded_state_dict(ctx.model, encoder_replica_rank(ctx))
-    metadata = {"distrib_optim_sharding_type": sharding or FULLY_RESHARDABLE}  # plain optimizers ignore it
-    sd = ctx.optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=metadata)
+    # plain optimizers ignore it; the boxes are megatron's fully_reshardable form, written by shards
+    metadata = {"distrib_optim_sharding_type": DP_RESHARDABLE if sharding == DP_RESHARDABLE else FULLY_RESHARDABLE}
+    # megatron's gathered form is read as boxes too: the same stored tensors, each rank reading its own part
+    boxes = distributed_optimizers(ctx.optimizer) if sharding not in (None, DP_RESHARDABLE) else []
+    with boxes_for_reshardable(boxes):  # each rank's own shard, not megatron's gather (module docstring)
+        sd = ctx.optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=metadata)
     for name, module_sd in sd.items():
         if not module_sd:
             continue
@@ -132,7 +147,8 @@ def load_optimizer(folder: str, ctx, *, sharding: str | None) -> None:
             _schedule_from_this_run(sub_sd, inner)
             if isinstance(inner, DistributedOptimizer) and "param_state" in sub_sd:
                 kind = [v for k, v in sub_sd.items() if k.startswith("_mimo_param_state_sharding_type")]
-                assert kind in ([sharding], []), kind  # dp_reshardable keeps it inside megatron's own object
+                # dp_reshardable keeps it inside megatron's own object
+                assert kind in ([DP_RESHARDABLE if sharding == DP_RESHARDABLE else FULLY_RESHARDABLE], []), kind
                 param_states.append((inner, sub_sd.pop("param_state")))
                 sub_sd.pop("param_state_sharding_type", None)
     ctx.optimizer.load_state_dict(state)  # param groups and step; the distributed shards follow
@@ -211,8 +227,8 @@ def _schedule_from_this_run(sub_sd: dict, inner) -> None:
 
 
 def _load_param_state(opt, param_state, sharding: str) -> None:
-    """megatron's own loading of the shards (for ``fully_reshardable``: its slicing of the whole
-    tensors into this rank's shard), with torch Adam's per-parameter ``step`` tensors set aside meanwhile: megatron copies every tensor of a
+    """The loaded shards into the optimizer (``dp_reshardable`` and ``fully_reshardable``: megatron's own
+    loading; the boxes: :mod:`reshard`), with torch Adam's per-parameter ``step`` tensors set aside meanwhile: megatron copies every tensor of a
     parameter's state from the checkpoint, and the step (restored from the param groups) is not
     among them. Each parameter then gets a step tensor of its own: megatron's ``load_state_dict``
     hands torch Adam one tensor for all of them, which each parameter's update would increment
@@ -224,7 +240,11 @@ def _load_param_state(opt, param_state, sharding: str) -> None:
         if sharding == DP_RESHARDABLE:
             with torch.no_grad():  # an fp32 run's main weights are views of the trained parameters
                 opt.load_parameter_state_from_dp_reshardable(param_state)
-        else:
+        elif "_mimo_sft_box_loads" in opt.__dict__:  # both reshardable forms (:mod:`reshard`)
+            from mimo_sft.train.checkpoint.reshard import load_param_state_boxes
+
+            load_param_state_boxes(opt, param_state, opt.__dict__.pop("_mimo_sft_box_loads"))
+        else:  # megatron's own reading of its gathered form (the tests compare the two)
             opt.load_parameter_state_from_fully_reshardable(param_state)
     finally:
         for p, step in steps.items():

@@ -23,6 +23,9 @@ rename, ``latest`` replaced atomically, and only then older copies removed
 (:func:`files.publish`). A partial ``.tmp`` folder is never
 picked up, and ``latest`` always names a complete checkpoint.
 
+A resume reads each byte once per DP group: the weights are split between a module's DP ranks and
+broadcast (:mod:`spread`), and each rank reads only its own shard of the optimizer state.
+
 Weights and optimizer state are megatron dist-checkpoints, so ``--load-checkpoint`` continues on
 another layout (language/encoder DP, TP, PP, colocated or not; a distributed optimizer's default
 DP-only form only on its saved TP/PP, :mod:`optimizer`) with the same weights, Adam state,
@@ -160,7 +163,8 @@ def _gather_sharded_grads(ctx) -> None:
                 dist.all_gather_into_tensor(bucket.grad_data, local, group=pg)
 
 
-def load_model_weights(model, ckpt: str, *, pretrained: bool = False, replicated_encoder_rank: int = 0) -> None:
+def load_model_weights(model, ckpt: str, *, pretrained: bool = False, replicated_encoder_rank: int = 0,
+                       spread_groups: dict | None = None) -> None:
     """Load weights from a checkpoint's dist-checkpoint into ``model`` (any layout).
 
     A model with LoRA adapters loads every tensor the checkpoint holds (a LoRA checkpoint: its
@@ -168,8 +172,12 @@ def load_model_weights(model, ckpt: str, *, pretrained: bool = False, replicated
     base weights) and requires what ``lora.lora_load_entries`` says (``pretrained``:
     ``--pretrained-checkpoint``). ``replicated_encoder_rank``: ``model.encoder_replica_rank`` of a
     training rank (a tower replicated over its tp ranks loads as replicas, as it saves).
+    ``spread_groups`` (module name -> its DP group; collective over them): each DP rank reads a part of
+    the module's tensors and broadcasts it to the others (:mod:`spread`).
     """
     from megatron.core import dist_checkpointing
+
+    from mimo_sft.train.checkpoint.spread import any_failed, plan_spread, share
 
     folder = os.path.join(ckpt, "model")
     with unwrapped(model) as bare:
@@ -178,12 +186,26 @@ def load_model_weights(model, ckpt: str, *, pretrained: bool = False, replicated
         required = None
         if has_lora(bare):
             sd, required = lora_load_entries(sd, folder, pretrained=pretrained)
-        state = dist_checkpointing.load(sd, folder)
-        missing, unexpected = bare.load_state_dict(state, strict=False)
-    bad = ([k for k in missing if not k.endswith("_extra_state")] if required is None
-           else [k for k in required if k not in state])
+        sd, shares = plan_spread(sd, spread_groups or {})
+        try:
+            state = dist_checkpointing.load(sd, folder)
+            missing, _unexpected = bare.load_state_dict(state, strict=False)
+        except Exception:
+            any_failed(shares, True)
+            raise
+    if any_failed(shares, False):
+        raise UserError(f"checkpoint {ckpt}: another rank could not read its part of the weights (its error says why)")
+    received = share(shares)
+    bad = ([k for k in missing if not k.endswith("_extra_state") and k not in received] if required is None
+           else [k for k in required if k not in state and k not in received])
     if bad:
         raise UserError(f"checkpoint {ckpt}: weights for {bad[:3]} are missing; was it saved from another model?")
+
+
+def dp_groups(ctx) -> dict:
+    """Each module's DP group on this rank (where this rank holds the module)."""
+    return {name: m.pg_collection.dp for name, m in ctx.pstate.modules.items()
+            if m.member and m.pg_collection is not None}
 
 
 def model_weight_reader(ckpt: str):
@@ -245,7 +267,8 @@ def restore(cfg, ctx) -> tuple[int, int]:
     if cfg.model.pretrained_checkpoint:
         ckpt = resolve_checkpoint(cfg.model.pretrained_checkpoint)
         check_lora_compatible(read_meta(ckpt), cfg.model, flag="--pretrained-checkpoint", path=ckpt, resume=False)
-        load_model_weights(ctx.model, ckpt, pretrained=True, replicated_encoder_rank=encoder_replica_rank(ctx))
+        load_model_weights(ctx.model, ckpt, pretrained=True, replicated_encoder_rank=encoder_replica_rank(ctx),
+                           spread_groups=dp_groups(ctx))
         ctx.optimizer.reload_model_params()
     return 0, 0
 
@@ -283,7 +306,7 @@ def load_checkpoint(path: str, ctx) -> tuple[int, int]:
     rank_file = os.path.join(ckpt, f"rank_{dist.get_rank():05d}.pt")
     if same_layout and not os.path.isfile(rank_file):
         raise UserError(f"--load-checkpoint {ckpt}: {os.path.basename(rank_file)} is missing; the checkpoint is incomplete")
-    load_model_weights(ctx.model, ckpt, replicated_encoder_rank=encoder_replica_rank(ctx))
+    load_model_weights(ctx.model, ckpt, replicated_encoder_rank=encoder_replica_rank(ctx), spread_groups=dp_groups(ctx))
     ctx.optimizer.reload_model_params()
     load_optimizer(os.path.join(ckpt, OPTIMIZER_DIR), ctx, sharding=saved_format(meta))
     if same_layout:

@@ -4,8 +4,8 @@ background, and the folder is published only once every rank's bytes are on disk
 Each part (``model/``, ``optimizer/``) goes through megatron's fully parallel save strategy
 (``FullyParallelSaveStrategyWrapper`` over the torch-dist format): a tensor replicated over DP (or
 over an encoder's TP ranks) is written by one of the ranks holding it, chosen to balance bytes, and a
-distributed optimizer's shards (``dp_reshardable``) are written by their owners. No rank gathers
-anything but metadata.
+distributed optimizer's shards (``dp_reshardable``, or ``--save-reshardable``'s boxes: :mod:`reshard`) are
+written by their owners. No rank gathers anything but metadata.
 
 One save is one megatron ``AsyncRequest`` (its parts' writes in one function, their finalizations
 in order, then ours: the caller's ``publish``). Synchronous: run at once. ``--async-save``: the
