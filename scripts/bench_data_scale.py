@@ -1,8 +1,10 @@
 #!/usr/bin/env python
-"""Data at cluster scale (issue 22): start-up file check, bytes per image, exchange vs index bytes.
+"""Data at cluster scale (issues 22, 33): start-up file check, bytes per image, exchange vs index
+bytes, index mode's data-path CPU per rank.
 
     python scripts/bench_data_scale.py startup [--rows 100000 1000000] [--files 20000] [--ranks 1 4]
     python scripts/bench_data_scale.py bytes   [--dp 2 4 8] [--micro-batch-size 32] [--pages 64]
+    python scripts/bench_data_scale.py index   [--micro-batch-sizes 16 32 64] [--per-rank 8] [--batches 4]
 
 ``startup``: a parquet of ``--rows`` rows whose ``images`` column names files by path (``--files``
 distinct small PNGs on local disk, reused cyclically: 1M distinct files would need 4 GB of inodes on
@@ -18,6 +20,17 @@ rank is ready and the largest peak RSS of one rank.
 data path, and the bytes the reorder exchange would move per micro-batch at DP 2/4/8 for a mix of
 1-4 Mpx pages (``plan.simulate.exchange_bytes``, checked against real records by
 tests/test_reorder_index.py) against 0 for ``--reorder-mode index``.
+
+``index``: the CPU one rank spends on its data path per micro-batch in ``--reorder-mode index``, at
+global micro-batch 16/32/64 with ``--per-rank`` samples per rank (DP = micro-batch / per-rank, one
+gloo process per rank), before (every rank runs the text path of the whole global micro-batch: the
+whole-read path, ``group=None``) and now (the text path of its own shard for the costs, one
+all-gather, then its owned samples). Language path (text only) and encoder path (text + pixels).
+Everything runs in the rank's process (``--num-workers 0``), so its CPU time (all threads) is the
+whole data path; each rank also checks that both paths gave the same micro-batch. Data: the real
+Qwen2.5-VL tokenizer and processor (``write_preset_checkpoint``, patch 14; ``--max-pixels`` 6.4 Mpx, ``--seq-length`` 16384) on
+document-like rows: 1-5.6 Mpx pages with long questions and answers, 15 % multi-image, 20 % long
+text-only rows.
 """
 
 from __future__ import annotations
@@ -164,6 +177,139 @@ def bytes_table(args) -> None:
               f"{sum(u8) / len(u8) / 1e6:.0f} | 0 |")
 
 
+_WORDS = ("invoice total amount page section table figure report customer date item price quantity tax "
+          "summary note account balance period revenue cost margin value detail line column row header "
+          "address order number reference payment due status region market growth share policy").split()
+
+
+def _text(rng: random.Random, words: int) -> str:
+    return " ".join(rng.choice(_WORDS) + ("." if rng.random() < 0.08 else "") for _ in range(words))
+
+
+def _index_rows(folder: str, rows: int, seed: int = 0) -> str:
+    """Document-like rows naming page files on disk (see the module docstring)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from mimo_sft.testing.demo_data import image_png
+
+    rng = random.Random(seed)
+    os.makedirs(os.path.join(folder, "img"), exist_ok=True)
+    pages = []
+    for i in range(32):
+        big = i < 24
+        w, h = (rng.randint(800, 2000), rng.randint(1200, 2800)) if big else (rng.randint(500, 1000), rng.randint(500, 1000))
+        path = os.path.join(folder, "img", f"{i:03d}.png")
+        with open(path, "wb") as fh:
+            fh.write(image_png(rng, w, h, rng.choice(["red", "white", "blue", "yellow"]), rng.randint(0, 99)))
+        pages.append(path)
+    msgs, images = [], []
+    for _ in range(rows):
+        r = rng.random()
+        n = 0 if r < 0.2 else rng.randint(2, 3) if r < 0.35 else 1
+        pool = pages[24:] if n > 1 else pages[:24]
+        content = [{"type": "image", "text": None} for _ in range(n)]
+        content.append({"type": "text", "text": _text(rng, rng.randint(200, 2500 if n == 0 else 800))})
+        msgs.append([{"role": "user", "content": content},
+                     {"role": "assistant", "content": [{"type": "text", "text": _text(rng, rng.randint(50, 1500))}]}])
+        images.append([rng.choice(pool) for _ in range(n)])
+    path = os.path.join(folder, "rows.parquet")
+    pq.write_table(pa.table({"messages": msgs, "images": images}), path)
+    return path
+
+
+def _index_rank(rank: int, world: int, port: int, model: str, data: str, args, out) -> None:
+    """One rank: each path's CPU per micro-batch (after one warm-up), checked equal batch for batch."""
+    import torch
+    import torch.distributed as dist
+
+    from mimo_sft.config.schema import DataConfig
+    from mimo_sft.data.loader import build_microbatch_iterator, build_preprocessor, model_token_info
+    from mimo_sft.data.reorder import make_cost_fn, make_patch_count_fn
+    from mimo_sft.data.sources import load_sft_dataset
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    group = dist.new_group(backend="gloo")
+    cfg = DataConfig(dataset_path=data, seq_length=16384, max_pixels=6422528, dataloader_type="cyclic")
+    source, pre = load_sft_dataset(cfg), build_preprocessor(cfg, model)
+    info = model_token_info(model)
+    ids = dict(image_token_id=info["image_token_id"], merge_size=info["spatial_merge_size"])
+    index = dict(n_groups=world, cost_fn=make_cost_fn(encoder_cost_weight=1.0, language_cost_weight=0.1, **ids),
+                 load_fn=make_patch_count_fn(**ids), stats_dp_sizes={"vision": world})
+    result = {}
+    for pixels in (False, True):
+        seen = {}
+        for path, g in (("before", None), ("now", group)):
+            it = build_microbatch_iterator(cfg, model_dir=model, micro_batch_size=world * args.per_rank,
+                                           canonical_grid=world, dp_size=world, dp_rank=rank, need_pixels=pixels,
+                                           seed=0, num_workers=0, source=source, preprocessor=pre,
+                                           index_reorder={**index, "group": g})
+            batches = [next(it)]
+            dist.barrier()
+            t0 = time.process_time()
+            batches += [next(it) for _ in range(args.batches)]
+            result[pixels, path] = (time.process_time() - t0) / args.batches
+            seen[path] = batches
+            it.shutdown()
+        for a, b in zip(seen["before"], seen["now"]):
+            assert all(torch.equal(a[k], b[k]) for k in a), "the two paths gave different micro-batches"
+        if not pixels:
+            result["tokens"] = float(torch.cat([b["attention_mask"].sum(1) for b in seen["now"]]).float().mean())
+    out.put((rank, result))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _results(q, procs) -> list:
+    """Every rank's result; a rank that died ends the benchmark instead of leaving it waiting."""
+    import queue
+
+    res = []
+    while len(res) < len(procs):
+        try:
+            res.append(q.get(timeout=5)[1])
+        except queue.Empty:
+            dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+            if dead:
+                for p in procs:
+                    p.kill()
+                raise SystemExit(f"a rank failed (exit codes {dead}); see its traceback above")
+    for p in procs:
+        p.join()
+    return res
+
+
+def index_table(args) -> None:
+    from mimo_sft.testing.tiny_checkpoint import write_preset_checkpoint
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+    from dist_utils import free_port
+
+    for key in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "HF_DATASETS_DISABLE_PROGRESS_BARS"):
+        os.environ.setdefault(key, "1")  # the spawned ranks inherit it
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory() as tmp:
+        model = str(write_preset_checkpoint(os.path.join(tmp, "model"), "qwen2.5-vl-3b"))
+        data = _index_rows(tmp, args.rows)
+        print(f"CPU per micro-batch per rank (ms, mean over ranks, {args.batches} micro-batches after one warm-up), "
+              f"{args.per_rank} samples per rank\n")
+        print("| global micro-batch | DP | tokens/sample | language path: before | now | encoder path: before | now |")
+        print("|---:|---:|---:|---:|---:|---:|---:|")
+        for mbs in args.micro_batch_sizes:
+            world = mbs // args.per_rank
+            q, port = ctx.Queue(), free_port()
+            procs = [ctx.Process(target=_index_rank, args=(r, world, port, model, data, args, q)) for r in range(world)]
+            for p in procs:
+                p.start()
+            res = _results(q, procs)
+
+            def ms(key):
+                return 1e3 * sum(r[key] for r in res) / len(res)
+
+            print(f"| {mbs} | {world} | {res[0]['tokens']:.0f} | {ms((False, 'before')):.0f} | {ms((False, 'now')):.0f} "
+                  f"| {ms((True, 'before')):.0f} | {ms((True, 'now')):.0f} |", flush=True)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="what", required=True)
@@ -176,8 +322,13 @@ def main(argv=None) -> int:
     b.add_argument("--dp", type=int, nargs="+", default=[2, 4, 8])
     b.add_argument("--micro-batch-size", type=int, default=32)
     b.add_argument("--pages", type=int, default=64)
+    x = sub.add_parser("index")
+    x.add_argument("--micro-batch-sizes", type=int, nargs="+", default=[16, 32, 64])
+    x.add_argument("--per-rank", type=int, default=8)
+    x.add_argument("--batches", type=int, default=4)
+    x.add_argument("--rows", type=int, default=256)
     args = p.parse_args(argv)
-    startup(args) if args.what == "startup" else bytes_table(args)
+    {"startup": startup, "bytes": bytes_table, "index": index_table}[args.what](args)
     return 0
 
 

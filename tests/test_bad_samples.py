@@ -139,7 +139,8 @@ def test_worker_defaults_and_the_shm_warning():
 
     assert resolve_num_workers(3) == 3  # asked for: kept
     assert resolve_num_workers(-1, cpus=16, local_ranks=8) == 1  # 2 cores per rank, one for training
-    assert resolve_num_workers(-1, cpus=96, local_ranks=8) == 4 and resolve_num_workers(-1, cpus=2, local_ranks=4) == 0
+    assert resolve_num_workers(-1, cpus=96, local_ranks=8) == 11 and resolve_num_workers(-1, cpus=2, local_ranks=4) == 0
+    assert resolve_num_workers(-1, cpus=96, local_ranks=8, micro_batch_bytes=64 * 2**20, free_bytes=3 * 2**30) == 3
     mb = 6 * 2**20  # e.g. 2 pages of 1 Mpx as uint8
     assert shm_warning(4, micro_batch_bytes=mb, local_ranks=8, free_bytes=2**30) is None  # 384 MiB fit in 1 GiB
     line = shm_warning(4, micro_batch_bytes=mb, local_ranks=8, free_bytes=64 * 2**20)  # a container's default

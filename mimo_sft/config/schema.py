@@ -64,7 +64,7 @@ class DataConfig:
     in_batch_packing: bool = opt(True, "--in-batch-packing", "the language model computes each rank's micro-batch as one padding-free packed sequence (THD, per-sample causal attention); exact against padded rows, so on by default (--no-in-batch-packing computes the padded rows)")
     dataloader_type: str = opt("single", "--dataloader-type", "'single' reads in order, 'cyclic' reshuffles each epoch", choices=("single", "cyclic"))
     drop_last: bool = opt(True, "--drop-last", "drop the incomplete last global batch of an epoch", negatable=True)
-    num_workers: int = opt(-1, "--num-workers", "DataLoader worker processes per rank (-1: from the CPUs each rank of the node may use, at most 4)")
+    num_workers: int = opt(-1, "--num-workers", "DataLoader worker processes per rank (-1: from the CPUs each rank of the node may use, no more than /dev/shm holds)")
     max_bad_samples: int = opt(10, "--max-bad-samples", "samples with unreadable images (corrupt, or a file gone mid-run) that are skipped, counted and named in the log before the run stops (0: stop at the first)")
     on_truncation: str = opt("drop", "--on-truncation", "what to do with a sample whose image tokens do not fit in --seq-length", choices=("drop", "error"))
     valid_dataset_path: Optional[str] = opt(None, "--valid-dataset-path", "validation set: a dataset in the training set's format and schema (same columns and image settings); evaluated in dataset order, never trained on")
@@ -103,7 +103,7 @@ class ReorderConfig:
     encoder_cost_weight: float = opt(1.0, "--reorder-encoder-cost-weight", "cost per vision patch")
     language_cost_weight: float = opt(0.0, "--reorder-language-cost-weight", "cost per real language token (0: vision only)")
     overlap: bool = opt(True, "--overlap-intra-microbatch-reorder", "exchange the next window on a background thread", negatable=True)
-    mode: str = opt("index", "--reorder-mode", "'index': every rank reads the whole micro-batch's image headers and token counts, computes the balanced plan and decodes only its own samples (no bytes cross ranks); 'exchange': ranks decode their shard and exchange samples over gloo", choices=("index", "exchange"))
+    mode: str = opt("index", "--reorder-mode", "'index': each rank computes its shard's costs (image headers, token counts), the ranks all-gather them, every rank computes the balanced plan and decodes only its own samples (no sample bytes cross ranks); 'exchange': ranks decode their shard and exchange samples over gloo", choices=("index", "exchange"))
     window_size: int = opt(1, "--reorder-window-size", "micro-batches exchanged together (one all-to-all per window; each micro-batch is balanced on its own)")
 
 

@@ -21,7 +21,8 @@ from typing import Iterator
 
 import torch
 
-from mimo_sft.data.microbatch import ERROR_KEY, MicroBatchDataset, MicroBatchIterator, identity, worker_init
+from mimo_sft.data.microbatch import (ERROR_KEY, MicroBatchDataset, MicroBatchIterator, data_loader, identity,
+                                      worker_init)
 from mimo_sft.data.preprocess import SamplePreprocessor
 from mimo_sft.data.sampler import CanonicalSampler
 from mimo_sft.data.sources import SFTSource, load_sft_dataset
@@ -81,9 +82,11 @@ def build_microbatch_iterator(data_cfg, *, model_dir, micro_batch_size: int, can
     ``need_pixels=False`` (language-only ranks) never decodes pixels. Without ``scalable_dp`` every
     rank encodes the whole micro-batch and keeps its slice (same result, more I/O).
     ``index_reorder``: reorder by index (``data.indexed``): the arguments of
-    :class:`~mimo_sft.data.indexed.IndexReorderedDataset` beyond the data ones (cost and load
-    functions, canonical grid, stats DP sizes); this rank then reads the whole micro-batch's text
-    path and decodes only the samples the balanced plan gives it. ``pin_memory``: the DataLoader
+    :func:`~mimo_sft.data.indexed.build_index_iterator` beyond the data ones (cost and load
+    functions, canonical grid, stats DP sizes, and ``group``, the gloo DP group its cost gather
+    uses); this rank then reads its shard's text path for the costs, gathers every shard's, and
+    reads and decodes only the samples the balanced plan gives it (without a group: the whole
+    micro-batch's text path, one process standing in for a rank). ``pin_memory``: the DataLoader
     pins each micro-batch in its own thread (CUDA runs), not the training thread. ``pixel_slice``
     (colocated layouts): decode only the samples of this slice of the rank's micro-batch (its
     encoder slice, ``data.colocated``); ``pixel_values`` then hold that slice's images only.
@@ -93,34 +96,30 @@ def build_microbatch_iterator(data_cfg, *, model_dir, micro_batch_size: int, can
     # micro_batch_size % canonical_grid and canonical_grid % dp_size: check_config refuses the first
     # (check 8), the grid is the LCM of the DP sizes; the sampler asserts both
     check_fits(source, pre, micro_batch_size=micro_batch_size, global_batch_size=global_batch_size)
-    whole = index_reorder is not None or not scalable_dp
-    sampler = CanonicalSampler(len(source), micro_batch_size=micro_batch_size, canonical_grid=canonical_grid,
-                               dp_size=dp_size, dp_rank=dp_rank, dataloader_type=data_cfg.dataloader_type,
-                               drop_last=data_cfg.drop_last, consumed_samples=consumed_samples, seed=seed,
-                               whole_micro_batch=whole)
+    sampler_kw = dict(total_samples=len(source), micro_batch_size=micro_batch_size, canonical_grid=canonical_grid,
+                      dataloader_type=data_cfg.dataloader_type, drop_last=data_cfg.drop_last,
+                      consumed_samples=consumed_samples)
     common = dict(need_pixels=need_pixels, on_truncation=data_cfg.on_truncation,
                   pad_to_seq_length=data_cfg.pad_to_seq_length, max_bad_samples=data_cfg.max_bad_samples)
-    if index_reorder is not None:
-        from mimo_sft.data.indexed import IndexReorderedDataset
-
-        dataset = IndexReorderedDataset(source, pre, dp_rank=dp_rank, dp_size=dp_size, **index_reorder, **common)
-    else:
-        cut = (pixel_slice.start, pixel_slice.stop) if pixel_slice is not None else None
-        dataset = MicroBatchDataset(source, pre, keep_slice=None if scalable_dp else sampler.slice, pixel_slice=cut,
-                                    **common)
-    workers = resolve_num_workers(data_cfg.num_workers if num_workers is None else num_workers)
     local = micro_batch_size // dp_size if scalable_dp or index_reorder is not None else micro_batch_size
-    warning = shm_warning(workers, micro_batch_bytes=micro_batch_bytes(pre, local, need_pixels=need_pixels))
+    mb_bytes = micro_batch_bytes(pre, local, need_pixels=need_pixels)
+    workers = resolve_num_workers(data_cfg.num_workers if num_workers is None else num_workers,
+                                  micro_batch_bytes=mb_bytes)
+    warning = shm_warning(workers, micro_batch_bytes=mb_bytes)
     if warning:
         log.warning(warning)
-    loader = torch.utils.data.DataLoader(
-        dataset, sampler=sampler, batch_size=None, collate_fn=identity, num_workers=workers,
-        persistent_workers=workers > 0, prefetch_factor=2 if workers > 0 else None,
-        worker_init_fn=worker_init if workers > 0 else None, pin_memory=pin_memory,
-        # its own generator: starting an iterator draws a base seed, which must not move the global
-        # torch RNG (a resumed run starts its iterator at another step than the continuous run)
-        generator=torch.Generator().manual_seed(seed),
-    )
+    if index_reorder is not None:
+        from mimo_sft.data.indexed import build_index_iterator
+
+        return build_index_iterator(source, pre, sampler_kw=sampler_kw, dp_rank=dp_rank, dp_size=dp_size,
+                                    workers=workers, seed=seed, pin_memory=pin_memory,
+                                    **{"group": None, **index_reorder}, **common)
+    sampler = CanonicalSampler(dp_size=dp_size, dp_rank=dp_rank, seed=seed, whole_micro_batch=not scalable_dp,
+                               **sampler_kw)
+    cut = (pixel_slice.start, pixel_slice.stop) if pixel_slice is not None else None
+    dataset = MicroBatchDataset(source, pre, keep_slice=None if scalable_dp else sampler.slice, pixel_slice=cut,
+                                **common)
+    loader = data_loader(dataset, sampler, workers=workers, seed=seed, pin_memory=pin_memory)
     return MicroBatchIterator(loader, sampler, dataset)
 
 
@@ -155,16 +154,35 @@ def micro_batch_bytes(pre: SamplePreprocessor, samples: int, *, need_pixels: boo
     return samples * per
 
 
-def resolve_num_workers(requested: int, *, cpus: int | None = None, local_ranks: int | None = None) -> int:
+def resolve_num_workers(requested: int, *, cpus: int | None = None, local_ranks: int | None = None,
+                        micro_batch_bytes: int | None = None, free_bytes: int | None = None) -> int:
     """``--num-workers``; -1 (the default) picks from the CPUs this rank may use: those of the
     process (its affinity mask) shared by the ranks of this node (``LOCAL_WORLD_SIZE``), minus one
-    for the training thread, at most 4 (two prefetched micro-batches each keep a GPU fed in
-    ``scripts/bench_data.py``'s figures), 0 when no core is left over."""
+    for the training thread, 0 when no core is left over; and, given the size of one micro-batch,
+    no more workers than /dev/shm can hold the prefetched micro-batches of (2 per worker, every rank
+    of the node alike; at least one worker where a core is free, :func:`shm_warning` then says so).
+
+    Why no fixed cap: it was 4, from ``scripts/bench_data.py``'s figures on the tiny processor's
+    thumbnails, where two prefetched micro-batches per worker kept a GPU fed. What a rank needs
+    depends on its data instead -- encoder ranks decoding 4-12 Mpx pages spend 100-200 ms of CPU per
+    image, and index mode used to add the text path of the whole global micro-batch on every rank
+    (``data.indexed``) -- while a worker beyond the need costs only memory: its process and its two
+    prefetched micro-batches, which is what the shared-memory bound limits."""
     if requested >= 0:
         return requested
     cpus = cpus if cpus is not None else len(os.sched_getaffinity(0))
     local_ranks = local_ranks if local_ranks is not None else int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    return max(0, min(4, cpus // max(1, local_ranks) - 1))
+    workers = max(0, cpus // max(1, local_ranks) - 1)
+    if workers and micro_batch_bytes:
+        if free_bytes is None:
+            import shutil
+
+            try:
+                free_bytes = shutil.disk_usage("/dev/shm").free
+            except OSError:
+                return workers
+        workers = max(1, min(workers, free_bytes // (2 * max(1, local_ranks) * micro_batch_bytes)))
+    return workers
 
 
 # --------------------------------------------------------------------------- metadata (planner)

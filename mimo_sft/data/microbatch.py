@@ -110,6 +110,19 @@ def identity(x):
     return x
 
 
+def data_loader(dataset, sampler, *, workers: int, seed: int, pin_memory: bool = False):
+    """The DataLoader of one micro-batch stream: each item is one whole micro-batch (``batch_size=None``),
+    ``workers`` processes each keeping two prefetched. Its own generator: starting an iterator draws a
+    base seed, which must not move the global torch RNG (a resumed run starts its iterator at another
+    step than the continuous run)."""
+    return torch.utils.data.DataLoader(
+        dataset, sampler=sampler, batch_size=None, collate_fn=identity, num_workers=workers,
+        persistent_workers=workers > 0, prefetch_factor=2 if workers > 0 else None,
+        worker_init_fn=worker_init if workers > 0 else None, pin_memory=pin_memory,
+        generator=torch.Generator().manual_seed(seed),
+    )
+
+
 def worker_init(_worker_id: int) -> None:
     """One intra-op thread per worker: workers already run in parallel, and torch's thread pool in
     each of them oversubscribes the cores (measured slower on a 2-core machine)."""

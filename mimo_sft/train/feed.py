@@ -182,7 +182,9 @@ def build_feed(cfg, layout, pstate, info, *, consumed_samples: int, train_source
     stats_dp = {"vision": layout.encoders[0].dp if layout.encoders else 1}
     index = None
     if r.enabled and r.mode == "index":
-        index = dict(n_groups=layout.canonical_grid, cost_fn=cost_fn, load_fn=load_fn, stats_dp_sizes=stats_dp)
+        # the shard costs' all-gather runs on the reorder thread's own gloo DP group (data.indexed)
+        index = dict(n_groups=layout.canonical_grid, cost_fn=cost_fn, load_fn=load_fn, stats_dp_sizes=stats_dp,
+                     group=pstate.modules[module].reorder_side_gloo)
     it = build_microbatch_iterator(cfg.data, dp_size=spec.dp, dp_rank=coord.dp, need_pixels=module != LANGUAGE,
                                    index_reorder=index, **common)
     if index is not None:

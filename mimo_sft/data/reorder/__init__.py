@@ -7,7 +7,8 @@ without talking to the others: :mod:`.cost_model` (per-sample costs, the one for
 lower bound and exact optimum) and :mod:`.routing` (where every sample goes). Byte packing
 (:mod:`.serialize`) is pure too; :mod:`.exchange` only moves bytes: the one all-gather + one ragged
 all-to-all per window; :mod:`.buffer` wraps the data iterator (optionally overlapping the next
-window's exchange on a background thread).
+window's exchange on a background thread). Index mode (``data.indexed``) moves no sample: its one
+collective is :mod:`.cost_gather`, the all-gather of each rank's shard costs.
 """
 
 from mimo_sft.data.reorder.assign import (
