@@ -145,20 +145,27 @@ def _refused(rank, data, ckpt, groups):
     return lines[0]
 
 
-def _world(rank, world, data, ckpt):
+def _groups(rank) -> dict:
     import torch.distributed as dist
 
     groups = {"language": dist.new_group(list(range(4)), backend="gloo")}
     vision = [dist.new_group(ranks, backend="gloo") for ranks in ([0, 2], [1, 3])]  # DP 2, two replicas
     groups["vision"] = vision[rank % 2]
+    return groups
+
+
+def _world(rank, world, data, ckpt):
+    # each scenario gets its own groups, as each run has its own: a shut-down iterator's gather thread may
+    # still be prefetching on its group (seen: the next scenario's gathers paired with it on some ranks)
+    groups, inline_groups, refused_groups = _groups(rank), _groups(rank), _groups(rank)
     return {
         # the planner on its thread, DataLoader workers, pixels on the DP-2 module
         "threaded": _scenario(rank, data, ckpt, seq_length=256, max_pixels=None, language_weight=0.0, workers=1,
                               consumed=0, groups=groups),
         # inline, truncation drops, resumed one micro-batch in, the language cost term
         "inline": _scenario(rank, data, ckpt, seq_length=48, max_pixels=12544, language_weight=0.5, workers=0,
-                            consumed=MBS, groups=groups),
-        "refused": _refused(rank, data, ckpt, groups),
+                            consumed=MBS, groups=inline_groups),
+        "refused": _refused(rank, data, ckpt, refused_groups),
     }
 
 
