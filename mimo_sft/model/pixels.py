@@ -57,3 +57,23 @@ def float_patches(patches: torch.Tensor, norm: PixelNorm) -> torch.Tensor:
     std = torch.tensor(norm.std, dtype=torch.float32, device=x.device).view(1, c, 1, 1)
     x = (x - mean) / std
     return x.expand(n, c, norm.temporal, x.shape[-1]).reshape(n, -1)
+
+
+def tower_patches(pixel_values: torch.Tensor, norm: PixelNorm | None, dtype: torch.dtype) -> torch.Tensor:
+    """A vision encoder's input in the tower's ``dtype``: uint8 patches (the training data path) normalised
+    with the checkpoint's ``norm`` (set by ``model.builder``), float patches (transformers') as they are."""
+    if pixel_values.dtype == torch.uint8:
+        assert norm is not None, "uint8 pixels need the checkpoint's pixel_norm (model.builder sets it)"
+        pixel_values = float_patches(pixel_values, norm)
+    return pixel_values.to(dtype)
+
+
+def no_image_rows(encoder: torch.nn.Module, like: torch.Tensor, width: int) -> torch.Tensor:
+    """An encoder's output for zero images: ``[0, width]`` in ``like``'s dtype, connected to every trainable
+    parameter, so it requires grad exactly when an output with images would and its (zero) gradient reaches
+    them (a colocated bridge's gather group needs every rank's encoder output: ``train.bridge``)."""
+    out = like.new_zeros((0, width))
+    trainable = [p for p in encoder.parameters() if p.requires_grad]
+    if trainable:
+        out = out + torch.stack([p.reshape(-1)[:0].sum() for p in trainable]).sum().to(out.dtype)
+    return out

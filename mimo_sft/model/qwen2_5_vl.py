@@ -18,7 +18,7 @@ from mimo_sft.model.decoder_weights import (DecoderNames, DecoderShape, expected
                                             iter_decoder_shard, pad_vocab)
 from mimo_sft.model.family import FamilyAdapter, ModelInfo
 from mimo_sft.model.hf_checkpoint import iter_blocks
-from mimo_sft.model.pixels import PixelNorm, float_patches
+from mimo_sft.model.pixels import PixelNorm, no_image_rows, tower_patches
 from mimo_sft.model.vision_attention import SegmentAttentionTower, host_vision_kwargs
 from mimo_sft.parallel.layout import IMAGES
 
@@ -60,21 +60,13 @@ class Qwen25VisionEncoder(SegmentAttentionTower, Qwen2_5_VisionTransformerPretra
     def forward(self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor) -> torch.Tensor:  # noqa: D401
         if image_grid_thw.shape[0] == 0:
             return self._no_images()
-        if pixel_values.dtype == torch.uint8:  # training's data path; float patches (HF's) pass as they are
-            assert self.pixel_norm is not None, "uint8 pixels need the checkpoint's pixel_norm (model.builder sets it)"
-            pixel_values = float_patches(pixel_values, self.pixel_norm)
-        precomputed = host_vision_kwargs(image_grid_thw, self.config, pixel_values.device)
-        out = super().forward(hidden_states=pixel_values.to(self.patch_embed.proj.weight.dtype),
-                              grid_thw=image_grid_thw, **precomputed)
-        return out.pooler_output
+        patches = tower_patches(pixel_values, self.pixel_norm, self.patch_embed.proj.weight.dtype)
+        precomputed = host_vision_kwargs(image_grid_thw, self.config, patches.device)
+        return super().forward(hidden_states=patches, grid_thw=image_grid_thw, **precomputed).pooler_output
 
     def _no_images(self) -> torch.Tensor:
         weight = self.merger.mlp[2].weight  # [out_hidden, context]: the output's width and dtype
-        out = weight.new_zeros((0, weight.shape[0]))
-        trainable = [p for p in self.parameters() if p.requires_grad]
-        if trainable:
-            out = out + torch.stack([p.reshape(-1)[:0].sum() for p in trainable]).sum().to(out.dtype)
-        return out
+        return no_image_rows(self, weight, weight.shape[0])
 
 
 class Qwen25VLAdapter(FamilyAdapter):

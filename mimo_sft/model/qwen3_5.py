@@ -22,7 +22,7 @@ import torch
 from mimo_sft.config.families import QWEN3_5
 from mimo_sft.errors import UserError
 from mimo_sft.model import hybrid_weights as hw
-from mimo_sft.model.pixels import float_patches
+from mimo_sft.model.pixels import no_image_rows, tower_patches
 from mimo_sft.model.qwen3_vl import Qwen3VLAdapter, _interleaved_rotary_class, expected_vision_shapes
 from mimo_sft.model.vision_attention import SegmentAttentionTower
 
@@ -48,19 +48,12 @@ class Qwen35VisionEncoder(SegmentAttentionTower, Qwen3_5VisionModel):
     def forward(self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor) -> torch.Tensor:  # noqa: D401
         if image_grid_thw.shape[0] == 0:
             return self._no_images()
-        if pixel_values.dtype == torch.uint8:
-            assert self.pixel_norm is not None, "uint8 pixels need the checkpoint's pixel_norm (model.builder sets it)"
-            pixel_values = float_patches(pixel_values, self.pixel_norm)
-        out = super().forward(hidden_states=pixel_values.to(self.patch_embed.proj.weight.dtype), grid_thw=image_grid_thw)
-        return out.pooler_output
+        patches = tower_patches(pixel_values, self.pixel_norm, self.patch_embed.proj.weight.dtype)
+        return super().forward(hidden_states=patches, grid_thw=image_grid_thw).pooler_output
 
     def _no_images(self) -> torch.Tensor:
         weight = self.merger.linear_fc2.weight  # [out_hidden, context]
-        out = weight.new_zeros((0, weight.shape[0]))
-        trainable = [p for p in self.parameters() if p.requires_grad]
-        if trainable:
-            out = out + torch.stack([p.reshape(-1)[:0].sum() for p in trainable]).sum().to(out.dtype)
-        return out
+        return no_image_rows(self, weight, weight.shape[0])
 
 
 _LANGUAGE_CLASS: list = []

@@ -22,7 +22,7 @@ import torch
 
 from mimo_sft.config.families import QWEN3_VL
 from mimo_sft.model.qwen2_5_vl import Qwen25VLAdapter
-from mimo_sft.model.pixels import float_patches
+from mimo_sft.model.pixels import no_image_rows, tower_patches
 from mimo_sft.model.vision_attention import SegmentAttentionTower
 
 try:  # transformers is a hard dependency; the import is here so the error names the family
@@ -56,19 +56,13 @@ class Qwen3VisionEncoder(SegmentAttentionTower, Qwen3VLVisionModel):
     def forward(self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor) -> torch.Tensor:  # noqa: D401
         if image_grid_thw.shape[0] == 0:
             return self._no_images()
-        if pixel_values.dtype == torch.uint8:
-            assert self.pixel_norm is not None, "uint8 pixels need the checkpoint's pixel_norm (model.builder sets it)"
-            pixel_values = float_patches(pixel_values, self.pixel_norm)
-        out = super().forward(hidden_states=pixel_values.to(self.patch_embed.proj.weight.dtype), grid_thw=image_grid_thw)
+        patches = tower_patches(pixel_values, self.pixel_norm, self.patch_embed.proj.weight.dtype)
+        out = super().forward(hidden_states=patches, grid_thw=image_grid_thw)
         return torch.cat([out.pooler_output, *out.deepstack_features], dim=-1)
 
     def _no_images(self) -> torch.Tensor:
         weight = self.merger.linear_fc2.weight  # [out_hidden, context]
-        out = weight.new_zeros((0, weight.shape[0] * (1 + len(self.deepstack_visual_indexes))))
-        trainable = [p for p in self.parameters() if p.requires_grad]
-        if trainable:
-            out = out + torch.stack([p.reshape(-1)[:0].sum() for p in trainable]).sum().to(out.dtype)
-        return out
+        return no_image_rows(self, weight, weight.shape[0] * (1 + len(self.deepstack_visual_indexes)))
 
 
 def interleaved_mrope_axes(num_freqs: int, mrope_section) -> torch.Tensor:
