@@ -11,11 +11,16 @@ from mimo_sft.parallel.layout import Layout, coord_of, lcm, rank_of
 
 def test_parse_full_and_defaults():
     s = parse_component("language=tp=2,pp=1,dp=4,rank_offset=3")
-    assert (s.name, s.tp, s.pp, s.cp, s.dp, s.etp, s.rank_offset) == ("language", 2, 1, 1, 4, 1, 3)
+    assert (s.name, s.tp, s.pp, s.cp, s.dp, s.ep, s.etp, s.rank_offset) == ("language", 2, 1, 1, 4, 1, None, 3)
     assert s.size == 8 and list(s.ranks) == list(range(3, 11))
+    assert (s.expert_tp, s.expert_dp) == (2, 4)  # etp defaults to tp, as megatron's expert_tensor_parallel_size
     d = parse_component(" images = dp=2 ")
-    assert (d.tp, d.pp, d.cp, d.etp, d.rank_offset, d.dp) == (1, 1, 1, 1, 0, 2)
-    assert parse_component(s.to_flag()) == s
+    assert (d.tp, d.pp, d.cp, d.ep, d.expert_tp, d.rank_offset, d.dp) == (1, 1, 1, 1, 1, 0, 2)
+    assert parse_component(s.to_flag()) == s and "etp" not in s.to_flag()
+    e = parse_component("language=tp=2,dp=4,ep=4,etp=1")
+    assert (e.ep, e.etp, e.expert_tp, e.expert_dp, e.size) == (4, 1, 1, 2, 8)  # ep adds no ranks
+    assert parse_component(e.to_flag()) == e
+    assert parse_component("language=tp=2,dp=2,ep=4").expert_dp == 0  # ep*etp = 8 does not divide 4 ranks
 
 
 @pytest.mark.parametrize("text,needle", [

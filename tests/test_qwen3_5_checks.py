@@ -99,4 +99,4 @@ def test_qwen3_5_moe_is_named_as_not_yet_built(tmp_path):
     line = [p for p in probs if "qwen3_5_moe" in p]
     assert len(line) == 1 and line[0].startswith("[16] --hf-model "), probs
     assert "model_type 'qwen3_5_moe' is Qwen3.5 MoE" in line[0] and "the MoE family is not built yet" in line[0]
-    assert line[0].endswith("not yet supported by mimo-sft; supported model types: qwen2_5_vl, qwen3_vl, qwen3_5")
+    assert line[0].endswith("not yet supported by mimo-sft; supported model types: qwen2_5_vl, qwen3_vl, qwen3_5, qwen3_vl_moe")

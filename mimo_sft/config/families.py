@@ -43,6 +43,10 @@ class LanguageDims:
     layers: Optional[int]
     gdn_key_heads: Optional[int] = None
     gdn_value_heads: Optional[int] = None
+    #: a mixture-of-experts decoder's routed experts (``text_config.num_experts``) and their FFN width
+    #: (``moe_intermediate_size``); None for dense families
+    experts: Optional[int] = None
+    expert_ffn: Optional[int] = None
 
 
 @dataclass(frozen=True)
@@ -83,6 +87,9 @@ class Architecture:
     #: ("linear_attention") with full-attention layers whose q projection carries a per-head output gate;
     #: every RMSNorm but the GDN output norm is zero-centred (x_hat * (1 + w))
     hybrid_gdn: bool = False
+    #: sparse decoder MLPs: ``text_config.num_experts`` routed experts of ``moe_intermediate_size``, top
+    #: ``num_experts_per_tok`` per token, on the layers ``decoder_sparse_step`` / ``mlp_only_layers`` pick
+    moe: bool = False
 
 
 @dataclass(frozen=True, eq=False)
@@ -171,7 +178,25 @@ def language_divisibility_findings(spec: FamilySpec, language: ComponentSpec, co
         if n and s.tp >= 1 and n % s.tp:
             yield (f"language.tp={s.tp} does not divide the model's {n} Gated DeltaNet {kind} heads "
                    f"(text_config.{key}); choose a divisor of {n}")
+    yield from expert_findings(spec, s, d)
     yield from config_findings(spec, config)
+
+
+def expert_findings(spec: FamilySpec, language: ComponentSpec, d: LanguageDims) -> Iterator[Finding]:
+    """Expert parallelism against the checkpoint: ep only with experts, dividing them; etp dividing
+    the experts' FFN width (megatron shards each expert's fc1/fc2 over etp)."""
+    s = language
+    if not d.experts:
+        if s.ep > 1 or s.etp is not None and s.etp > 1:
+            yield (f"language.ep={s.ep}, etp={s.etp}: {spec.name} is a dense model (no experts); "
+                   f"set ep=1 and drop etp")
+        return
+    if s.ep >= 1 and d.experts % s.ep:
+        yield (f"language.ep={s.ep} does not divide the model's {d.experts} experts (text_config.num_experts); "
+               f"choose a divisor of {d.experts}")
+    if d.expert_ffn and s.expert_tp >= 1 and d.expert_ffn % s.expert_tp:
+        yield (f"language.etp={s.expert_tp} does not divide the experts' FFN width {d.expert_ffn} "
+               f"(text_config.moe_intermediate_size); choose a divisor (etp defaults to tp)")
 
 
 def config_findings(spec: FamilySpec, config: dict) -> Iterator[Finding]:
@@ -242,6 +267,22 @@ def _qwen_vl_language_dims(config: dict) -> LanguageDims:
     heads = text.get("num_attention_heads")
     return LanguageDims(heads=heads, kv_heads=text.get("num_key_value_heads", heads),
                         layers=text.get("num_hidden_layers"))
+
+
+def _qwen_moe_language_dims(config: dict) -> LanguageDims:
+    """Qwen-VL MoE: the Qwen-VL sizes plus the routed experts and their FFN width."""
+    text = config.get("text_config", config)
+    return replace(_qwen_vl_language_dims(config), experts=text.get("num_experts"),
+                   expert_ffn=text.get("moe_intermediate_size"))
+
+
+def _moe_findings(config: dict) -> Iterator[Finding]:
+    """A router picks at least one and at most all experts."""
+    text = config.get("text_config", config)
+    e, k = text.get("num_experts"), text.get("num_experts_per_tok")
+    if isinstance(e, int) and isinstance(k, int) and not 1 <= k <= e:
+        yield (f"config.json text_config.num_experts_per_tok={k} must be between 1 and text_config.num_experts={e}; "
+               f"fix the checkpoint's config.json")
 
 
 #: ``text_config.layer_types`` entries of a hybrid decoder: a Gated DeltaNet layer, a gated full-attention layer
@@ -321,9 +362,23 @@ QWEN3_5 = register(FamilySpec(
     chat_template="qwen3_5",
 ))
 
+QWEN3_VL_MOE = register(FamilySpec(
+    name="qwen3_vl_moe",
+    model_types=("qwen3_vl_moe",),
+    # Qwen3-VL's tower (DeepStack included) before a mixture-of-experts decoder
+    encoders={IMAGES: EncoderLimits(tower="vision tower", implementation="Hugging Face Qwen3-VL-MoE")},
+    language_dims=_qwen_moe_language_dims,
+    config_rules=(_moe_findings,),
+    adapter="mimo_sft.model.qwen3_vl_moe:Qwen3VLMoeAdapter",
+    rope_index="transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe:Qwen3VLMoeModel",
+    vision_flops="mimo_sft.model.vision_flops:qwen3_vl",
+    architecture=Architecture(qkv_bias=False, qk_norm=True, vision_layer_norm=True, vision_gated_mlp=False,
+                              vision_patch_bias=True, vision_pos_embed=True, deepstack=True, moe=True),
+    chat_template="qwen3_vl",
+))
+
 #: config.json ``model_type`` values of Qwen-VL generations mimo-sft knows of but cannot build yet, and why
 NOT_YET_SUPPORTED: dict[str, str] = {
-    "qwen3_vl_moe": "Qwen3-VL MoE (mixture-of-experts language model)",
     "qwen3_5_moe": "Qwen3.5 MoE (Gated DeltaNet and mixture-of-experts layers; the MoE family is not built yet)",
 }
 

@@ -87,6 +87,8 @@ def build_mimo_model(hf_dir: str, *, layout, parallel_state, model_cfg=None, ran
     info.prefix_style = src.ckpt.prefix_style if src.ckpt is not None else "legacy"
     info.modules_on_rank = parallel_state.mine()
     lang_overrides = {**overrides, **language_memory_settings(model_cfg, tp=lang.tp)}
+    if src.adapter.spec.architecture.moe:
+        lang_overrides.update(_expert_settings(lang, model_cfg))
     info.language_config = src.adapter.language_transformer_config(
         src.hf_cfg, tp=lang.tp, pp=lang.pp, dtype=src.dtype, random_init=random_init, cpu_init=cpu_init,
         overrides=lang_overrides)
@@ -123,6 +125,21 @@ class _BuildInputs:
             ckpt = HFCheckpoint(hf_dir)
             adapter.check_weights(ckpt, hf_cfg)
         return cls(adapter, hf_cfg, DTYPES[getattr(model_cfg, "dtype", "fp32") or "fp32"], ckpt)
+
+
+def _expert_settings(lang, model_cfg) -> dict:
+    """A mixture-of-experts language model's run settings: the layout's ep and etp, the aux-loss switch."""
+    coeff = float(getattr(model_cfg, "moe_aux_loss_coeff", 0.0) or 0.0)
+    return dict(expert_model_parallel_size=lang.ep, expert_tensor_parallel_size=lang.expert_tp,
+                moe_router_load_balancing_type="aux_loss" if coeff > 0 else "none", moe_aux_loss_coeff=coeff)
+
+
+def _expert_slice(groups):
+    """This rank's experts: its ep and expert-tp ranks (``model.moe_weights.ExpertSlice``)."""
+    from mimo_sft.model.moe_weights import ExpertSlice
+
+    pgc = groups.pg_collection
+    return ExpertSlice(ep_rank=pgc.ep.rank(), ep=pgc.ep.size(), etp_rank=pgc.expt_tp.rank(), etp=pgc.expt_tp.size())
 
 
 def _language_stage(info, parallel_state) -> tuple[int, bool, bool]:
@@ -214,7 +231,7 @@ def _load_weights(model, src: _BuildInputs, info, parallel_state, hf_dir: str) -
                 src.ckpt, src.hf_cfg, tp_rank=lang_groups.pg_collection.tp.rank(), tp=lang_groups.pg_collection.tp.size(),
                 layer_offset=get_transformer_layer_offset(info.language_config, None, pp_rank),
                 num_local_layers=len(model.language_model.decoder.layers), pre_process=pre, post_process=post,
-                padded_vocab=info.padded_vocab_size)
+                padded_vocab=info.padded_vocab_size, experts=_expert_slice(lang_groups))
             copy_into(model.language_model, one_group_mapped(src.ckpt, tensors), where=f"{hf_dir} language")
     from mimo_sft.model.pixels import pixel_norm_from
 

@@ -51,6 +51,9 @@ class DecoderShape:
     vocab: int
     padded_vocab: int
     tied: bool
+    #: global indexes of mixture-of-experts layers: their MLP tensors are not the dense gate/up/down
+    #: (``model.moe_weights`` reads and writes those layers' router and experts)
+    moe_layers: frozenset = frozenset()
 
 
 def pad_vocab(vocab: int, tp: int) -> int:
@@ -97,10 +100,10 @@ def expected_hf_shapes(names: DecoderNames, s: DecoderShape) -> dict[str, tuple]
             L + "self_attn.k_proj.weight": (s.kv_heads * s.head_dim, s.hidden),
             L + "self_attn.v_proj.weight": (s.kv_heads * s.head_dim, s.hidden),
             L + "self_attn.o_proj.weight": (s.hidden, s.heads * s.head_dim),
-            L + "mlp.gate_proj.weight": (s.ffn, s.hidden),
-            L + "mlp.up_proj.weight": (s.ffn, s.hidden),
-            L + "mlp.down_proj.weight": (s.hidden, s.ffn),
         })
+        if i not in s.moe_layers:
+            out.update({L + "mlp.gate_proj.weight": (s.ffn, s.hidden), L + "mlp.up_proj.weight": (s.ffn, s.hidden),
+                        L + "mlp.down_proj.weight": (s.hidden, s.ffn)})
         if names.qkv_bias:
             out.update({L + "self_attn.q_proj.bias": (s.heads * s.head_dim,),
                         L + "self_attn.k_proj.bias": (s.kv_heads * s.head_dim,),
@@ -166,10 +169,11 @@ def iter_decoder_shard(ckpt: HFCheckpoint, names: DecoderNames, s: DecoderShape,
         out[M + "self_attention.linear_proj.weight"] = ckpt.read(L + "self_attn.o_proj.weight", rows=(0, s.hidden), cols=q_rows)
         out[M + "input_layernorm.weight"] = ckpt.read(L + "input_layernorm.weight")
         out[M + "pre_mlp_layernorm.weight"] = ckpt.read(L + "post_attention_layernorm.weight")
-        gate = ckpt.read(L + "mlp.gate_proj.weight", rows=ffn_rows)
-        up = ckpt.read(L + "mlp.up_proj.weight", rows=ffn_rows)
-        out[M + "mlp.linear_fc1.weight"] = torch.cat([gate, up], dim=0)
-        out[M + "mlp.linear_fc2.weight"] = ckpt.read(L + "mlp.down_proj.weight", rows=(0, s.hidden), cols=ffn_rows)
+        if layer_offset + j not in s.moe_layers:
+            gate = ckpt.read(L + "mlp.gate_proj.weight", rows=ffn_rows)
+            up = ckpt.read(L + "mlp.up_proj.weight", rows=ffn_rows)
+            out[M + "mlp.linear_fc1.weight"] = torch.cat([gate, up], dim=0)
+            out[M + "mlp.linear_fc2.weight"] = ckpt.read(L + "mlp.down_proj.weight", rows=(0, s.hidden), cols=ffn_rows)
         yield out
 
 
@@ -210,10 +214,11 @@ def _export_layer(sd: dict[str, torch.Tensor], names: DecoderNames, s: DecoderSh
     out[L + "self_attn.o_proj.weight"] = sd[M + "self_attention.linear_proj.weight"]
     out[L + "input_layernorm.weight"] = sd[M + "input_layernorm.weight"]
     out[L + "post_attention_layernorm.weight"] = sd[M + "pre_mlp_layernorm.weight"]
-    gate, up = torch.split(sd[M + "mlp.linear_fc1.weight"], [s.ffn, s.ffn], dim=0)
-    out[L + "mlp.gate_proj.weight"] = gate
-    out[L + "mlp.up_proj.weight"] = up
-    out[L + "mlp.down_proj.weight"] = sd[M + "mlp.linear_fc2.weight"]
+    if i not in s.moe_layers:
+        gate, up = torch.split(sd[M + "mlp.linear_fc1.weight"], [s.ffn, s.ffn], dim=0)
+        out[L + "mlp.gate_proj.weight"] = gate
+        out[L + "mlp.up_proj.weight"] = up
+        out[L + "mlp.down_proj.weight"] = sd[M + "mlp.linear_fc2.weight"]
     return out
 
 

@@ -135,9 +135,10 @@ class FamilyAdapter:
         raise NotImplementedError
 
     def load_language(self, ckpt, hf_cfg, *, tp_rank: int, tp: int, layer_offset: int, num_local_layers: int,
-                      pre_process: bool, post_process: bool, padded_vocab: int):
+                      pre_process: bool, post_process: bool, padded_vocab: int, experts=None):
         """This rank's language weights as groups of tensors read one after another (embeddings, then
-        one decoder layer at a time: ``copy_into`` copies each before the next is read)."""
+        one decoder layer at a time: ``copy_into`` copies each before the next is read). ``experts``: this
+        rank's ``model.moe_weights.ExpertSlice`` (ep and etp ranks; dense families ignore it)."""
         raise NotImplementedError
 
     def load_encoder(self, ckpt, hf_cfg):

@@ -231,7 +231,7 @@ class Qwen25VLAdapter(FamilyAdapter):
             ckpt.expect_shape(name, shape)
 
     def load_language(self, ckpt, hf_cfg, *, tp_rank, tp, layer_offset, num_local_layers, pre_process,
-                      post_process, padded_vocab):
+                      post_process, padded_vocab, experts=None):
         """This rank's language weights, one group (embeddings, then one layer) at a time."""
         return iter_decoder_shard(ckpt, self._names(ckpt.prefix_style), self._shape(hf_cfg, padded_vocab),
                                   tp_rank=tp_rank, tp=tp, layer_offset=layer_offset, num_local_layers=num_local_layers,

@@ -185,7 +185,7 @@ class Qwen35Adapter(Qwen3VLAdapter):
             ckpt.expect_shape(name, shape)
 
     def load_language(self, ckpt, hf_cfg, *, tp_rank, tp, layer_offset, num_local_layers, pre_process,
-                      post_process, padded_vocab):
+                      post_process, padded_vocab, experts=None):
         return hw.iter_hybrid_shard(ckpt, self._decoder_prefix(ckpt.prefix_style), "lm_head.weight",
                                     self.hybrid_shape(hf_cfg, padded_vocab), tp_rank=tp_rank, tp=tp,
                                     layer_offset=layer_offset, num_local_layers=num_local_layers,

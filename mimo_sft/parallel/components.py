@@ -1,17 +1,21 @@
-"""The ``--component`` grammar: ``NAME=k=v,k=v,...`` with keys tp, pp, cp, dp, etp, rank_offset.
+"""The ``--component`` grammar: ``NAME=k=v,k=v,...`` with keys tp, pp, cp, dp, ep, etp, rank_offset.
 
 Example: ``language=tp=1,pp=1,dp=2,rank_offset=0``. ``dp`` is required, the others default to 1
-(``rank_offset`` to 0). Parsing is pure: it never touches torch.distributed.
+(``rank_offset`` to 0, ``etp`` to the module's tp, as megatron's ``expert_tensor_parallel_size``).
+``ep`` and ``etp`` partition the ``tp*cp*dp`` ranks of each pipeline stage a second way, for the
+experts of a mixture-of-experts language model (megatron's expert view ``[etp, ep, expert dp, pp]``);
+they add no ranks. Parsing is pure: it never touches torch.distributed.
 """
 
 from __future__ import annotations
 
 import difflib
 from dataclasses import asdict, dataclass
+from typing import Optional
 
 from mimo_sft.errors import UserError
 
-COMPONENT_KEYS = ("tp", "pp", "cp", "dp", "etp", "rank_offset")
+COMPONENT_KEYS = ("tp", "pp", "cp", "dp", "ep", "etp", "rank_offset")
 
 
 @dataclass(frozen=True)
@@ -23,12 +27,27 @@ class ComponentSpec:
     tp: int = 1
     pp: int = 1
     cp: int = 1
-    etp: int = 1
+    #: expert parallelism: experts split over ``ep`` ranks of a stage (mixture-of-experts language models only)
+    ep: int = 1
+    #: expert tensor parallelism as given (None: the module's tp; :attr:`expert_tp` is the value in force)
+    etp: Optional[int] = None
     rank_offset: int = 0
 
     @property
     def size(self) -> int:
         return self.tp * self.cp * self.dp * self.pp
+
+    @property
+    def expert_tp(self) -> int:
+        """Expert tensor parallelism in force: ``etp`` when given, else ``tp``."""
+        return self.tp if self.etp is None else self.etp
+
+    @property
+    def expert_dp(self) -> int:
+        """Ranks of a stage holding the same experts (0 when ``ep*etp`` does not divide ``tp*cp*dp``,
+        which check 3 refuses)."""
+        stage, group = self.tp * self.cp * self.dp, self.ep * self.expert_tp
+        return stage // group if group > 0 and stage % group == 0 else 0
 
     @property
     def ranks(self) -> range:
@@ -37,10 +56,13 @@ class ComponentSpec:
     def to_dict(self) -> dict:
         d = asdict(self)
         d.pop("name")
+        if d["etp"] is None:
+            d.pop("etp")
         return d
 
     def to_flag(self) -> str:
-        return f"{self.name}=" + ",".join(f"{k}={getattr(self, k)}" for k in ("tp", "pp", "cp", "dp", "etp", "rank_offset"))
+        keys = [k for k in COMPONENT_KEYS if not (k == "etp" and self.etp is None)]
+        return f"{self.name}=" + ",".join(f"{k}={getattr(self, k)}" for k in keys)
 
 
 def _suggest(word: str, choices) -> str:

@@ -61,6 +61,9 @@ _CUDA_LITERAL_MODULES = {
     # CudaRNGStatesTracker.add / model_parallel_cuda_manual_seed: torch.cuda.get_rng_state() and
     # torch.cuda.manual_seed(); on the CPU the tracked streams are CPU generator states
     "megatron.core.tensor_parallel.random": "model-parallel RNG tracker",
+    # MoEAlltoAllTokenDispatcher: its class-level DtoH torch.cuda.Stream(), the stream switch and the
+    # event it records there for the tokens-per-expert copies (mixture-of-experts layers)
+    "megatron.core.transformer.moe.token_dispatcher": "MoE alltoall dispatcher's DtoH stream",
 }
 
 # Modules that create process groups with backend='nccl' hard-coded; their module-level ``dist``
@@ -86,6 +89,19 @@ def _cpu_device(device):
     return device
 
 
+class _NullEvent:
+    """Stands in for a CUDA event: on the CPU the work it marks has already happened."""
+
+    def synchronize(self):
+        return None
+
+    def query(self):
+        return True
+
+    def wait(self, *a, **k):
+        return None
+
+
 class _NullStream:
     """Stands in for a CUDA stream: every wait/record/synchronize is a no-op on the CPU."""
 
@@ -99,7 +115,8 @@ class _NullStream:
         return None
 
     def record_event(self, *a, **k):
-        return None
+        # MoEAlltoAllTokenDispatcher synchronizes the event its DtoH stream records
+        return _NullEvent()
 
     def synchronize(self):
         return None

@@ -137,8 +137,8 @@ def build_grid(spec) -> HyperCommGrid:
     """A module's HyperCommGrid with its expert view registered (no groups yet; not collective)."""
     grid = HyperCommGrid(shape=[spec.tp, spec.cp, spec.dp, spec.pp], dim_names=["tp", "cp", "dp", "pp"],
                          rank_offset=spec.rank_offset, backend=runtime.backend())
-    expt_dp = spec.tp * spec.cp * spec.dp // spec.etp
-    grid.register_view(EXPERT_VIEW, shape=[spec.etp, 1, expt_dp, spec.pp],
+    assert spec.expert_dp, f"{spec.name}: ep*etp must divide tp*cp*dp (check 12)"
+    grid.register_view(EXPERT_VIEW, shape=[spec.expert_tp, spec.ep, spec.expert_dp, spec.pp],
                        dim_names=["expt_tp", "ep", "expt_dp", "pp"], shared_dims=["pp"])
     return grid
 

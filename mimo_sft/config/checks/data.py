@@ -33,7 +33,7 @@ def c14_scalable_dp(ctx):
     if not d.drop_last:
         yield "--scalable-dp needs --drop-last: every canonical group must be full in every micro-batch"
     for s in ctx.specs:
-        if s.etp > 1:
+        if s.etp is not None and s.etp > 1:
             yield f"{s.name}.etp={s.etp}: expert tensor parallelism > 1 is rejected with --scalable-dp; set etp=1"
 
 

@@ -10,8 +10,8 @@ from mimo_sft.parallel.layout import LANGUAGE
 
 def c01_positive_sizes(ctx):
     for s in ctx.specs:
-        for key in ("tp", "pp", "cp", "dp", "etp"):
-            if getattr(s, key) < 1:
+        for key in ("tp", "pp", "cp", "dp", "ep", "etp"):
+            if getattr(s, key) is not None and getattr(s, key) < 1:
                 yield f"{s.name}.{key}={getattr(s, key)} must be >= 1"
         if s.rank_offset < 0:
             yield f"{s.name}.rank_offset={s.rank_offset} must be >= 0"
@@ -35,6 +35,8 @@ def c01_positive_sizes(ctx):
         yield f"--keep-last-checkpoints={keep} must be >= 1 (leave it out to keep every checkpoint)"
     if ctx.cfg.logging.peak_tflops is not None and ctx.cfg.logging.peak_tflops <= 0:
         yield f"--peak-tflops={ctx.cfg.logging.peak_tflops} must be > 0 (a GPU's dense bf16 peak, e.g. 989 for an H100 SXM)"
+    if ctx.cfg.model.moe_aux_loss_coeff < 0:
+        yield f"--moe-aux-loss-coeff={ctx.cfg.model.moe_aux_loss_coeff} must be >= 0 (0: no load-balancing loss)"
     o = ctx.cfg.optimizer
     for name, val in (("--lr", o.lr), ("--min-lr", o.min_lr)):
         if val < 0:
@@ -97,7 +99,7 @@ def c06_tp_power_of_two(ctx):
     for s in ctx.specs:
         if s.tp >= 1 and not is_pow2(s.tp):
             yield f"{s.name}.tp={s.tp} is not a power of two; use 1, 2, 4, 8 (mimo-sft's own limit)"
-        if s.etp >= 1 and not is_pow2(s.etp):
+        if s.etp is not None and s.etp >= 1 and not is_pow2(s.etp):
             yield f"{s.name}.etp={s.etp} is not a power of two; use 1, 2, 4, 8 (mimo-sft's own limit)"
 
 
@@ -162,3 +164,11 @@ def c12_language_partition(ctx):
     lang = next((s for s in ctx.specs if s.name == LANGUAGE), None)
     if lang:
         yield from families.language_partition_findings(family_spec(ctx), lang)
+    if lang and lang.ep >= 1 and lang.expert_tp >= 1 and not lang.expert_dp:
+        yield (f"language.ep={lang.ep} x etp={lang.expert_tp} does not divide the {lang.tp * lang.cp * lang.dp} ranks "
+               f"of a language pipeline stage (tp*cp*dp = {lang.tp}*{lang.cp}*{lang.dp}); choose ep and etp whose "
+               f"product divides it")
+    for s in ctx.specs:
+        if s.name != LANGUAGE and (s.ep > 1 or (s.etp or 1) > 1):
+            yield (f"{s.name}.ep={s.ep}, etp={s.etp}: expert parallelism is for the language model's experts "
+                   f"(the {s.name} encoder has none); set ep=1 and drop etp on {s.name}")

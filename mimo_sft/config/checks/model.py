@@ -30,12 +30,26 @@ def c16_model(ctx):
         for s in ctx.specs:
             if s.name == LANGUAGE:
                 yield from families.language_divisibility_findings(spec, s, ctx.hf_config)
+                yield from _expert_run_findings(ctx, spec, s)
     elif ctx.for_run and not m.allow_random_init and not m.pretrained_checkpoint:
         yield "no model: give --hf-model DIR (a Hugging Face Qwen-VL folder)"
     elif not ctx.for_run:
         yield ("--hf-model not given: head/layer divisibility was not checked (finetune needs it)", "note")
     if m.allow_random_init and not m.hf_model:
         yield "--allow-random-init needs --hf-model (its config.json defines the architecture)"
+
+
+def _expert_run_findings(ctx, spec, language):
+    """A mixture-of-experts model's run settings: megatron's MoE layer refuses to train at tp > 1 without
+    sequence parallelism; the aux-loss coefficient means nothing for a dense model."""
+    m = ctx.cfg.model
+    if spec.architecture.moe:
+        if language.tp > 1 and not m.sequence_parallel:
+            yield (f"language.tp={language.tp} with a mixture-of-experts model needs --sequence-parallel "
+                   f"(megatron's MoE layer refuses tensor parallelism without it); add --sequence-parallel")
+    elif m.moe_aux_loss_coeff > 0:
+        yield (f"--moe-aux-loss-coeff={m.moe_aux_loss_coeff} has no effect: {spec.name} is a dense model "
+               f"(no router)", "note")
 
 
 def c18_contents_note(ctx):

@@ -81,7 +81,7 @@ def check_config(cfg: ExperimentConfig, *, forecaster: Callable, world_size: int
     except UserError as e:
         return CheckResult(None, [Problem(2, str(e))], [], None)
     world = world_size if world_size is not None else cfg.parallel.world_size
-    sane = specs and all(min(s.tp, s.pp, s.cp, s.dp, s.etp) >= 1 and s.rank_offset >= 0 for s in specs)
+    sane = specs and all(min(s.tp, s.pp, s.cp, s.dp, s.ep, s.expert_tp) >= 1 and s.rank_offset >= 0 for s in specs)
     layout = Layout.from_specs(specs, world) if sane else None
     ctx = CheckContext(cfg, specs, layout, world, for_run,
                        read_hf_config(cfg.model.hf_model), workload=workload, forecaster=forecaster)
