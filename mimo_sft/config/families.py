@@ -269,17 +269,23 @@ def _qwen_vl_language_dims(config: dict) -> LanguageDims:
                         layers=text.get("num_hidden_layers"))
 
 
+def routed_experts(text: dict):
+    """``text_config``'s routed expert count: ``num_experts`` in released files, ``num_local_experts`` in the
+    ones transformers 5.23 writes (its attribute map between the two names)."""
+    return text.get("num_experts", text.get("num_local_experts"))
+
+
 def _qwen_moe_language_dims(config: dict) -> LanguageDims:
     """Qwen-VL MoE: the Qwen-VL sizes plus the routed experts and their FFN width."""
     text = config.get("text_config", config)
-    return replace(_qwen_vl_language_dims(config), experts=text.get("num_experts"),
+    return replace(_qwen_vl_language_dims(config), experts=routed_experts(text),
                    expert_ffn=text.get("moe_intermediate_size"))
 
 
 def _moe_findings(config: dict) -> Iterator[Finding]:
     """A router picks at least one and at most all experts."""
     text = config.get("text_config", config)
-    e, k = text.get("num_experts"), text.get("num_experts_per_tok")
+    e, k = routed_experts(text), text.get("num_experts_per_tok")
     if isinstance(e, int) and isinstance(k, int) and not 1 <= k <= e:
         yield (f"config.json text_config.num_experts_per_tok={k} must be between 1 and text_config.num_experts={e}; "
                f"fix the checkpoint's config.json")

@@ -61,7 +61,8 @@ class ComponentSpec:
         return d
 
     def to_flag(self) -> str:
-        keys = [k for k in COMPONENT_KEYS if not (k == "etp" and self.etp is None)]
+        # ep and etp only where given: a dense layout reads as it always has
+        keys = [k for k in COMPONENT_KEYS if not (k == "etp" and self.etp is None) and not (k == "ep" and self.ep == 1)]
         return f"{self.name}=" + ",".join(f"{k}={getattr(self, k)}" for k in keys)
 
 

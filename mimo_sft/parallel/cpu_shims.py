@@ -355,6 +355,110 @@ def _patch_rng_state_functions() -> None:
     mrandom._set_cuda_rng_state = set_state
 
 
+def _patch_moe_host_splits() -> None:
+    """Gap 9: ``MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize`` turns its split sizes into numpy
+    arrays through ``moe_utils.maybe_move_tensor_to_cpu(..., as_numpy=True)``, which converts only a CUDA
+    tensor; on the CPU the splits stayed tensors, which gloo's ``all_to_all_single`` refuses as split
+    sizes. Here a host tensor asked for as numpy becomes numpy too, as a copied-back one would."""
+    mod = importlib.import_module("megatron.core.transformer.moe.token_dispatcher")
+    original = mod.maybe_move_tensor_to_cpu
+    if getattr(original, "_mimo_cpu_shim", False):
+        return
+
+    @functools.wraps(original)
+    def move(tensor, as_numpy: bool = False, record_stream: bool = False):
+        if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
+            return tensor.numpy()
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    move._mimo_cpu_shim = True
+    mod.maybe_move_tensor_to_cpu = move
+
+
+def _uneven_all_gather(fn):
+    """``all_gather(outputs, input)`` with outputs of different first dims, as NCCL takes them: gloo needs
+    equal sizes, so every rank's rows are padded to the longest and cut back after."""
+
+    @functools.wraps(fn)
+    def wrapper(output_list, tensor, group=None, async_op=False):
+        rows = [t.shape[0] for t in output_list]
+        if len(set(rows)) <= 1:
+            return fn(output_list, tensor, group=group, async_op=async_op)
+        assert not async_op, "uneven all_gather shim: synchronous calls only"
+        longest = max(rows)
+        padded = tensor.new_zeros((longest, *tensor.shape[1:]))
+        padded[: tensor.shape[0]] = tensor
+        parts = [torch.empty_like(padded) for _ in rows]
+        fn(parts, padded, group=group)
+        for out, part, n in zip(output_list, parts, rows):
+            out.copy_(part[:n])
+        return None
+
+    return wrapper
+
+
+def _uneven_reduce_scatter(fn):
+    """``reduce_scatter(output, inputs)`` with inputs of different first dims (NCCL takes them, gloo does
+    not): the inputs, padded to the longest, are summed by one all_reduce and each rank keeps its part."""
+    import torch.distributed as dist
+
+    @functools.wraps(fn)
+    def wrapper(output, input_list, op=None, group=None, async_op=False):
+        rows = [t.shape[0] for t in input_list]
+        if len(set(rows)) <= 1:
+            kwargs = {} if op is None else {"op": op}
+            return fn(output, input_list, group=group, async_op=async_op, **kwargs)
+        assert not async_op and op in (None, dist.ReduceOp.SUM), "uneven reduce_scatter shim: synchronous sums only"
+        longest = max(rows)
+        stacked = input_list[0].new_zeros((len(rows), longest, *input_list[0].shape[1:]))
+        for i, t in enumerate(input_list):
+            stacked[i, : t.shape[0]] = t
+        dist.all_reduce(stacked, group=group)
+        me = dist.get_rank(group)
+        output.copy_(stacked[me, : rows[me]])
+        return None
+
+    return wrapper
+
+
+class _UnevenDistProxy(types.ModuleType):
+    """``torch.distributed`` as ``tensor_parallel.mappings`` sees it on the CPU: uneven all_gather and
+    reduce_scatter (the MoE alltoall dispatcher's token gather/scatter over the tp group) work on gloo."""
+
+    def __init__(self):
+        import torch.distributed as dist
+
+        super().__init__("torch.distributed")
+        self._dist = dist
+        self.all_gather = _uneven_all_gather(dist.all_gather)
+        self.reduce_scatter = _uneven_reduce_scatter(dist.reduce_scatter)
+
+    def __getattr__(self, name):
+        return getattr(self._dist, name)
+
+
+class _MappingsTorchProxy(types.ModuleType):
+    """A module-level ``torch`` for ``megatron.core.tensor_parallel.mappings`` whose ``distributed`` is
+    :class:`_UnevenDistProxy`; everything else is torch's."""
+
+    def __init__(self):
+        super().__init__("torch")
+        self.distributed = _UnevenDistProxy()
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+
+def _patch_uneven_tp_collectives() -> None:
+    """Gap 10: ``tensor_parallel.mappings._gather_along_first_dim`` / ``_reduce_scatter_along_first_dim``
+    with split sizes (``MoEAlltoAllTokenDispatcher.dispatch_postprocess`` / ``combine_preprocess`` at tp
+    > 1: each tp rank routed a different number of tokens to this rank's experts) call the list forms of
+    all_gather / reduce_scatter with tensors of different sizes, which gloo refuses."""
+    mod = importlib.import_module("megatron.core.tensor_parallel.mappings")
+    if not isinstance(mod.__dict__.get("torch"), _MappingsTorchProxy):
+        mod.torch = _MappingsTorchProxy()
+
+
 def apply_cpu_shims() -> None:
     """Bridge megatron-core's CUDA-only call sites for CPU + gloo. Idempotent.
 
@@ -367,6 +471,8 @@ def apply_cpu_shims() -> None:
     _patch_type_assertions()
     _patch_rng_state_functions()
     _patch_compiled_fusions()
+    _patch_moe_host_splits()
+    _patch_uneven_tp_collectives()
 
 
 #: megatron's ``jit_fuser`` (``torch.compile``) fusions on mimo-sft's path, by module

@@ -270,9 +270,32 @@ def build_mimo_optimizer(model, config: OptimizerConfig, overrides: dict):
             pg_collection = _get_pg_collection_for_optimizer(grid)
             optimizer = get_megatron_optimizer(config=config, model_chunks=[module], pg_collection=pg_collection,
                                                use_gloo_process_groups=False, config_overrides=dict(overrides))
+        if optimizer is not None:
+            optimizer = _without_empty_expert_optimizer(optimizer, module)
         infos[name] = ModuleOptimizerInfo(optimizer=optimizer, grid=grid, pg_collection=pg_collection,
                                           is_active=active)
     return FiniteGradMimoOptimizer(infos, config)
+
+
+def _without_empty_expert_optimizer(optimizer, module):
+    """``optimizer`` without its expert-parallel part where ``module`` has no expert parameter.
+
+    megatron-core 0.19.2's ``_get_param_groups`` aligns the param-group keys over the whole world (an
+    ``all_gather_object`` on the default group), so next to a mixture-of-experts language model every
+    module -- the vision tower too -- gets an expert-parallel group with no parameter, and with it a
+    second, empty distributed optimizer that has no step to report: the first checkpoint asserts
+    (``DistributedOptimizer.state_dict``: ``len(steps) == 1``). Decided by the module's parameters, so
+    every rank of the module decides alike."""
+    from megatron.core.optimizer import ChainedOptimizer
+
+    if any(not getattr(p, "allreduce", True) for p in module.parameters()):
+        return optimizer
+    parts = getattr(optimizer, "chained_optimizers", [optimizer])
+    dense = [o for o in parts if not all(g.get("is_expert_parallel", False) for g in o.param_groups)]
+    if len(dense) == len(parts):
+        return optimizer
+    assert all(not g["params"] for o in parts if o not in dense for g in o.param_groups), "expert groups with parameters"
+    return ChainedOptimizer(dense)
 
 
 def _without_empty_optimizers(optimizer, modules: dict):

@@ -26,12 +26,26 @@ GATHERED_FORMAT = "fully_reshardable"
 def reshard_problem(meta: dict, components) -> str | None:
     """Why a checkpoint with ``meta`` cannot resume on ``components`` (objects or dicts with name,
     tp, pp), or None. Weights, plain-optimizer state and the reshardable distributed-optimizer
-    form resume on any layout; the DP-only form needs each module's TP and PP as saved."""
-    if not meta.get("use_distributed_optimizer") or meta.get("distributed_optimizer_format") != DP_ONLY_FORMAT:
-        return None
+    form resume on any layout; the DP-only form needs each module's TP and PP as saved. A mixture-of-experts
+    model's experts have an optimizer of their own only where megatron splits them off (ep > 1, or etp
+    other than tp): a checkpoint saved with them among the dense parameters cannot resume on such a layout."""
     saved = {m["name"]: m for m in meta.get("layout", [])}
     for c in components:
-        name, tp, pp = (c["name"], c["tp"], c["pp"]) if isinstance(c, dict) else (c.name, c.tp, c.pp)
+        name, tp, ep, etp = ((c["name"], c["tp"], c.get("ep", 1), c.get("etp", c["tp"])) if isinstance(c, dict)
+                             else (c.name, c.tp, c.ep, c.expert_tp))
+        was = saved.get(name)
+        if was is not None and _experts_apart(ep, etp, tp) and not _experts_apart(
+                was.get("ep", 1), was.get("etp", was["tp"]), was["tp"]):
+            return (f"it was saved with {name} ep={was.get('ep', 1)},etp={was.get('etp', was['tp'])} (the experts' "
+                    f"optimizer state with the dense parameters'), which megatron keeps apart at ep={ep},etp={etp}; "
+                    f"resume with ep=1 and etp=tp, or start from its weights with --pretrained-checkpoint")
+    if not meta.get("use_distributed_optimizer") or meta.get("distributed_optimizer_format") != DP_ONLY_FORMAT:
+        return None
+    for c in components:
+        if isinstance(c, dict):
+            name, tp, pp, ep, etp = c["name"], c["tp"], c["pp"], c.get("ep", 1), c.get("etp", c["tp"])
+        else:
+            name, tp, pp, ep, etp = c.name, c.tp, c.pp, c.ep, c.expert_tp
         was = saved.get(name)
         if was is None:
             return f"it holds no {name} module"
@@ -39,7 +53,18 @@ def reshard_problem(meta: dict, components) -> str | None:
             return (f"its distributed-optimizer state was saved in the DP-only form with {name} tp={was['tp']},"
                     f"pp={was['pp']}, which resumes only with that TP and PP (this layout has tp={tp},pp={pp}); "
                     f"resume on the saved TP/PP (any DP), or re-save it there with --save-reshardable")
+        was_ep = was.get("ep", 1)
+        if was_ep != ep or (max(was_ep, ep) > 1 and was.get("etp", was["tp"]) != etp):
+            return (f"its distributed-optimizer state was saved in the DP-only form with {name} ep={was_ep},"
+                    f"etp={was.get('etp', was['tp'])}, which resumes only with that expert layout (this layout has "
+                    f"ep={ep},etp={etp}); resume with the saved ep and etp, or re-save it there with --save-reshardable")
     return None
+
+
+def _experts_apart(ep: int, etp: int, tp: int) -> bool:
+    """Whether megatron gives expert parameters their own optimizer (``ColumnParallelLinear``'s
+    ``use_expert_pgs``: expert parallelism, or an expert TP other than the TP)."""
+    return ep > 1 or etp != tp
 
 
 def find_meta(path: str) -> dict | None:

@@ -85,7 +85,8 @@ def format_info(info: dict) -> str:
     gib = 2 ** 30
     lines = [f"{info['checkpoint']}: step {info['step']}, {info['consumed_samples']} samples consumed",
              "layout: " + " ".join(f"{m['name']}=tp={m['tp']},pp={m['pp']},cp={m['cp']},dp={m['dp']},"
-                                   f"rank_offset={m['rank_offset']}" for m in info["layout"])
+                                   + (f"ep={m['ep']},etp={m['etp']}," if m.get("ep", 1) > 1 else "")
+                                   + f"rank_offset={m['rank_offset']}" for m in info["layout"])
              + f" ({info['world_size']} ranks)",
              f"dtype: {info['dtype']}; optimizer: {info['optimizer']}"
              + (f" ({info['distributed_optimizer_format']})" if info["distributed_optimizer_format"] else "")

@@ -12,7 +12,15 @@ from mimo_sft.train.checkpoint.lora import has_lora, trainable_entries
 
 
 def layout_signature(layout) -> list[dict]:
-    return [{"name": s.name, **s.to_dict()} for s in layout.components]
+    """Each module's partition as saved in meta.json: tp, pp, cp, dp, the expert tp in force, rank_offset,
+    and ep where it is > 1 (a dense layout's entry reads as before expert parallelism existed)."""
+    out = []
+    for s in layout.components:
+        entry = {"name": s.name, "dp": s.dp, "tp": s.tp, "pp": s.pp, "cp": s.cp}
+        if s.ep > 1:
+            entry["ep"] = s.ep
+        out.append({**entry, "etp": s.expert_tp, "rank_offset": s.rank_offset})
+    return out
 
 
 @contextmanager

@@ -71,7 +71,12 @@ def _optimizer_sharded_state_dict(ctx, *, is_loading: bool, sharding: str | None
 
     model_sd = model_sharded_state_dict(ctx.model, encoder_replica_rank(ctx))
     # plain optimizers ignore it; the boxes are megatron's fully_reshardable form, written by shards
-    metadata = {"distrib_optim_sharding_type": DP_RESHARDABLE if sharding == DP_RESHARDABLE else FULLY_RESHARDABLE}
+    metadata = {"distrib_optim_sharding_type": DP_RESHARDABLE if sharding == DP_RESHARDABLE else FULLY_RESHARDABLE,
+                # the reshardable form names each tensor by its parameter alone, not by which chained optimizer
+                # holds it: megatron splits a mixture-of-experts model's experts into a second optimizer only at
+                # ep > 1, so only then is an ep 2 checkpoint's state found by an ep 1 run (a dense model has one
+                # optimizer, no prefix either way)
+                "chained_optim_avoid_prefix": True}
     # megatron's gathered form is read as boxes too: the same stored tensors, each rank reading its own part
     boxes = distributed_optimizers(ctx.optimizer) if sharding not in (None, DP_RESHARDABLE) else []
     with boxes_for_reshardable(boxes):  # each rank's own shard, not megatron's gather (module docstring)

@@ -336,5 +336,6 @@ def _optimizer_kind(ctx) -> dict:
 
 
 def _fmt_layout(sig: list[dict]) -> str:
-    return " ".join(f"{m['name']}=tp={m['tp']},pp={m['pp']},cp={m['cp']},dp={m['dp']},rank_offset={m['rank_offset']}"
+    return " ".join(f"{m['name']}=tp={m['tp']},pp={m['pp']},cp={m['cp']},dp={m['dp']},"
+                    + (f"ep={m['ep']},etp={m['etp']}," if m.get("ep", 1) > 1 else "") + f"rank_offset={m['rank_offset']}"
                     for m in sig)

@@ -6,7 +6,9 @@ over. Here the group's ranks split the module's tensors between them (by bytes, 
 rank), each reads only its share from the checkpoint, and each tensor is then broadcast from its reader
 into the parameter of every other rank of the group (on the parameters' own device and group: gloo on
 the CPU, NCCL on GPUs), so storage serves each byte once per group. The optimizer state needs none of
-this: each DP rank reads only its own shard of it (:mod:`optimizer`, :mod:`reshard`).
+this: each DP rank reads only its own shard of it (:mod:`optimizer`, :mod:`reshard`). Neither do a
+mixture-of-experts model's expert weights, which differ between the DP ranks of an expert-parallel
+module: each rank reads its own experts.
 
 Why not megatron's ``FullyParallelLoadStrategyWrapper``: its exchange allocates CUDA buffers
 (``init_data("cuda")``, ``.cuda()``), so it cannot run on the gloo CPU runs the tests use.
@@ -65,7 +67,11 @@ def plan_spread(sd: dict, groups: dict) -> tuple[dict, list]:
     for key, entry in sd.items():
         name = module_of(key)
         group = groups.get(name)
-        if group is not None and dist.get_world_size(group) > 1 and _parameter(entry) is not None:
+        param = _parameter(entry)
+        # an expert parameter (``allreduce`` False) differs between the DP ranks of an expert-parallel
+        # module: each rank reads its own experts as in a plain load
+        if (group is not None and dist.get_world_size(group) > 1 and param is not None
+                and getattr(param, "allreduce", True)):
             by_module.setdefault(name, {})[key] = entry
     part = {k: v for k, v in sd.items() if not any(k in keys for keys in by_module.values())}
     shares = []

@@ -1,0 +1,117 @@
+"""Qwen3-VL-MoE under torchrun (gloo, CPU): every expert-parallel layout's step equals the single-process
+step of the tiny Qwen3-VL-MoE (8 experts, top 2, four sparse layers; DeepStack after the first two), per
+parameter.
+
+Data: the bridge corner cases (``train_helpers.BRIDGE_CORNER_IMAGES``: text-only micro-batches, so a
+language rank's slice without images still joins every expert all-to-all, encoder slices without
+images, several image sizes in one sample), one step of three micro-batches. Compared with the
+single-process padded run: loss, grad norm, every parameter's reduced gradient (each expert's and the
+routers' included) at 1e-5 of its largest entry, the weights after the Adam step.
+
+* non-colocated: language dp 2 x ep 2 (each rank holds 4 of the 8 experts; tokens cross ranks in the
+  alltoall dispatcher) fed by one encoder rank, index-mode reordering, in-batch packing;
+* colocated: language tp 2 x dp 2 with ep 2 and etp 2 (each expert's fc1/fc2 split over tp as well),
+  sequence parallelism, images dp 4 fan-in;
+* language pp 2 x dp 2 x ep 2, non-colocated;
+* resume: a run stopped after step 1 and resumed continues as the continuous one; and onto ep 1.
+"""
+
+import functools
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from e2e_runs import CORNER, RELAYOUT_NOTICE, SINGLE, assert_continues, assert_same_step, finetune, layout_run
+from train_helpers import bridge_corner_data, checkpoint_tensors, metrics, optimizer_tensors
+
+GROUP_MOE = pytest.mark.xdist_group("e2e_moe")
+pytestmark = [pytest.mark.e2e, GROUP_MOE]
+
+WEIGHTS_TOL = 1e-4
+PACKED = ["--in-batch-packing"]
+
+
+@functools.lru_cache(maxsize=None)
+def tiny_moe() -> str:
+    from mimo_sft.testing.tiny_checkpoint import write_tiny_checkpoint
+
+    folder = Path(tempfile.mkdtemp(prefix="mimo_sft_moe_")) / "tiny_qwen3_vl_moe"
+    return str(write_tiny_checkpoint(folder, seed=0, family="qwen3_vl_moe", text_layers=4))
+
+
+def run(name, nproc, components, extra=()):
+    return layout_run(name, nproc, components, bridge_corner_data(), [*CORNER, *extra], model=tiny_moe())
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return run("moe_ref", 1, SINGLE)
+
+
+def test_non_colocated_ep2_dp2_reordering_packing(reference):
+    got = run("moe_noncoloc", 3, ["language=dp=2,ep=2", "images=dp=1,rank_offset=2"],
+              ["--scalable-dp", "--intra-microbatch-reorder", "--reorder-mode", "index", *PACKED])
+    assert_same_step(reference, got, same_flops=False, weights_tol=WEIGHTS_TOL)
+
+
+def test_colocated_tp2_ep2_etp2_sequence_parallel_fan_in(reference):
+    got = run("moe_coloc", 4, ["language=tp=2,dp=2,ep=2", "images=dp=4"], ["--sequence-parallel"])
+    assert_same_step(reference, got, weights_tol=WEIGHTS_TOL)
+
+
+def test_language_pp2_dp2_ep2(reference):
+    got = run("moe_pp2", 5, ["language=pp=2,dp=2,ep=2", "images=dp=1,rank_offset=4"])
+    assert_same_step(reference, got, weights_tol=WEIGHTS_TOL)
+
+
+#: 4 steps of 4 samples, checkpoints at 2 and 4, the experts' optimizer state saved in the form that
+#: resumes on another expert layout
+RESUME = ["--seq-length", "192", "--micro-batch-size", "4", "--global-batch-size", "4", "--train-iters", "4",
+          "--lr", "2e-3", "--lr-warmup-iters", "1", "--no-tensorboard", "--dataloader-type", "cyclic", "--seed", "7",
+          "--save-interval", "2", "--save-reshardable", "--scalable-dp", "--intra-microbatch-reorder"]
+EP2 = ["language=dp=2,ep=2", "images=dp=1,rank_offset=2"]
+
+
+def _resume_run(name, nproc, components, load=None):
+    return finetune(name, nproc, [*RESUME, *(["--load-checkpoint", load] if load else [])], components=components,
+                    model=tiny_moe(), data=bridge_corner_data())
+
+
+@pytest.fixture(scope="module")
+def continuous():
+    return _resume_run("moe_cont", 3, EP2).out
+
+
+def test_resume_with_ep_is_bit_exact(continuous):
+    """Resumed at step 2 on the same ep 2 layout: steps 3-4 repeat the continuous run bit for bit, and the
+    final weights and sharded Adam state (each rank's experts) equal the continuous run's."""
+    resumed, proc = _resume_run("moe_resumed", 3, EP2, load=continuous + "/checkpoints/iter_0000002")
+    a = {m["step"]: m for m in metrics(continuous)}
+    b = {m["step"]: m for m in metrics(resumed)}
+    assert sorted(b) == [3, 4]
+    assert all(b[s]["loss"] == a[s]["loss"] and b[s]["grad_norm"] == a[s]["grad_norm"] for s in b), (a, b)
+    assert RELAYOUT_NOTICE not in proc.stdout
+    for read in (checkpoint_tensors, optimizer_tensors):
+        end_a, end_b = read(continuous + "/checkpoints/iter_0000004"), read(resumed + "/checkpoints/iter_0000004")
+        assert end_a and end_a.keys() == end_b.keys() and all((end_a[k] == end_b[k]).all() for k in end_a), read
+    # megatron stores a layer's experts as one [experts, ...] tensor per linear: all 8, gathered across ep
+    experts = {k: v for k, v in checkpoint_tensors(continuous + "/checkpoints/iter_0000004").items()
+               if ".mlp.experts.experts.linear_fc" in k}
+    assert len(experts) == 4 * 2 and all(v.shape[0] == 8 for v in experts.values()), {k: v.shape for k, v in experts.items()}
+
+
+def test_resume_from_ep2_onto_ep1(continuous):
+    """The ep 2 checkpoint continues on ep 1 (each language rank now holds all 8 experts) with the
+    continuous run's losses and gradient norms, to the reduction order of the other layout."""
+    resumed, proc = _resume_run("moe_ep1", 3, ["language=dp=2", "images=dp=1,rank_offset=2"],
+                                load=continuous + "/checkpoints/iter_0000002")
+    assert RELAYOUT_NOTICE in proc.stdout
+    assert_continues(continuous, resumed, [3, 4])
+    # back onto ep 2 from the ep 1 checkpoint: megatron keeps the experts' optimizer apart there, which the
+    # ep 1 state does not have; refused before step 0, in one line
+    proc = finetune("moe_back_to_ep2", 3, [*RESUME, "--load-checkpoint", resumed + "/checkpoints/iter_0000004"],
+                    components=EP2, model=tiny_moe(), data=bridge_corner_data(), check=False).proc
+    assert proc.returncode != 0, proc.stderr[-2000:]
+    line = [ln for ln in proc.stderr.splitlines() if "etp=1 (the experts' optimizer state with the dense" in ln]
+    assert line and "resume with ep=1 and etp=tp, or start from its weights with --pretrained-checkpoint" in line[0]
