@@ -59,6 +59,10 @@ def test_expert_layouts_pass(tmp_path, components, extra):
      "tensor parallelism without it); add --sequence-parallel"),
     (QWEN3_VL_MOE, ("language=tp=2,dp=2,etp=2,ep=1", "images=dp=2,rank_offset=4"),
      ("--sequence-parallel",), None),
+    (QWEN3_VL_MOE, ("language=dp=2,ep=2", "images=dp=2,rank_offset=2"),
+     ("--moe-aux-loss-coeff", "0.01", "--recompute-granularity", "selective"),
+     "[16] --moe-aux-loss-coeff=0.01 with --recompute-granularity selective: a recomputed layer would weigh its "
+     "load-balancing loss by another micro-batch's tokens (train.expert_load); drop one of the two"),
 ])
 def test_bad_expert_layouts_are_one_line_each(tmp_path, config, components, extra, expected):
     probs = _problems(tmp_path, config, *components, extra=extra)

@@ -21,8 +21,10 @@ import tempfile
 from pathlib import Path
 
 import pytest
+import torch
 
-from e2e_runs import CORNER, RELAYOUT_NOTICE, SINGLE, assert_continues, assert_same_step, finetune, layout_run
+from e2e_runs import (CORNER, RELAYOUT_NOTICE, SINGLE, assert_continues, assert_same_step, finetune, layout_run,
+                      train_rows)
 from train_helpers import bridge_corner_data, checkpoint_tensors, metrics, optimizer_tensors
 
 GROUP_MOE = pytest.mark.xdist_group("e2e_moe")
@@ -53,16 +55,30 @@ def test_non_colocated_ep2_dp2_reordering_packing(reference):
     got = run("moe_noncoloc", 3, ["language=dp=2,ep=2", "images=dp=1,rank_offset=2"],
               ["--scalable-dp", "--intra-microbatch-reorder", "--reorder-mode", "index", *PACKED])
     assert_same_step(reference, got, same_flops=False, weights_tol=WEIGHTS_TOL)
+    # padding positions are routed (and computed by the experts) too: the packed run's load is the
+    # packed single process's
+    _same_expert_load(run("moe_ref_packed", 1, SINGLE, PACKED), got)
+
+
+def _same_expert_load(ref_dir, run_dir):
+    """Tokens per expert are a property of the step, not of the layout: every layer's max/mean figure
+    equals the single process's (counted over dp, de-duplicated over tp, gathered over pp stages)."""
+    a, b = train_rows(ref_dir)[0], train_rows(run_dir)[0]
+    keys = sorted(k for k in a if k.startswith("moe_load_max_over_mean"))
+    assert len(keys) == 1 + 4 and a["moe_load_max_over_mean"] > 1.0, a
+    assert all(abs(a[k] - b[k]) <= 1e-9 * a[k] for k in keys), {k: (a[k], b[k]) for k in keys}
 
 
 def test_colocated_tp2_ep2_etp2_sequence_parallel_fan_in(reference):
     got = run("moe_coloc", 4, ["language=tp=2,dp=2,ep=2", "images=dp=4"], ["--sequence-parallel"])
     assert_same_step(reference, got, weights_tol=WEIGHTS_TOL)
+    _same_expert_load(reference, got)
 
 
 def test_language_pp2_dp2_ep2(reference):
     got = run("moe_pp2", 5, ["language=pp=2,dp=2,ep=2", "images=dp=1,rank_offset=4"])
     assert_same_step(reference, got, weights_tol=WEIGHTS_TOL)
+    _same_expert_load(reference, got)
 
 
 #: 4 steps of 4 samples, checkpoints at 2 and 4, the experts' optimizer state saved in the form that
@@ -115,3 +131,21 @@ def test_resume_from_ep2_onto_ep1(continuous):
     assert proc.returncode != 0, proc.stderr[-2000:]
     line = [ln for ln in proc.stderr.splitlines() if "etp=1 (the experts' optimizer state with the dense" in ln]
     assert line and "resume with ep=1 and etp=tp, or start from its weights with --pretrained-checkpoint" in line[0]
+
+
+def test_load_balancing_loss_is_off_by_default_and_reported_when_on(reference):
+    """--moe-aux-loss-coeff: off by default (no figure; the gradients above equal transformers' model, which
+    adds none); on, megatron's per-layer loss is reported and moves only the gradients of the routers
+    (and what is below them), not the logged language-model loss."""
+    on = run("moe_aux", 1, SINGLE, ["--moe-aux-loss-coeff", "0.1"])
+    off_row, on_row = train_rows(reference)[0], train_rows(on)[0]
+    assert "moe_aux_loss" not in off_row and 1.0 <= on_row["moe_aux_loss"] < 4, on_row  # 1: balanced, E/k = 4
+    assert on_row["loss"] == off_row["loss"]
+    # a small coefficient moves the gradient a little (megatron's own scaling here moved the grad norm 4000x)
+    assert abs(on_row["grad_norm"] - off_row["grad_norm"]) < 0.5 * off_row["grad_norm"], (on_row, off_row)
+    a = checkpoint_tensors(f"{reference}/grads/iter_0000001")
+    b = checkpoint_tensors(f"{on}/grads/iter_0000001")
+    routers = [k for k in a if k.endswith("mlp.router.weight")]
+    assert len(routers) == 4 and all((a[k] - b[k]).abs().max() > 1e-4 * a[k].abs().max() for k in routers)
+    head = [k for k in a if k.endswith("output_layer.weight") or k.endswith("final_layernorm.weight")]
+    assert head and all(torch.equal(a[k], b[k]) for k in head)  # above every router: untouched

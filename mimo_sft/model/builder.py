@@ -128,10 +128,11 @@ class _BuildInputs:
 
 
 def _expert_settings(lang, model_cfg) -> dict:
-    """A mixture-of-experts language model's run settings: the layout's ep and etp, the aux-loss switch."""
-    coeff = float(getattr(model_cfg, "moe_aux_loss_coeff", 0.0) or 0.0)
+    """A mixture-of-experts language model's layout: ep and etp. megatron's own load-balancing loss stays
+    off: ``--moe-aux-loss-coeff`` is ``train.expert_load``'s (megatron scales its gradient for a loss averaged
+    over every token position, not over supervised tokens as mimo-sft's)."""
     return dict(expert_model_parallel_size=lang.ep, expert_tensor_parallel_size=lang.expert_tp,
-                moe_router_load_balancing_type="aux_loss" if coeff > 0 else "none", moe_aux_loss_coeff=coeff)
+                moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0)
 
 
 def _expert_slice(groups):

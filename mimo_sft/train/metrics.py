@@ -65,6 +65,9 @@ class StepMetrics:
     truncated_samples: int = 0
     #: samples of this step with an assistant turn that has no text (trained on the end-of-turn token alone)
     empty_answers: int = 0
+    #: a mixture-of-experts model's routing figures (``train.expert_load``), written as they are named; empty
+    #: for a dense model
+    moe: dict = field(default_factory=dict, metadata={"flatten_as": "", "per_module": False})
 
     def to_json(self) -> dict:
         """The ``metrics.jsonl`` object: every field, dict fields flattened to ``<prefix><key>``."""
@@ -84,6 +87,8 @@ class StepMetrics:
         keys = []
         for f in fields(cls):
             prefix = f.metadata.get("flatten_as")
+            if not f.metadata.get("per_module", True):
+                continue  # keys of their own (a dense model's run has none)
             keys += [f.name] if prefix is None else [f"{prefix}{m}" for m in modules]
         return keys
 
@@ -245,6 +250,8 @@ class MetricsLogger:
             if before is not None:
                 load = f" | vision load max/mean {before:.3f}" + (f" -> {after:.3f}" if after is not None else "")
             mfu = f" | MFU {100 * record.mfu:.1f}%" if record.mfu is not None else ""
+            if "moe_load_max_over_mean" in record.moe:
+                load += f" | experts max/mean {record.moe['moe_load_max_over_mean']:.2f}"
             self.console.print(
                 f"step {step:>5}/{self.total_steps} | loss {record.loss:.4f} | lr {record.lr:.2e} | "
                 f"grad norm {record.grad_norm:.3f} | {record.step_time_s:.2f} s/step | "

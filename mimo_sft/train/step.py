@@ -150,6 +150,8 @@ class StepRunner:
         cfg.finalize_model_grads_func = self._finalize
         cfg.grad_scale_func = None
         self._global_tokens = None
+        #: called with each micro-batch (host tensors) before its forward (``train.expert_load``)
+        self.micro_batch_hook = None
         if self.colocated:
             self.communicator = None
             self.pg_collection = pstate.modules[LANGUAGE].pg_collection
@@ -204,6 +206,8 @@ class StepRunner:
     # ---- the forward step ---------------------------------------------------------------------
     def _forward_step(self, data_iterator, model):
         batch = next(data_iterator)
+        if self.micro_batch_hook is not None:
+            self.micro_batch_hook(batch)
         for bridge in self.bridges:  # per-sample counts, read on the host before the copy
             bridge.prepare(batch)
         has_lang = LANGUAGE in self.mine

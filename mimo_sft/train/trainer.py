@@ -51,6 +51,7 @@ from mimo_sft.train.evaluate import EvalResult, Evaluator
 from mimo_sft.train.feed import Feed, build_feed, checked_source
 from mimo_sft.train.flops import peak_tflops_for
 from mimo_sft.train.lr import apply_schedule, lr_at
+from mimo_sft.train.expert_load import ExpertLoad, expert_load_for
 from mimo_sft.train.metrics import AnswerTally, MetricsLogger, StepMetrics, peak_memory_by_module, step_model_flops, throughput
 from mimo_sft.train.profile import StepProfiler, phase
 from mimo_sft.train.setup import TrainContext, build_model_and_optimizer, build_state
@@ -91,6 +92,7 @@ class Trainer:
     peak_tflops: Optional[float]
     stop: StopPolicy
     profiler: StepProfiler  # --profile-steps (inactive without it)
+    expert_load: Optional[ExpertLoad]  # a mixture-of-experts model's routing figures (None: dense)
 
     def __init__(self, cfg: ExperimentConfig, layout: Layout):
         self.cfg = cfg
@@ -155,6 +157,7 @@ class Trainer:
                 fh.write(dump_config(cfg))
         self.pstate = build_state(cfg, layout)
         self.ctx = build_model_and_optimizer(cfg, layout, self.pstate, self.rank)
+        self.expert_load = expert_load_for(cfg, self.ctx, layout)  # None for a dense model
         self.pending_saves = PendingSaves() if cfg.checkpoint.async_save else None
         self.resume()
         train_source, valid_source = split_sources(cfg.data, seed=t.seed, global_batch_size=t.global_batch_size,
@@ -166,6 +169,8 @@ class Trainer:
                                  seq_length=cfg.data.seq_length, local_mbs=cfg.train.micro_batch_size // layout.language.dp,
                                  packing=cfg.data.in_batch_packing)
         self.logger = MetricsLogger(self.output_dir, enabled=self.ctx.is_metrics_rank, total_steps=cfg.train.train_iters,
+        if self.expert_load is not None and self.expert_load.aux_coeff > 0:
+            self.runner.micro_batch_hook = self.expert_load.see
                                     log_interval=cfg.logging.log_interval, tensorboard=cfg.logging.tensorboard,
                                     trackers=open_trackers(cfg.logging, config_to_dict(cfg)) if self.ctx.is_metrics_rank else [])
         self.answers = AnswerTally(cfg.data.seq_length, enabled=self.ctx.is_metrics_rank)
@@ -292,6 +297,7 @@ class Trainer:
         load = self.feed.load_stats
         before, after = load.step_figures() if load is not None else (None, None)
         if not self.is_last_language_stage:
+        moe = self.expert_load.step_figures(self.pstate.world_gloo) if self.expert_load is not None else {}
             return
         out = result.output
         t = torch.tensor([out.loss_sum, out.num_tokens, c.real_tokens, float(c.samples), c.computed_positions,
@@ -321,7 +327,7 @@ class Trainer:
             peak_memory_bytes=max(peaks.values()), peak_memory_bytes_by_module=peaks,
             model_flops=model_flops, model_tflops_per_gpu=tflops, mfu=mfu,
             update_ok=result.update_ok, consumed_samples=self.consumed,
-            truncated_samples=int(t[5]), empty_answers=int(t[6])))
+            truncated_samples=int(t[5]), empty_answers=int(t[6]), moe=moe))
 
     def maybe_evaluate(self) -> Optional[EvalResult]:
         """Evaluate every ``--eval-interval`` steps and after the last step (collective)."""

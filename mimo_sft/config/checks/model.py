@@ -47,6 +47,10 @@ def _expert_run_findings(ctx, spec, language):
         if language.tp > 1 and not m.sequence_parallel:
             yield (f"language.tp={language.tp} with a mixture-of-experts model needs --sequence-parallel "
                    f"(megatron's MoE layer refuses tensor parallelism without it); add --sequence-parallel")
+        if m.moe_aux_loss_coeff > 0 and m.recompute_granularity:
+            yield (f"--moe-aux-loss-coeff={m.moe_aux_loss_coeff} with --recompute-granularity "
+                   f"{m.recompute_granularity}: a recomputed layer would weigh its load-balancing loss by another "
+                   f"micro-batch's tokens (train.expert_load); drop one of the two")
     elif m.moe_aux_loss_coeff > 0:
         yield (f"--moe-aux-loss-coeff={m.moe_aux_loss_coeff} has no effect: {spec.name} is a dense model "
                f"(no router)", "note")

@@ -1,0 +1,203 @@
+"""A mixture-of-experts step's routing: tokens per expert per layer, and the optional load-balancing loss.
+
+**Figures.** A router that collapses onto a few experts trains silently worse (and, under expert
+parallelism, makes one rank the straggler of every all-to-all). Each decoder layer's ``TopKRouter``
+returns its routing map (tokens x experts, top-k ones per token); a forward hook adds its column sums
+into one device tensor ``[layers, experts]`` per step -- no host sync inside the step. After the step
+every rank joins one all-reduce on the world's gloo group (the layers of other pipeline stages and the
+other data-parallel ranks' tokens; encoder-only ranks add zeros), so the metrics rank sees every layer.
+Without sequence parallelism the tp ranks of a stage route the same tokens, so their sum is divided by
+tp; with it each routes its own slice. Padding positions are routed (and computed) too, so they count.
+Only a training forward that builds the graph counts (under full recomputation, the recomputed one).
+
+``metrics.jsonl`` / TensorBoard ``train/``: ``moe_load_max_over_mean`` (the worst layer's most loaded
+expert over the mean; 1 is perfect balance, ``experts / top_k`` total collapse),
+``moe_load_max_over_mean_layer_<i>``, and with the loss on ``moe_aux_loss``. No token is dropped (no
+capacity factor: megatron's dropless routing), so there is no dropped-token count.
+
+**The load-balancing loss** (``--moe-aux-loss-coeff`` c > 0; off by default, as transformers trains
+these models: its own ``router_aux_loss_coef`` applies only with ``output_router_logits``, to a loss
+over all layers jointly, so neither coefficient is the other's). Per sparse layer and micro-batch, on
+each rank's real tokens (padding excluded), the Switch loss ``aux = E * sum_e f_e * P_e`` (``f_e``: share of the top-k slots
+routed to expert e, ``P_e``: mean softmax probability of e; 1 at perfect balance), computed here from
+the router's own logits. The training objective is ``(sum of token losses + c * sum_mb S_mb * sum_layers
+aux) / S``, ``S_mb`` the micro-batch's supervised tokens on the rank and ``S`` the step's: the aux loss
+is averaged over micro-batches weighted by their supervised tokens, consistently with mimo-sft's
+per-token loss normalisation (``train.step``), on any layout. Why not megatron's own: under
+``calculate_per_token_loss`` megatron scales the aux gradient for a loss divided by every token
+position, so with mimo-sft's division by supervised tokens it would weigh positions / supervised
+tokens times more (26x on the tests' data). Each micro-batch's weight is captured at its forward (the
+autograd node keeps it), so pipeline schedules with several micro-batches in flight stay exact; a
+recomputed MoE layer would read a later micro-batch's weight, so check 21 refuses recomputation with
+the loss on.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+
+class _AttachAux(torch.autograd.Function):
+    """Returns ``output`` unchanged; in backward adds ``weight`` * d(aux) to the graph (``aux``'s gradient
+    is the constant ``weight``, kept on this node)."""
+
+    @staticmethod
+    def forward(ctx, output, aux, weight: float):
+        ctx.weight = weight
+        ctx.aux_shape = aux.shape
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return grad_output, torch.full(ctx.aux_shape, ctx.weight, dtype=torch.float32, device=grad_output.device), None
+
+
+def switch_aux_loss(logits: torch.Tensor, topk: int) -> torch.Tensor:
+    """``E * sum_e f_e * P_e`` over these tokens (fp32 ``[tokens, E]`` logits)."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    experts = probs.shape[-1]
+    chosen = torch.topk(logits.float(), topk, dim=-1).indices
+    share = torch.zeros(experts, dtype=torch.float32, device=logits.device).index_add_(
+        0, chosen.flatten(), torch.ones(chosen.numel(), dtype=torch.float32, device=logits.device))
+    share = share / max(chosen.numel(), 1)
+    return experts * (share * probs.mean(dim=0)).sum()
+
+
+class ExpertLoad:
+    """Counts tokens per expert for this rank's MoE layers; attaches the load-balancing loss when on."""
+
+    def __init__(self, language_model, *, num_layers: int, num_experts: int, topk: int, tp: int,
+                 sequence_parallel: bool, aux_coeff: float = 0.0, tp_rank: int = 0):
+        self.num_layers, self.num_experts, self.topk = num_layers, num_experts, topk
+        self.duplicates = 1 if sequence_parallel else tp
+        #: the aux gradient's tp share: with sequence parallelism the router's gradient is summed over tp
+        self.aux_share = tp if sequence_parallel else 1
+        self.aux_coeff = aux_coeff
+        self.tp_rank = tp_rank
+        self._attention = None
+        #: supervised tokens of the micro-batch now running forward on this rank (``train.step`` sets it)
+        self.micro_batch_tokens = 0.0
+        self.counts: Optional[torch.Tensor] = None
+        self.aux_sum: Optional[torch.Tensor] = None
+        self.records = [0] * num_layers
+        self._hooks = []
+        if language_model is None:
+            return
+        from megatron.core.transformer.moe.router import TopKRouter
+
+        for layer in language_model.decoder.layers:
+            mlp = getattr(layer, "mlp", None)
+            if isinstance(getattr(mlp, "router", None), TopKRouter):
+                index = layer.layer_number - 1
+                self._hooks.append(mlp.router.register_forward_hook(self._count(index)))
+                if aux_coeff > 0:
+                    self._hooks.append(mlp.register_forward_hook(self._attach(index)))
+
+    def see(self, batch: dict) -> None:
+        """``train.step``'s micro-batch hook: the supervised tokens of the micro-batch about to run forward, and
+        which of its positions are real tokens (the rows are right-padded; packing keeps the real ones first)."""
+        mask = batch.get("loss_mask")
+        self.micro_batch_tokens = float(mask.sum()) if mask is not None else 0.0
+        self._attention = batch.get("attention_mask")
+
+    def _real_rows(self, local_rows: int) -> torch.Tensor:
+        """Which of the MoE layer's ``local_rows`` input rows are real tokens: the padded ``[S, B]`` order
+        (megatron's sequence-first layout), or packed (real tokens first, then the tp-multiple padding),
+        and under sequence parallelism this tp rank's slice of them."""
+        full = local_rows * self.aux_share
+        attention = self._attention
+        if attention is None:
+            real = torch.ones(full, dtype=torch.bool)
+        elif attention.numel() == full:
+            real = attention.bool().t().reshape(-1)
+        else:
+            real = torch.arange(full) < int(attention.sum())
+        return real[self.tp_rank * local_rows:(self.tp_rank + 1) * local_rows] if self.aux_share > 1 else real
+
+    @staticmethod
+    def _counted(module) -> bool:
+        return module.training and torch.is_grad_enabled()
+
+    def _count(self, index: int):
+        def count(module, inputs, output):
+            if not self._counted(module):
+                return
+            routing_map = output[1]
+            if self.counts is None:
+                self.counts = torch.zeros(self.num_layers, self.num_experts, dtype=torch.float32,
+                                          device=routing_map.device)
+            self.counts[index] += routing_map.sum(dim=0, dtype=torch.float32)
+        return count
+
+    def _attach(self, index: int):
+        def attach(module, inputs, output):
+            if not self._counted(module):
+                return None
+            hidden = inputs[0]
+            rows = hidden.reshape(-1, hidden.shape[-1])
+            real = self._real_rows(rows.shape[0]).to(rows.device)
+            if not bool(real.any()):
+                return None  # this sequence-parallel slice holds padding only
+            logits = torch.nn.functional.linear(rows[real].float(), module.router.weight.float())
+            aux = switch_aux_loss(logits, self.topk)
+            if self.aux_sum is None:
+                self.aux_sum = torch.zeros(self.num_layers, dtype=torch.float64, device=aux.device)
+            self.aux_sum[index] += aux.detach().double()
+            self.records[index] += 1
+            weight = self.aux_coeff * self.micro_batch_tokens / self.aux_share
+            out, bias = output if isinstance(output, tuple) else (output, None)
+            out = _AttachAux.apply(out, aux, weight)
+            return (out, bias) if isinstance(output, tuple) else out
+        return attach
+
+    def step_figures(self, group) -> dict:
+        """The step's figures on every rank (collective over ``group``: every rank of the world), then reset."""
+        n, e = self.num_layers, self.num_experts
+        counts = self.counts.cpu().double() if self.counts is not None else torch.zeros(n, e, dtype=torch.float64)
+        aux = torch.zeros(2, n, dtype=torch.float64)
+        if self.aux_sum is not None:
+            aux[0] = self.aux_sum.cpu()
+            aux[1] = torch.tensor(self.records, dtype=torch.float64)
+        packed = torch.cat([counts.flatten(), aux.flatten()])
+        dist.all_reduce(packed, group=group)
+        counts = packed[: n * e].view(n, e) / self.duplicates
+        self.counts, self.aux_sum, self.records = None, None, [0] * n
+        mean = counts.mean(dim=1)
+        sparse = [i for i in range(n) if mean[i] > 0]
+        out = {}
+        if sparse:
+            ratios = {i: float(counts[i].max() / mean[i]) for i in sparse}
+            out["moe_load_max_over_mean"] = max(ratios.values())
+            out.update({f"moe_load_max_over_mean_layer_{i}": r for i, r in ratios.items()})
+        if self.aux_coeff > 0 and sparse:
+            total, records = packed[n * e: n * e + n], packed[n * e + n:]
+            out["moe_aux_loss"] = float(sum(total[i] / max(float(records[i]), 1.0) for i in sparse) / len(sparse))
+        return out
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+
+def expert_load_for(cfg, ctx, layout) -> Optional[ExpertLoad]:
+    """The run's :class:`ExpertLoad` (on every rank: its figures are collective), or None for a dense model."""
+    lang_cfg = ctx.info.language_config
+    experts = getattr(lang_cfg, "num_moe_experts", None)
+    if not experts:
+        return None
+    lm = ctx.model.language_model
+    return ExpertLoad(getattr(lm, "module", lm), num_layers=lang_cfg.num_layers, num_experts=experts,
+                      topk=lang_cfg.moe_router_topk, tp=layout.language.tp,
+                      sequence_parallel=bool(lang_cfg.sequence_parallel),
+                      aux_coeff=float(cfg.model.moe_aux_loss_coeff or 0.0),
+                      tp_rank=lm_tp_rank(ctx, layout))
+
+
+def lm_tp_rank(ctx, layout) -> int:
+    """This rank's language tp rank (0 where it holds no language model)."""
+    coord = layout.coords(dist.get_rank()).get("language")
+    return coord.tp if coord is not None else 0
