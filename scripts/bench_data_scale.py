@@ -1,19 +1,26 @@
 #!/usr/bin/env python
-"""Data at cluster scale (issues 22, 33): start-up file check, bytes per image, exchange vs index
-bytes, index mode's data-path CPU per rank.
+"""Data at cluster scale (issues 22, 33): start-up (open, file check, validation check), bytes per
+image, exchange vs index bytes, index mode's data-path CPU per rank.
 
-    python scripts/bench_data_scale.py startup [--rows 100000 1000000] [--files 20000] [--ranks 1 4]
+    python scripts/bench_data_scale.py startup [--rows 1000000 10000000] [--files 20000] [--ranks 4]
+                                               [--valid-rows 2000] [--old 0e2b3fe]
     python scripts/bench_data_scale.py bytes   [--dp 2 4 8] [--micro-batch-size 32] [--pages 64]
     python scripts/bench_data_scale.py index   [--micro-batch-sizes 16 32 64] [--per-rank 8] [--batches 4]
 
-``startup``: a parquet of ``--rows`` rows whose ``images`` column names files by path (``--files``
-distinct small PNGs on local disk, reused cyclically: 1M distinct files would need 4 GB of inodes on
-this shared machine; a ``stat`` of a cached dentry costs the same). For each rank count R it starts
-R processes at once that each do what a rank does before step 0: open the dataset, and either
-check every path (``before``: every rank, the old way) or only rank 0 checks and the others wait
-(``once``: this issue's way; the verdict cache is off); ``--old COMMIT`` adds the predecessor's
-check (``combine_chunks`` of the whole column, on every rank). It prints wall time until the last
-rank is ready and the largest peak RSS of one rank.
+``startup`` (issues 22, 33): a parquet of ``--rows`` rows whose ``images`` column names files by
+path (``--files`` distinct 8x8 PNGs on local disk, reused cyclically: 10M distinct files would need
+40 GB of inodes on this shared machine; only headers are ever read). For each rank count R it
+starts R gloo processes that each do what a rank does before step 0, timed from a common barrier
+after the imports: open the dataset (a fresh ``datasets`` cache per row, so the parquet -> Arrow
+conversion is always paid), check the image files (the verdict cache is off), and tokenise the first
+``--valid-rows`` rows as a validation set evaluated whole (the tiny checkpoint's tokenizer and
+processor). ``before``: the ``--old`` commit's ``data/sources.py``, ``file_check.py`` and
+``validation.py`` run as its ``train.feed`` did (every rank opens at once, rank 0 stats every path
+on one thread, every rank tokenises the whole validation set); ``now``: ``train.feed.checked_source``
+and ``train.evaluate.checked_tokens``. It prints the slowest rank's phase ends and the largest
+peak RSS of one rank, and at ready the largest private (anonymous) and file-backed resident memory
+of one rank (the memory-mapped Arrow file is file-backed: one copy in the node's page cache, counted
+in every rank's RSS).
 
 ``bytes``: bytes per image for real page sizes (Qwen2.5-VL's processor: patch 14, merge 2, max
 12.8 Mpx) as fp32 patches (before) and uint8 patches (now), measured on real images through the
@@ -40,9 +47,11 @@ import multiprocessing as mp
 import os
 import random
 import resource
+import shutil
 import sys
 import tempfile
 import time
+from types import SimpleNamespace
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -70,64 +79,117 @@ def _write_rows(folder: str, rows: int, files: int) -> str:
     return path
 
 
-def _old_sources(commit: str):
-    """The predecessor's ``data/sources.py`` (whole-column ``combine_chunks`` check), as a module."""
+def _old_module(commit: str, relpath: str):
+    """``relpath`` (a module of mimo_sft) as it was at ``commit``, imported under a private name."""
     import importlib.util
     import subprocess
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    text = subprocess.run(["git", "-C", root, "show", f"{commit}:mimo_sft/data/sources.py"], check=True,
+    text = subprocess.run(["git", "-C", root, "show", f"{commit}:{relpath}"], check=True,
                           capture_output=True, text=True).stdout
-    path = os.path.join(tempfile.mkdtemp(), "old_sources.py")
+    name = "old_" + os.path.basename(relpath)[:-3]
+    path = os.path.join(tempfile.mkdtemp(), name + ".py")
     with open(path, "w") as fh:
         fh.write(text)
-    spec = importlib.util.spec_from_file_location("old_sources", path)
+    spec = importlib.util.spec_from_file_location(name, path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
 
 
-def _rank(rank: int, path: str, mode: str, ready, verdict) -> None:
-    from mimo_sft.config.schema import DataConfig
-    from mimo_sft.data.file_check import cached_check
-    from mimo_sft.data.sources import load_sft_dataset
+def _rss() -> dict:
+    """This process's private (anonymous) and file-backed resident bytes: the memory-mapped Arrow
+    file counts in every rank's RSS but is one copy in the page cache, shared by the node."""
+    with open("/proc/self/status") as fh:
+        fields = dict(line.split(":", 1) for line in fh)
+    return {k: int(fields[k].split()[0]) * 1024 for k in ("RssAnon", "RssFile")}
 
-    if mode.startswith("old:"):  # every rank runs the predecessor's load-and-check
-        _old_sources(mode[4:]).load_sft_dataset(DataConfig(dataset_path=path))
-        ready.put((time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024))
-        return
-    source = load_sft_dataset(DataConfig(dataset_path=path), check_files=False)
-    if mode == "before" or rank == 0:
-        assert cached_check(source, None) is None
-        if rank == 0:
-            verdict.set()
-    else:
-        verdict.wait()  # training: a broadcast on the start-up group (parallel.groups.STARTUP_WAIT)
-    ready.put((time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024))
+
+def _startup_rank(rank: int, world: int, port: int, path: str, model: str, mode: str, n_valid: int, out) -> None:
+    """One rank's start-up before step 0, ``before`` (the commit's code) or ``now``; phase end times."""
+    import torch
+    import torch.distributed as dist
+
+    from mimo_sft.config.schema import DataConfig
+    from mimo_sft.data.loader import build_preprocessor
+    from mimo_sft.train.evaluate import checked_tokens
+    from mimo_sft.train.feed import checked_source
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    group = dist.new_group(backend="gloo")  # the start-up group (parallel.groups: startup_gloo)
+    data = DataConfig(dataset_path=path, seq_length=256)
+    pre = build_preprocessor(data, model) if n_valid else None
+    if mode != "now":
+        old_sources = _old_module(mode, "mimo_sft/data/sources.py")
+        old_check = _old_module(mode, "mimo_sft/data/file_check.py")
+        old_valid = _old_module(mode, "mimo_sft/data/validation.py")
+    dist.barrier(group)
+    t0 = time.time()
+    if mode == "now":  # train.feed.checked_source: one conversion per node, the threaded check on rank 0
+        source = checked_source(SimpleNamespace(data=data, logging=SimpleNamespace(output_dir=None)),
+                                SimpleNamespace(rank=rank, startup_gloo=group))
+        t_open = t_check = time.time()  # one call: the followers open while rank 0 checks
+    else:  # the commit's train.feed.checked_source: every rank opens at once, rank 0 checks serially
+        source = old_sources.load_sft_dataset(data, check_files=False)
+        t_open = time.time()
+        verdict = [old_check.cached_check(source, None) if rank == 0 else None]
+        dist.broadcast_object_list(verdict, src=0, group=group)
+        assert verdict[0] is None, verdict
+        t_check = time.time()
+    if n_valid:  # the first n_valid rows as the validation set, evaluated whole (--eval-iters all)
+        if mode == "now":
+            checked_tokens(source, pre, n_valid, flag="--valid-split", group=group)
+        else:
+            old_valid.check_validation_set(source, pre, n_valid, flag="--valid-split")
+    t_valid = time.time()
+    mem = _rss()
+    dist.barrier(group)
+    out.put((rank, (t_open - t0, t_check - t0, t_valid - t0,
+                    resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, mem["RssAnon"], mem["RssFile"])))
+    dist.destroy_process_group()
 
 
 def startup(args) -> None:
+    from mimo_sft.testing.tiny_checkpoint import write_tiny_checkpoint
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+    from dist_utils import free_port
+
+    for key in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "HF_DATASETS_DISABLE_PROGRESS_BARS"):
+        os.environ.setdefault(key, "1")  # the spawned ranks inherit it
     ctx = mp.get_context("spawn")
+    modes = ([args.old] if args.old and args.old != "none" else []) + ["now"]
     with tempfile.TemporaryDirectory() as tmp:
-        print(f"| rows | ranks | check | to ready (s) | peak RSS per rank (MB) |\n|---:|---:|---|---:|---:|")
+        model = str(write_tiny_checkpoint(os.path.join(tmp, "model"), seed=0)) if args.valid_rows else ""
+        print(f"{args.valid_rows:,} validation rows tokenised (--eval-iters all); times are the slowest rank's, "
+              f"from the ranks' common start\n")
+        print("| rows | ranks | code | opened (s) | files checked (s) | validation checked: ready (s) "
+              "| peak RSS per rank (MB) | at ready: private (MB) | at ready: mapped files (MB) |\n"
+              "|---:|---:|---|---:|---:|---:|---:|---:|---:|")
         for rows in args.rows:
+            t = time.perf_counter()
             path = _write_rows(tmp, rows, args.files)
+            print(f"<!-- {rows:,} rows written in {time.perf_counter() - t:.0f} s -->", flush=True)
             for ranks in args.ranks:
-                modes = ("before", "once") if ranks > 1 else ("once",)
-                for mode in ((f"old:{args.old}",) if args.old else ()) + modes:
-                    q, ev = ctx.Queue(), ctx.Event()
-                    t0 = time.perf_counter()
-                    procs = [ctx.Process(target=_rank, args=(r, path, mode, q, ev)) for r in range(ranks)]
+                for mode in modes:
+                    # a fresh datasets cache: every row pays the parquet -> Arrow conversion
+                    os.environ["HF_DATASETS_CACHE"] = os.path.join(tmp, f"cache_{rows}_{ranks}_{mode}")
+                    q, port = ctx.Queue(), free_port()
+                    procs = [ctx.Process(target=_startup_rank,
+                                         args=(r, ranks, port, path, model, mode, args.valid_rows, q))
+                             for r in range(ranks)]
                     for p in procs:
                         p.start()
-                    out = [q.get() for _ in procs]
-                    for p in procs:
-                        p.join()
-                    wall = max(t for t, _ in out) - t0
-                    rss = max(m for _, m in out) / 2**20
-                    label = {"before": "every rank, streamed", "once": "rank 0, others wait"}.get(
-                        mode, f"every rank, whole column ({args.old})")
-                    print(f"| {rows:,} | {ranks} | {label} | {wall:.1f} | {rss:.0f} |", flush=True)
+                    res = _results(q, procs)
+                    opened, checked, ready = (max(r[k] for r in res) for k in range(3))
+                    peak, private, mapped = (max(r[k] for r in res) / 2**20 for k in (3, 4, 5))
+                    label = "now" if mode == "now" else f"before ({mode})"
+                    opened = "with the check" if mode == "now" else f"{opened:.1f}"  # one call, overlapped
+                    print(f"| {rows:,} | {ranks} | {label} | {opened} | {checked:.1f} | {ready:.1f} | {peak:.0f} "
+                          f"| {private:.0f} | {mapped:.0f} |", flush=True)
+                    shutil.rmtree(os.environ.pop("HF_DATASETS_CACHE"), ignore_errors=True)
+            os.remove(path)
 
 
 def _page(w: int, h: int, seed: int):
@@ -314,10 +376,12 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="what", required=True)
     s = sub.add_parser("startup")
-    s.add_argument("--rows", type=int, nargs="+", default=[100_000, 1_000_000])
+    s.add_argument("--rows", type=int, nargs="+", default=[1_000_000, 10_000_000])
     s.add_argument("--files", type=int, default=20_000)
-    s.add_argument("--ranks", type=int, nargs="+", default=[1, 4])
-    s.add_argument("--old", default=None, help="also time this commit's data/sources.py (the check before issue 22)")
+    s.add_argument("--ranks", type=int, nargs="+", default=[4])
+    s.add_argument("--valid-rows", type=int, default=2000, help="validation rows tokenised (0: none)")
+    s.add_argument("--old", default="0e2b3fe", help="the 'before' rows: this commit's data/sources.py, "
+                   "file_check.py and validation.py, run as its train.feed did ('none': skip them)")
     b = sub.add_parser("bytes")
     b.add_argument("--dp", type=int, nargs="+", default=[2, 4, 8])
     b.add_argument("--micro-batch-size", type=int, default=32)

@@ -31,7 +31,8 @@ def problems(args):
     (["--valid-split", "4", "--valid-dataset-path", "x.parquet"], "--valid-dataset-path and --valid-split are exclusive"),
     (["--valid-dataset-path", "/nowhere/v.parquet"], "--valid-dataset-path /nowhere/v.parquet: not found"),
     (["--valid-split", "4", "--eval-interval", "0"], "--eval-interval=0 must be >= 1"),
-    (["--valid-split", "4", "--eval-iters", "-1"], "--eval-iters=-1 must be >= 0"),
+    (["--valid-split", "4", "--eval-iters", "-1"], "--eval-iters=-1 must be >= 1 global batch, or 'all'"),
+    (["--valid-split", "4", "--eval-iters", "most"], "--eval-iters 'most': give a number of global batches (e.g. 50) or 'all'"),
 ])
 def test_check_28_refuses_bad_validation_flags(args, needle):
     probs = problems(args)
@@ -43,6 +44,30 @@ def test_check_28_accepts_good_validation_flags():
     assert problems(["--valid-split", "0.1", "--eval-interval", "2", "--eval-iters", "3", "--eval-at-start",
                      "--save-best"]) == []
     assert problems(["--valid-split", "16"]) == []
+    assert problems(["--valid-split", "16", "--eval-iters", "all"]) == []
+
+
+def test_eval_iters_is_bounded_by_default_and_all_or_the_old_0_is_the_whole_set():
+    """The default reads 50 global batches; 'all' the whole set; an explicit 0 (the old default) is
+    still the whole set, with a note saying to write 'all'; YAML's integer reads as the flag's text."""
+    from mimo_sft.config.loader import config_from_dict
+    from mimo_sft.data.validation import evaluated_samples
+
+    cfg = load_config(GOOD + ["--valid-split", "16"])
+    assert cfg.train.eval_iters == "50"
+    assert evaluated_samples(100_000, eval_iters=cfg.train.eval_iters, global_batch_size=8) == 400
+    assert evaluated_samples(100_000, eval_iters="all", global_batch_size=8) == 100_000
+    assert evaluated_samples(100_000, eval_iters="ALL", global_batch_size=8) == 100_000
+    assert evaluated_samples(100_000, eval_iters="0", global_batch_size=8) == 100_000
+    assert config_from_dict({"train": {"eval_iters": 3}}).train.eval_iters == "3"
+    result = check_config(load_config(GOOD + ["--valid-split", "16", "--eval-iters", "0"]))
+    assert result.problems == []
+    notes = [str(n) for n in result.notes if n.check == 28]
+    assert len(notes) == 1 and "--eval-iters 0 evaluates the whole validation set" in notes[0], notes
+    assert "write --eval-iters all" in notes[0] and "\n" not in notes[0]
+    assert not [n for n in check_config(cfg).notes if n.check == 28]
+    with pytest.raises(UserError, match="--eval-iters 'x': give a number of global batches"):
+        evaluated_samples(10, eval_iters="x", global_batch_size=8)
 
 
 def _data_cfg(**kw) -> DataConfig:
@@ -86,8 +111,9 @@ def test_the_training_stream_reads_only_the_training_rows():
         assert pos == 4 + b
         want = pre.encode(*full[train_rows[pos]], train_rows[pos], need_pixels=False)["input_ids"]
         assert torch.equal(batch["input_ids"][b, : len(want)], want)
+    assert evaluated_samples(12, eval_iters="all", global_batch_size=8) == 12
     assert evaluated_samples(12, eval_iters=0, global_batch_size=8) == 12
-    assert evaluated_samples(12, eval_iters=1, global_batch_size=8) == 8
+    assert evaluated_samples(12, eval_iters="1", global_batch_size=8) == 8
     assert evaluated_samples(12, eval_iters=2, global_batch_size=8) == 12
 
 

@@ -120,7 +120,7 @@ class TrainConfig:
     exit_duration_in_mins: Optional[float] = opt(None, "--exit-duration-in-mins", "save and exit 0 before M minutes of wall time have passed")
     gpu_memory_gb: Optional[float] = opt(None, "--gpu-memory-gb", "memory of one GPU in GiB that the memory forecast must fit (check 23; an '80 GB' H100 is 80; default: this machine's GPU, else 80)")
     eval_interval: Optional[int] = opt(None, "--eval-interval", "evaluate on the validation set every N steps (a validation set is always evaluated after the last step)")
-    eval_iters: int = opt(0, "--eval-iters", "validation batches of --global-batch-size samples per evaluation, from the start of the validation set (0: the whole validation set)")
+    eval_iters: str = opt("50", "--eval-iters", "validation batches of --global-batch-size samples per evaluation, from the start of the validation set, or 'all' (the whole validation set at every evaluation; an old explicit 0 means the same)")
     eval_at_start: bool = opt(False, "--eval-at-start", "also evaluate before the first step (logged as step 0)")
 
 

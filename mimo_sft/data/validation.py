@@ -12,9 +12,11 @@ seeded choice of rows (``--seed``), the validation rows in dataset order, and th
 then holds only the other rows, so the training sampler never sees them and ``consumed_samples``
 counts positions of that smaller set (a resume with the same flags reads the same stream).
 
-Before step 0, :func:`check_validation_set` tokenises the evaluated samples (image headers only):
-a sample whose image tokens do not fit ``--seq-length`` is refused rather than replaced (the value
-must be the loss of the samples the user named), and so is a set without supervised tokens.
+Before step 0 the evaluated samples are tokenised (image headers only): a sample whose image
+tokens do not fit ``--seq-length`` is refused rather than replaced (the value must be the loss of
+the samples the user named), and so is a set without supervised tokens. Training splits that work
+over the ranks (:func:`shard_tokens` on every ``world``-th sample, the verdicts combined in
+``train.evaluate``); :func:`check_validation_set` is the same check in one process.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
+from mimo_sft.config.checks.validation import parse_eval_iters
 from mimo_sft.config.checks.validation import parse_valid_split as config_valid_split
 from mimo_sft.data.microbatch import MicroBatchDataset, MicroBatchIterator, identity, worker_init
 from mimo_sft.data.preprocess import SamplePreprocessor
@@ -68,16 +71,19 @@ def subset_source(source: SFTSource, rows: list[int]) -> SFTSource:
 
 
 def split_sources(data_cfg, *, seed: int, global_batch_size: int,
-                  load_full: Optional[Callable[[], SFTSource]] = None) -> tuple[Optional[SFTSource], Optional[SFTSource]]:
+                  load_full: Optional[Callable[[], SFTSource]] = None,
+                  load_valid: Optional[Callable[..., SFTSource]] = None) -> tuple[Optional[SFTSource], Optional[SFTSource]]:
     """``(training source, validation source)``; the training source is None where the trainer loads
     it as before (no ``--valid-split``), the validation source None without a validation set.
     ``load_full``: how the whole training set is opened for ``--valid-split`` (training: with its
-    image files checked on one rank, ``train.feed.checked_source``); default ``load_sft_dataset``."""
+    image files checked on one rank, ``train.feed.checked_source``); ``load_valid(data_cfg)``: how
+    ``--valid-dataset-path`` is opened (the same, with the validation set's config); both default to
+    ``load_sft_dataset`` (opened and checked in this process)."""
     if data_cfg.valid_dataset_path:
         valid_cfg = dataclasses.replace(data_cfg, dataset_path=data_cfg.valid_dataset_path,
                                         split=data_cfg.valid_dataset_split)
         try:
-            return None, load_sft_dataset(valid_cfg)
+            return None, (load_valid or load_sft_dataset)(valid_cfg)
         except UserError as e:  # the loader names the training flags; say which set it was
             raise UserError(f"validation set (--valid-dataset-path, --valid-dataset-split): {e}") from None
     split = parse_valid_split(data_cfg.valid_split)
@@ -102,30 +108,55 @@ def valid_flag(data_cfg) -> str:
     return "--valid-dataset-path" if data_cfg.valid_dataset_path else "--valid-split"
 
 
-def evaluated_samples(n_valid: int, *, eval_iters: int, global_batch_size: int) -> int:
-    """Samples one evaluation reads: the first ``eval_iters`` global batches, or all (``eval_iters`` 0)."""
-    return n_valid if eval_iters <= 0 else min(n_valid, eval_iters * global_batch_size)
+def evaluated_samples(n_valid: int, *, eval_iters, global_batch_size: int) -> int:
+    """Samples one evaluation reads: the first ``eval_iters`` global batches, or all (``"all"``, or
+    the old ``0``); ``eval_iters`` as ``--eval-iters`` gives it (text or a number)."""
+    try:
+        batches = parse_eval_iters(eval_iters)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    return n_valid if batches is None else min(n_valid, batches * global_batch_size)
+
+
+def shard_tokens(source: SFTSource, pre: SamplePreprocessor, indices, *,
+                 flag: str) -> tuple[int, Optional[tuple[int, str]]]:
+    """``(supervised tokens, first refusal)`` of the validation samples ``indices`` (ascending), after
+    the chat template and truncation, as training counts them. The refusal is ``(sample, line)`` of
+    the first sample that cannot be read (a UserError: placeholders, an unreadable header) or whose
+    image tokens cannot fit; the scan stops there. Returned, not raised, so that a caller splitting
+    the set over ranks can raise the lowest sample's line on every rank."""
+    tokens = 0
+    for i in indices:
+        try:
+            messages, refs = source[i]
+            grids = [s.grid for s in pre.image_specs(refs, i)]
+            ids, amask = pre.tokens(messages, grids, i)
+        except UserError as err:
+            return tokens, (i, str(err))
+        is_img = (ids == pre.image_token_id).nonzero()
+        if len(is_img) and int(is_img[-1]) + 1 > pre.seq_length:
+            return tokens, (i, f"{flag}: validation sample {i} needs {int(is_img[-1]) + 1} tokens for its images, "
+                               f"more than --seq-length {pre.seq_length}; raise --seq-length, lower --max-pixels, "
+                               f"or remove the sample (validation samples are never replaced)")
+        last = min(len(ids) - 1, pre.seq_length)  # labels[t] = ids[t+1], as SamplePreprocessor.encode
+        tokens += int(amask[1:last + 1].sum())
+    return tokens, None
+
+
+def no_supervised_tokens(flag: str, n_samples: int, seq_length: int) -> str:
+    """The refusal of a validation set whose evaluated samples supervise nothing."""
+    return (f"{flag}: the {n_samples} validation samples have no supervised tokens (no assistant text after the "
+            f"chat template and --seq-length {seq_length}); check their roles (user/assistant) and --seq-length")
 
 
 def check_validation_set(source: SFTSource, pre: SamplePreprocessor, n_samples: int, *, flag: str) -> int:
-    """Supervised tokens of the first ``n_samples`` validation samples (after the chat template and
-    truncation, as training counts them); refuses a set that has none or a sample that cannot fit."""
-    tokens = 0
-    for i in range(n_samples):
-        messages, refs = source[i]
-        grids = [s.grid for s in pre.image_specs(refs, i)]
-        ids, amask = pre.tokens(messages, grids, i)
-        is_img = (ids == pre.image_token_id).nonzero()
-        if len(is_img) and int(is_img[-1]) + 1 > pre.seq_length:
-            raise UserError(f"{flag}: validation sample {i} needs {int(is_img[-1]) + 1} tokens for its images, more "
-                            f"than --seq-length {pre.seq_length}; raise --seq-length, lower --max-pixels, or remove "
-                            f"the sample (validation samples are never replaced)")
-        last = min(len(ids) - 1, pre.seq_length)  # labels[t] = ids[t+1], as SamplePreprocessor.encode
-        tokens += int(amask[1:last + 1].sum())
+    """Supervised tokens of the first ``n_samples`` validation samples, in one process; refuses a set
+    that has none or a sample that cannot fit (training splits this over its ranks: ``train.evaluate``)."""
+    tokens, refused = shard_tokens(source, pre, range(n_samples), flag=flag)
+    if refused is not None:
+        raise UserError(refused[1])
     if tokens == 0:
-        raise UserError(f"{flag}: the {n_samples} validation samples have no supervised tokens (no assistant text "
-                        f"after the chat template and --seq-length {pre.seq_length}); check their roles "
-                        f"(user/assistant) and --seq-length")
+        raise UserError(no_supervised_tokens(flag, n_samples, pre.seq_length))
     return tokens
 
 

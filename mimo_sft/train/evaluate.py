@@ -33,10 +33,11 @@ import torch
 import torch.distributed as dist
 
 from mimo_sft.data.loader import build_preprocessor, resolve_num_workers
-from mimo_sft.data.validation import ValidationReader, check_validation_set, evaluated_samples
+from mimo_sft.data.validation import ValidationReader, evaluated_samples, no_supervised_tokens, shard_tokens
+from mimo_sft.errors import UserError
 from mimo_sft.parallel import runtime
 from mimo_sft.parallel.layout import LANGUAGE
-from mimo_sft.train.feed import Feed, read_shard
+from mimo_sft.train.feed import Feed, checked_source, read_shard
 
 
 @dataclass(frozen=True)
@@ -63,7 +64,8 @@ class Evaluator:
         self.n_samples = evaluated_samples(len(source), eval_iters=cfg.train.eval_iters,
                                            global_batch_size=cfg.train.global_batch_size)
         # refuses, before step 0, a set without supervised tokens or with a sample that cannot fit
-        self.expected_tokens = check_validation_set(source, pre, self.n_samples, flag=flag)
+        self.expected_tokens = checked_tokens(source, pre, self.n_samples, flag=flag,
+                                              group=getattr(pstate, "startup_gloo", None))
         shard = read_shard(layout, pstate, ctx.info, mbs)
         self.reader = ValidationReader(source, pre, n_samples=self.n_samples, micro_batch_size=mbs,
                                        dp_size=shard.dp_size, dp_rank=shard.dp_rank, need_pixels=shard.need_pixels,
@@ -107,6 +109,27 @@ class Evaluator:
         self.reader = None  # ends persistent loader workers
 
 
+def checked_tokens(source, pre, n_samples: int, *, flag: str, group) -> int:
+    """Supervised tokens of the ``n_samples`` evaluated samples, each tokenised on one rank only:
+    rank r of ``group`` takes samples r, r + world, ... (``data.validation.shard_tokens``; the set is
+    never tokenised whole on every rank). Every rank's ``(tokens, first refusal)`` is all-gathered on
+    the start-up group (its long timeout: this is start-up work), so every rank raises the same line
+    before step 0 -- the lowest refused sample's, else the no-supervised-tokens one -- or none."""
+    world = dist.get_world_size(group) if group is not None else 1
+    rank = dist.get_rank(group) if group is not None else 0
+    tokens, refused = shard_tokens(source, pre, range(rank, n_samples, world), flag=flag)
+    if world > 1:
+        parts: list = [None] * world
+        dist.all_gather_object(parts, (tokens, refused), group=group)
+        tokens = sum(t for t, _ in parts)
+        refused = min((r for _, r in parts if r is not None), default=None)
+    if refused is not None:
+        raise UserError(refused[1])
+    if tokens == 0:
+        raise UserError(no_supervised_tokens(flag, n_samples, pre.seq_length))
+    return tokens
+
+
 def _ppl(loss: float) -> float:
     return math.exp(loss) if loss < 700 else math.inf
 
@@ -142,7 +165,6 @@ def evaluate_command(args: list[str]) -> int:
 
 def _evaluate(cfg, layout, as_json: bool) -> int:
     from mimo_sft.data.validation import split_sources, valid_flag
-    from mimo_sft.data.sources import load_sft_dataset
     from mimo_sft.parallel.bootstrap import start_world
     from mimo_sft.train.checkpoint.model import encoder_replica_rank
     from mimo_sft.train.checkpoint.save import load_model_weights
@@ -159,10 +181,14 @@ def _evaluate(cfg, layout, as_json: bool) -> int:
         folder = resolve_checkpoint(ckpt)
         check_lora_compatible(read_meta(folder), cfg.model, flag="--checkpoint", path=folder, resume=False)
         load_model_weights(ctx.model, folder, pretrained=True, replicated_encoder_rank=encoder_replica_rank(ctx))
-    _train, source = split_sources(cfg.data, seed=cfg.train.seed, global_batch_size=cfg.train.global_batch_size)
+    # opened once per node and checked on one rank, as training does (no verdict cache: no run folder)
+    _train, source = split_sources(cfg.data, seed=cfg.train.seed, global_batch_size=cfg.train.global_batch_size,
+                                   load_full=lambda: checked_source(cfg, pstate, cache_verdict=False),
+                                   load_valid=lambda data_cfg: checked_source(cfg, pstate, data_cfg,
+                                                                              cache_verdict=False))
     flag = valid_flag(cfg.data) if source is not None else "--dataset-path"
     if source is None:
-        source = load_sft_dataset(cfg.data)
+        source = checked_source(cfg, pstate, cache_verdict=False)
     runner = StepRunner(model=ctx.model, modules=ctx.modules, pstate=pstate, layout=layout, feed=None,
                         modality_inputs_fn=ctx.info.modality_inputs, seq_length=cfg.data.seq_length,
                         local_mbs=cfg.train.micro_batch_size // layout.language.dp, packing=cfg.data.in_batch_packing)

@@ -199,13 +199,21 @@ def build_feed(cfg, layout, pstate, info, *, consumed_samples: int, train_source
     return Feed(it, reorder=reorder, load_stats=load_stats, flops=flops, packed=packed, count_bad=count_bad)
 
 
-def checked_source(cfg, pstate):
-    """The dataset, opened on every rank, its image files checked on rank 0 only.
+def checked_source(cfg, pstate, data_cfg=None, *, cache_verdict: bool = True):
+    """The dataset (``data_cfg``, default ``cfg.data``), converted once per node, its image files
+    checked on rank 0 only (``cache_verdict=False``: not cached in the output folder; ``evaluate``).
 
-    Rank 0 streams the path column (``data.file_check``; the verdict is cached in the run's output
-    folder, so a resumed run skips it) while the others wait on the start-up group, whose timeout
-    is ``parallel.groups.STARTUP_WAIT``, not ``--dist-timeout``. Every rank then raises the same
-    one-line error, or none. One process (no world group): checked here directly.
+    Opening: ``datasets`` converts a parquet/json file into an Arrow file in its cache and
+    memory-maps that. The first rank of each node (:func:`first_on_node`) opens the dataset while
+    the node's other ranks wait on the start-up group; they then open the same cache, a memory map
+    of the same file (one conversion and one copy per node without relying on datasets' cache lock,
+    which a network filesystem may not honour). A failure on a node's first rank reaches every rank
+    as the same line.
+    Checking: rank 0 streams the path column (``data.file_check``; the verdict is cached in the
+    run's output folder, so a resumed run skips it), while the other ranks open their memory maps,
+    then wait; the group's timeout is ``parallel.groups.STARTUP_WAIT``, not ``--dist-timeout``.
+    Every rank then raises the same one-line error, or none. One process (no world group): both
+    done here directly.
     """
     import torch.distributed as dist
 
@@ -213,14 +221,55 @@ def checked_source(cfg, pstate):
     from mimo_sft.data.sources import load_sft_dataset
     from mimo_sft.errors import UserError
 
-    source = load_sft_dataset(cfg.data, check_files=False)
+    data_cfg = data_cfg if data_cfg is not None else cfg.data
     group = getattr(pstate, "startup_gloo", None)
-    verdict = [cached_check(source, cfg.logging.output_dir) if pstate.rank == 0 else None]
-    if group is not None and dist.get_world_size(group) > 1:
+    world = dist.get_world_size(group) if group is not None else 1
+    if world == 1:
+        source = load_sft_dataset(data_cfg, check_files=False)
+    else:
+        first = first_on_node(group)
+        source, failure = None, None
+        if first:
+            try:
+                source = load_sft_dataset(data_cfg, check_files=False)
+            except Exception as err:  # noqa: BLE001 - shared with the node's other ranks, raised below
+                failure = err
+        lines: list = [None] * world  # doubles as the barrier: followers open the dataset after it
+        dist.all_gather_object(lines, None if failure is None else (isinstance(failure, UserError), _line(failure)),
+                               group=group)
+        shared = next((line for line in lines if line is not None), None)
+        if failure is not None:
+            raise failure
+        if shared is not None:
+            user, text = shared
+            raise UserError(text) if user else RuntimeError(f"a node's first rank could not open the dataset: {text}")
+        if not first:
+            source = load_sft_dataset(data_cfg, check_files=False)
+    cache = cfg.logging.output_dir if cache_verdict else None
+    verdict = [cached_check(source, cache) if pstate.rank == 0 else None]
+    if world > 1:
         dist.broadcast_object_list(verdict, src=0, group=group)
     if verdict[0] is not None:
         raise UserError(verdict[0])
     return source
+
+
+def first_on_node(group) -> bool:
+    """Whether this rank is the lowest rank of ``group`` on its host (torchrun's local rank 0 under its
+    usual rank order; the rank that writes the node's Arrow cache). Collective over ``group``."""
+    import socket
+
+    import torch.distributed as dist
+
+    hosts: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(hosts, socket.gethostname(), group=group)
+    me = dist.get_rank(group)
+    return hosts.index(hosts[me]) == me
+
+
+def _line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
 
 
 @dataclass(frozen=True)

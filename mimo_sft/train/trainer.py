@@ -161,16 +161,17 @@ class Trainer:
         self.pending_saves = PendingSaves() if cfg.checkpoint.async_save else None
         self.resume()
         train_source, valid_source = split_sources(cfg.data, seed=t.seed, global_batch_size=t.global_batch_size,
-                                                   load_full=lambda: checked_source(cfg, self.pstate))
+                                                   load_full=lambda: checked_source(cfg, self.pstate),
+                                                   load_valid=lambda data_cfg: checked_source(cfg, self.pstate, data_cfg))
         self.feed = build_feed(cfg, layout, self.pstate, self.ctx.info, consumed_samples=self.consumed,
                                train_source=train_source)
         self.runner = StepRunner(model=self.ctx.model, modules=self.ctx.modules, pstate=self.pstate, layout=layout,
                                  feed=self.feed, modality_inputs_fn=self.ctx.info.modality_inputs,
                                  seq_length=cfg.data.seq_length, local_mbs=cfg.train.micro_batch_size // layout.language.dp,
                                  packing=cfg.data.in_batch_packing)
-        self.logger = MetricsLogger(self.output_dir, enabled=self.ctx.is_metrics_rank, total_steps=cfg.train.train_iters,
         if self.expert_load is not None and self.expert_load.aux_coeff > 0:
             self.runner.micro_batch_hook = self.expert_load.see
+        self.logger = MetricsLogger(self.output_dir, enabled=self.ctx.is_metrics_rank, total_steps=cfg.train.train_iters,
                                     log_interval=cfg.logging.log_interval, tensorboard=cfg.logging.tensorboard,
                                     trackers=open_trackers(cfg.logging, config_to_dict(cfg)) if self.ctx.is_metrics_rank else [])
         self.answers = AnswerTally(cfg.data.seq_length, enabled=self.ctx.is_metrics_rank)
@@ -296,8 +297,8 @@ class Trainer:
             self.feed.flops.step_flops, self.pstate, (c.reorder_bytes, c.images_decoded, c.bad_samples_skipped))
         load = self.feed.load_stats
         before, after = load.step_figures() if load is not None else (None, None)
-        if not self.is_last_language_stage:
         moe = self.expert_load.step_figures(self.pstate.world_gloo) if self.expert_load is not None else {}
+        if not self.is_last_language_stage:
             return
         out = result.output
         t = torch.tensor([out.loss_sum, out.num_tokens, c.real_tokens, float(c.samples), c.computed_positions,

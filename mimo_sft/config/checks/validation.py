@@ -1,7 +1,8 @@
 """Check 28: validation settings (``--valid-dataset-path``, ``--valid-split``, ``--eval-*``, ``--save-best``).
 
 Pure, like ``config.checks`` (which registers :func:`c28_validation` in its ``CHECKS`` tuple).
-:func:`parse_valid_split` is the one reading of ``--valid-split``: the data layer uses it too.
+:func:`parse_valid_split` and :func:`parse_eval_iters` are the one reading of ``--valid-split`` and
+``--eval-iters``: the data layer uses them too.
 """
 
 from __future__ import annotations
@@ -35,6 +36,23 @@ def parse_valid_split(text) -> Optional[Union[int, float]]:
     return count
 
 
+def parse_eval_iters(value) -> Optional[int]:
+    """``--eval-iters``: ``"50"`` -> 50 global batches per evaluation, ``"all"`` -> None (the whole
+    validation set); ValueError with the reason for anything else. An explicit ``0`` (the whole set
+    before ``all`` existed) still means the whole set: check 28 notes it."""
+    s = str(value).strip()
+    if s.lower() == "all":
+        return None
+    try:
+        count = int(s)
+    except ValueError:
+        raise ValueError(f"--eval-iters {value!r}: give a number of global batches (e.g. 50) or 'all' "
+                         f"(the whole validation set)") from None
+    if count < 0:
+        raise ValueError(f"--eval-iters={value} must be >= 1 global batch, or 'all' (the whole validation set)")
+    return None if count == 0 else count
+
+
 def c28_validation(ctx):
     d, t, ck = ctx.cfg.data, ctx.cfg.train, ctx.cfg.checkpoint
     if d.valid_dataset_path and d.valid_split is not None:
@@ -49,8 +67,13 @@ def c28_validation(ctx):
                f"or a save_to_disk folder")
     if t.eval_interval is not None and t.eval_interval < 1:
         yield f"--eval-interval={t.eval_interval} must be >= 1"
-    if t.eval_iters < 0:
-        yield f"--eval-iters={t.eval_iters} must be >= 0 (0: the whole validation set)"
+    try:
+        parse_eval_iters(t.eval_iters)
+        if str(t.eval_iters).strip() == "0":
+            yield ("--eval-iters 0 evaluates the whole validation set at every evaluation, as before; write "
+                   "--eval-iters all for that (the default is now 50 global batches)", "note")
+    except ValueError as e:
+        yield str(e)
     has_source = bool(d.valid_dataset_path) or d.valid_split is not None
     if not has_source:
         given = [flag for flag, on in (("--eval-interval", t.eval_interval is not None),
