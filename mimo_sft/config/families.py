@@ -275,6 +275,18 @@ def routed_experts(text: dict):
     return text.get("num_experts", text.get("num_local_experts"))
 
 
+def sparse_layer_indexes(text: dict) -> frozenset:
+    """Global indexes of a mixture-of-experts decoder's sparse layers, as transformers picks them
+    (``Qwen3VLMoeTextDecoderLayer``): layer ``i`` unless listed in ``mlp_only_layers``, when ``(i + 1) %
+    decoder_sparse_step == 0``; none without routed experts."""
+    layers, experts = text.get("num_hidden_layers") or 0, routed_experts(text) or 0
+    if not experts:
+        return frozenset()
+    step = max(int(text.get("decoder_sparse_step") or 1), 1)
+    dense = set(text.get("mlp_only_layers") or ())
+    return frozenset(i for i in range(layers) if i not in dense and (i + 1) % step == 0)
+
+
 def _qwen_moe_language_dims(config: dict) -> LanguageDims:
     """Qwen-VL MoE: the Qwen-VL sizes plus the routed experts and their FFN width."""
     text = config.get("text_config", config)

@@ -143,10 +143,25 @@ def _gdn_terms(d: TextDims, *, tp: int, b: int) -> dict[str, float]:
     }
 
 
+def _moe_terms(d: TextDims, *, seq: int, etp: int, b: int) -> dict[str, float]:
+    """A sparse layer's MLP (megatron ``MoELayer``, alltoall dispatcher, ``SequentialMLP``), per token, routing
+    balanced over the experts (an expert that draws more tokens keeps more). The router keeps fp32 logits and
+    probabilities over the experts, the routing map and the top-k weights (``9 E + 8 k`` bytes, on the rank's
+    own tokens); the experts keep, for each of the ``k`` slots a token is routed to, its ``h``-wide input row
+    and the fused SwiGLU's fc1 output and product (``3 x ffn/etp``); the tokens of the ``etp`` ranks that share
+    an expert are gathered, so each of them keeps ``etp`` times the rows of its own tokens. Measured on a
+    Qwen3-VL-30B-A3B layer (docs/memory.md)."""
+    return {"router": (9 * d.experts + 8 * d.topk) / seq,
+            "experts": d.topk * b * (etp * d.hidden + 3 * d.expert_ffn) / seq}
+
+
 def language_layer_terms(d: TextDims, *, tp: int, sp: bool, b: int, recompute_modules=(),
                          layer_type: str = FULL_ATTENTION, device: str = CUDA,
-                         swiglu_fused: bool = FUSED_SWIGLU) -> dict[str, float]:
-    """Bytes per token one decoder layer of ``layer_type`` keeps on one tensor rank of ``device``, by term."""
+                         swiglu_fused: bool = FUSED_SWIGLU, index: int | None = None,
+                         etp: int | None = None) -> dict[str, float]:
+    """Bytes per token one decoder layer of ``layer_type`` keeps on one tensor rank of ``device``, by term
+    (global layer ``index``: a mixture-of-experts decoder's sparse layers keep their router and experts'
+    tensors in place of the dense MLP's; ``etp`` defaults to ``tp``)."""
     seq = tp if sp else 1
     h = d.hidden
     fused = fused_norms(d, device)
@@ -155,15 +170,18 @@ def language_layer_terms(d: TextDims, *, tp: int, sp: bool, b: int, recompute_mo
         terms.update(_gdn_terms(d, tp=tp, b=b))
     else:
         terms.update(_attention_terms(d, tp=tp, b=b, recompute_modules=recompute_modules, fused=fused))
-    terms["mlp"] = 0.0 if "mlp" in recompute_modules else (3 if swiglu_fused else 5) * b * (d.ffn // tp)
+    if d.is_sparse(index):
+        terms.update(_moe_terms(d, seq=seq, etp=tp if etp is None else etp, b=b))
+    else:
+        terms["mlp"] = 0.0 if "mlp" in recompute_modules else (3 if swiglu_fused else 5) * b * (d.ffn // tp)
     return terms
 
 
 def language_stage_layers(d: TextDims, *, tp: int, sp: bool, b: int, pp: int, stage: int,
-                          recompute_modules=(), device: str = CUDA) -> list[float]:
+                          recompute_modules=(), device: str = CUDA, etp: int | None = None) -> list[float]:
     """Bytes per token of each layer of pipeline stage ``stage``, in order, each by its own kind."""
     return [sum(language_layer_terms(d, tp=tp, sp=sp, b=b, recompute_modules=recompute_modules,
-                                     layer_type=d.layer_type(i), device=device).values())
+                                     layer_type=d.layer_type(i), device=device, index=i, etp=etp).values())
             for i in d.stage_layers(pp, stage)]
 
 

@@ -104,6 +104,12 @@ class TextDims:
     #: CUDA torch runs as one fused kernel keeping less for backward than the CPU's composite
     #: (``memory.activations.norm_bytes``); False: our own composite norms on every device (Qwen3.5's zero-centred)
     torch_norm: bool = True
+    #: a mixture-of-experts decoder: routed experts, picked per token, their FFN width, and the sparse layers
+    #: (``config.families.sparse_layer_indexes``); 0 / empty for a dense decoder
+    experts: int = 0
+    topk: int = 0
+    expert_ffn: int = 0
+    sparse: frozenset = frozenset()
 
     @classmethod
     def from_config(cls, config: dict) -> "TextDims":
@@ -122,7 +128,11 @@ class TextDims:
                    deepstack=len((config.get("vision_config") or {}).get("deepstack_visual_indexes") or ())
                    if arch.deepstack else 0,
                    layer_types=hybrid_layer_types(t) if hybrid else (),
-                   gdn=GdnDims.from_text_config(t) if hybrid else None, attn_gate=hybrid, torch_norm=not hybrid)
+                   gdn=GdnDims.from_text_config(t) if hybrid else None, attn_gate=hybrid, torch_norm=not hybrid,
+                   **(_moe_fields(t) if arch.moe else {}))
+
+    def is_sparse(self, index) -> bool:
+        return index is not None and index in self.sparse
 
     def padded_vocab(self, tp: int) -> int:
         """megatron's embedding rows: the vocabulary padded to a multiple of tp (``decoder_weights.pad_vocab``)."""
@@ -141,6 +151,13 @@ class TextDims:
         """The global layer indices of pipeline stage ``stage`` (megatron's even split)."""
         n = self.layers // pp
         return range(stage * n, (stage + 1) * n)
+
+
+def _moe_fields(t: dict) -> dict:
+    from mimo_sft.config.families import routed_experts, sparse_layer_indexes
+
+    return dict(experts=routed_experts(t) or 0, topk=t.get("num_experts_per_tok", 0),
+                expert_ffn=t.get("moe_intermediate_size", 0), sparse=sparse_layer_indexes(t))
 
 
 @dataclass(frozen=True)
@@ -199,12 +216,23 @@ def _gdn_mixer_params(g: GdnDims, hidden: int, tp: int) -> int:
             + g.value_dim + g.v // tp * hidden)
 
 
-def language_layer_params(d: TextDims, tp: int, layer_type: str = FULL_ATTENTION) -> int:
+def expert_params(d: TextDims, *, ep: int = 1, etp: int = 1) -> int:
+    """One sparse layer's experts on one rank: ``experts / ep`` gated MLPs, each fc1 [2 x ffn/etp, h] and
+    fc2 [h, ffn/etp] (no biases)."""
+    return d.experts // ep * 3 * d.hidden * (d.expert_ffn // etp)
+
+
+def language_layer_params(d: TextDims, tp: int, layer_type: str = FULL_ATTENTION, *, index: int | None = None,
+                          ep: int = 1, etp: int | None = None) -> int:
     """One decoder layer on one tp rank: two replicated RMSNorms, the token mixer, column-parallel fused
     gate/up, row-parallel down (no other biases). Attention: column-parallel fused QKV (with its bias,
     Qwen2/2.5; or replicated q/k RMSNorms over the head dim, Qwen3; Qwen3.5's q rows doubled by the output
-    gate), row-parallel output projection. Qwen3.5's ``linear_attention`` layers: a Gated DeltaNet."""
+    gate), row-parallel output projection. Qwen3.5's ``linear_attention`` layers: a Gated DeltaNet. A sparse
+    layer (global ``index`` in ``d.sparse``): the replicated router ``[experts, h]`` and this rank's experts
+    (``ep``, ``etp``: default tp) in place of the dense MLP."""
     mlp = 3 * d.hidden * (d.ffn // tp)
+    if d.is_sparse(index):
+        mlp = d.experts * d.hidden + expert_params(d, ep=ep, etp=tp if etp is None else etp)
     if layer_type == LINEAR_ATTENTION:
         return 2 * d.hidden + _gdn_mixer_params(d.gdn, d.hidden, tp) + mlp
     qkv = d.qkv_width // tp
@@ -212,11 +240,11 @@ def language_layer_params(d: TextDims, tp: int, layer_type: str = FULL_ATTENTION
     return 2 * d.hidden + qkv * d.hidden + extra + d.hidden * (d.heads * d.head_dim // tp) + mlp
 
 
-def language_stage_params(d: TextDims, *, tp: int, pp: int, stage: int) -> int:
+def language_stage_params(d: TextDims, *, tp: int, pp: int, stage: int, ep: int = 1, etp: int | None = None) -> int:
     """Parameters on one rank of language pipeline stage ``stage``: its layers (each by its own type), the
     embedding on the first stage, final norm and output layer on the last (a tied model keeps a copy of the
     embedding there when pp > 1, which megatron keeps equal by an all-reduce)."""
-    n = sum(language_layer_params(d, tp, d.layer_type(i)) for i in d.stage_layers(pp, stage))
+    n = sum(language_layer_params(d, tp, d.layer_type(i), index=i, ep=ep, etp=etp) for i in d.stage_layers(pp, stage))
     table = d.padded_vocab(tp) // tp * d.hidden
     if stage == 0:
         n += table
@@ -225,11 +253,27 @@ def language_stage_params(d: TextDims, *, tp: int, pp: int, stage: int) -> int:
     return n
 
 
+def language_stage_expert_params(d: TextDims, *, tp: int, pp: int, stage: int, ep: int = 1,
+                                 etp: int | None = None) -> int:
+    """The experts among :func:`language_stage_params` (routers excluded): megatron's distributed optimizer
+    shards them over the expert data-parallel ranks, the rest over the data-parallel ranks."""
+    return sum(expert_params(d, ep=ep, etp=tp if etp is None else etp) for i in d.stage_layers(pp, stage)
+               if d.is_sparse(i))
+
+
 def language_params(d: TextDims) -> int:
     """The whole language model (tp 1, pp 1; unpadded vocabulary)."""
     table = d.vocab * d.hidden
-    layers = sum(language_layer_params(d, 1, d.layer_type(i)) for i in range(d.layers))
+    layers = sum(language_layer_params(d, 1, d.layer_type(i), index=i) for i in range(d.layers))
     return layers + table + d.hidden + (0 if d.tied else table)
+
+
+def language_active_params(d: TextDims) -> int:
+    """:func:`language_params` with each sparse layer counting only the ``topk`` experts a token runs through
+    (the MFU figure's active parameters)."""
+    inactive = sum(expert_params(d) * (d.experts - d.topk) // max(d.experts, 1) for i in range(d.layers)
+                   if d.is_sparse(i))
+    return language_params(d) - inactive
 
 
 def language_lora_params(d: TextDims, lora: LoraSpec, tp: int, layer_type: str = FULL_ATTENTION) -> int:

@@ -33,7 +33,8 @@ from dataclasses import dataclass, field
 from mimo_sft.config.lora import LoraSpec
 from mimo_sft.memory import activations as act
 from mimo_sft.memory.dims import (TextDims, VisionDims, language_params, language_stage_lora_params,
-                                  language_stage_params, vision_module_params)
+                                  language_stage_expert_params, language_stage_params,
+                                  vision_module_params)
 from mimo_sft.parallel.layout import IMAGES, LANGUAGE
 
 GIB = 1024 ** 3
@@ -168,16 +169,25 @@ def _language_stage(cfg, layout, d: TextDims, stage: int, wl: Workload, lora: Lo
     m, lang = cfg.model, layout.spec(LANGUAGE)
     tp, pp, b = lang.tp, lang.pp, _bytes(m.dtype)
     sp = bool(m.sequence_parallel) and tp > 1
-    held = language_stage_params(d, tp=tp, pp=pp, stage=stage)
+    experts = dict(ep=lang.ep, etp=lang.expert_tp)
+    held = language_stage_params(d, tp=tp, pp=pp, stage=stage, **experts)
     adapters = language_stage_lora_params(d, lora, tp=tp, pp=pp, stage=stage) if lora else 0
     trainable = adapters if lora else (0 if m.freeze_language else held)
     distributed = cfg.optimizer.use_distributed_optimizer and not lora
-    terms = _state_terms(held + adapters, trainable, b=b, distributed=distributed, shards=lang.dp * lang.cp)
+    # a mixture-of-experts model's experts: the distributed optimizer shards them over the expert-dp ranks
+    expert_held = language_stage_expert_params(d, tp=tp, pp=pp, stage=stage, **experts)
+    expert_trains = expert_held if trainable == held else 0
+    terms = _state_terms(held + adapters - expert_held, trainable - expert_trains, b=b, distributed=distributed,
+                         shards=lang.dp * lang.cp)
+    if expert_held:
+        for key, value in _state_terms(expert_held, expert_trains, b=b, distributed=distributed,
+                                       shards=max(lang.expert_dp, 1)).items():
+            terms[key] += value
     tokens = wl.language_tokens
     modules = tuple(m.recompute_modules if isinstance(m.recompute_modules, (list, tuple))
                     else str(m.recompute_modules or "").split(","))
     selective = modules if m.recompute_granularity == "selective" else ()
-    shape = dict(tp=tp, sp=sp, b=b, pp=pp, stage=stage, device=device)
+    shape = dict(tp=tp, sp=sp, b=b, pp=pp, stage=stage, device=device, etp=lang.expert_tp)
     full = act.language_stage_layers(d, **shape)  # per token, each layer by its kind
     kept = act.language_stage_layers(d, **shape, recompute_modules=selective)
     if lora and m.lora_dropout > 0:
@@ -215,8 +225,9 @@ def language_forecast(cfg, layout, hf_config: dict, wl: Workload, device: str = 
     best = max(range(pp), key=lambda s: sum(stages[s].values()))
     terms = stages[best]
     terms["allowance"] = _allowance(terms, fixed=True)
-    tp = layout.spec(LANGUAGE).tp
-    held = language_stage_params(d, tp=tp, pp=pp, stage=best)
+    lang = layout.spec(LANGUAGE)
+    tp = lang.tp
+    held = language_stage_params(d, tp=tp, pp=pp, stage=best, ep=lang.ep, etp=lang.expert_tp)
     adapters = language_stage_lora_params(d, lora, tp=tp, pp=pp, stage=best) if lora else 0
     total = language_params(d) + (language_stage_lora_params(d, lora, tp=1, pp=1, stage=0) if lora else 0)
     return ModuleForecast(LANGUAGE, total, held + adapters, f"pp stage {best} of {pp}" if pp > 1 else "every rank",

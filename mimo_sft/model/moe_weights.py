@@ -53,12 +53,12 @@ class ExpertSlice:
 
 
 def moe_layer_indexes(num_layers: int, num_experts: int, *, sparse_step: int = 1, mlp_only=()) -> frozenset:
-    """Global indexes of the sparse layers, as transformers picks them (``Qwen3VLMoeTextDecoderLayer``):
-    layer ``i`` is sparse unless listed in ``mlp_only_layers``, when ``(i + 1) % decoder_sparse_step == 0``."""
-    if not num_experts:
-        return frozenset()
-    step = max(int(sparse_step or 1), 1)
-    return frozenset(i for i in range(num_layers) if i not in set(mlp_only or ()) and (i + 1) % step == 0)
+    """Global indexes of the sparse layers (``config.families.sparse_layer_indexes``, which the memory
+    forecast reads too)."""
+    from mimo_sft.config.families import sparse_layer_indexes
+
+    return sparse_layer_indexes({"num_hidden_layers": num_layers, "num_experts": num_experts,
+                                 "decoder_sparse_step": sparse_step, "mlp_only_layers": list(mlp_only or ())})
 
 
 def expected_expert_shapes(ckpt: HFCheckpoint, prefix: str, layers, s: ExpertShape) -> dict[str, tuple]:

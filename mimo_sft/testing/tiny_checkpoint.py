@@ -198,6 +198,24 @@ PRESETS["qwen3-vl-8b"] = dict(
     min_pixels=65536, max_pixels=16777216, image_mean=(0.5, 0.5, 0.5), image_std=(0.5, 0.5, 0.5),
 )
 
+#: Qwen3-VL-30B-A3B-Instruct (mixture of experts). Sources, by value:
+#: * the decoder: haod0ng/Agentic-MLLM-RL scripts/models/qwen3-vl-30B-A3B.sh (its megatron arguments for
+#:   "Qwen3-VL-30B-A3B-Instruct": 48 layers, hidden 2048, dense FFN 6144, 32 q / 4 kv heads of 128, q/k norm,
+#:   eps 1e-6, rotary base 5e6, vocab 151936, 262144 positions, untied; 128 experts of FFN 768, top 8);
+#:   every layer sparse (``decoder_sparse_step`` 1, no ``mlp_only_layers``): NVIDIA-NeMo/Megatron-Bridge
+#:   src/megatron/bridge/models/qwen_vl/qwen3_vl_provider.py (``Qwen3VLMoEModelProvider``, which names
+#:   Qwen/Qwen3-VL-30B-A3B-Instruct), with its token ids, mRoPE [24, 20, 20], patch 16, merge 2, 2 frames;
+#: * the tower: that provider's ``Qwen3VLVisionConfig()`` defaults (27 blocks, 1152 wide, 16 heads, FFN
+#:   4304, 2304 positions, DeepStack at 8, 16, 24, gelu_pytorch_tanh), its output width the decoder's 2048;
+#:   the preprocessor as Qwen3-VL-8B's (the same tower and processor).
+PRESETS["qwen3-vl-30b-a3b"] = dict(
+    PRESETS["qwen3-vl-8b"], family="qwen3_vl_moe",
+    text=dict(PRESETS["qwen3-vl-8b"]["text"], hidden_size=2048, num_hidden_layers=48, num_attention_heads=32,
+              num_key_value_heads=4, head_dim=128, intermediate_size=6144, num_experts=128, num_experts_per_tok=8,
+              moe_intermediate_size=768, decoder_sparse_step=1, mlp_only_layers=[]),
+    vision=dict(PRESETS["qwen3-vl-8b"]["vision"], out_hidden_size=2048),
+)
+
 #: Qwen3.5-0.8B and Qwen3.5-27B (dense; thinking and instruct share one checkpoint). Sources, by value:
 #: * 0.8B, every size: the mirror of Qwen/Qwen3.5-0.8B's config.json in wlejon/brolm tests/test_qwen35_config.cpp
 #:   (text 1024 hidden, 24 layers [3 GDN + 1 attention] x 6, 8 q / 2 kv heads of 256, FFN 3584, GDN 16 key /

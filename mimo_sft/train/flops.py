@@ -96,10 +96,26 @@ def _gdn_dims(t) -> tuple[int, int, int, int, int]:
             t.linear_conv_kernel_dim)
 
 
-def _layer_matmul_params(t, layer_type: str) -> int:
-    """Weights of one decoder layer that take part in a matmul per token (biases aside)."""
+def _sparse_layers(t) -> frozenset:
+    """A mixture-of-experts decoder's sparse layers (``config.families.sparse_layer_indexes``); none for a dense one."""
+    from mimo_sft.config.families import sparse_layer_indexes
+
+    experts = getattr(t, "num_experts", None) or getattr(t, "num_local_experts", None)
+    if not experts or not getattr(t, "moe_intermediate_size", None):
+        return frozenset()
+    return sparse_layer_indexes({"num_hidden_layers": t.num_hidden_layers, "num_experts": experts,
+                                 "decoder_sparse_step": getattr(t, "decoder_sparse_step", 1),
+                                 "mlp_only_layers": getattr(t, "mlp_only_layers", None) or []})
+
+
+def _layer_matmul_params(t, layer_type: str, sparse: bool = False) -> int:
+    """Weights of one decoder layer that take part in a matmul per token (biases aside). A sparse layer counts
+    its router and the ``num_experts_per_tok`` experts each token runs through (active, not total, weights)."""
     h, _, heads, kv, hd, ffn, _ = _text_dims(t)
     mlp = 3 * h * ffn
+    if sparse:
+        experts = getattr(t, "num_experts", None) or t.num_local_experts
+        mlp = h * experts + t.num_experts_per_tok * 3 * h * t.moe_intermediate_size
     if layer_type == LINEAR_ATTENTION:
         nk, nv, dk, dv, kernel = _gdn_dims(t)
         qkv = 2 * nk * dk + nv * dv
@@ -158,7 +174,9 @@ def language_forward_flops(text_config, seq_lengths: Iterable[int], *, vocab_siz
     token: per full-attention layer Q (Qwen3.5: Q and its gate, ``2*heads*hd`` rows), K, V, O; per
     Gated DeltaNet layer in_proj_qkv/z/b/a ``h*(2*nk*dk + 2*nv*dv + 2*nv)``, the depthwise conv
     ``(2*nk*dk + nv*dv)*kernel`` and out_proj ``nv*dv*h``; the gated MLP ``3*h*ffn``; the LM head
-    ``h*vocab``) plus :func:`sequence_mixing_flops` (attention's square, the delta rule's chunks).
+    ``h*vocab``) plus :func:`sequence_mixing_flops` (attention's square, the delta rule's chunks). A
+    mixture-of-experts layer's MLP counts the router ``h*experts`` and the ``k`` experts a token is routed
+    to, ``k*3*h*moe_ffn``: MFU is over the active parameters.
     """
     tokens = sum(_lengths(seq_lengths))
     return float(2 * tokens * language_matmul_params(text_config, vocab_size=vocab_size)
@@ -172,7 +190,9 @@ def language_matmul_params(text_config, *, vocab_size: int | None = None) -> int
     lookup and norms are excluded."""
     h, _, _, _, _, _, vocab = _text_dims(text_config)
     vocab = vocab if vocab_size is None else vocab_size
-    return sum(_layer_matmul_params(text_config, kind) for kind in _layer_types(text_config)) + h * vocab
+    sparse = _sparse_layers(text_config)
+    return sum(_layer_matmul_params(text_config, kind, i in sparse)
+               for i, kind in enumerate(_layer_types(text_config))) + h * vocab
 
 
 def dense_flops_per_token(config, *, vocab_size: int | None = None) -> float:
