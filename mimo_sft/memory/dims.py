@@ -276,7 +276,8 @@ def language_active_params(d: TextDims) -> int:
     return language_params(d) - inactive
 
 
-def language_lora_params(d: TextDims, lora: LoraSpec, tp: int, layer_type: str = FULL_ATTENTION) -> int:
+def language_lora_params(d: TextDims, lora: LoraSpec, tp: int, layer_type: str = FULL_ATTENTION,
+                         index: int | None = None) -> int:
     """Adapters of one layer of ``layer_type`` on one tp rank (``model.lora``: column-parallel A whole and
     B split; row-parallel A split and B whole). The MLP targets adapt every layer; the mixer targets
     ``linear_qkv`` / ``linear_proj`` adapt an attention layer's fused q(+gate)/k/v and output projection,
@@ -288,12 +289,14 @@ def language_lora_params(d: TextDims, lora: LoraSpec, tp: int, layer_type: str =
         per.update(linear_qkv=r * h + d.gdn.in_proj_rows(tp) * r, linear_proj=r * (d.gdn.v // tp) + h * r)
     else:
         per.update(linear_qkv=r * h + d.qkv_width // tp * r, linear_proj=r * (d.heads * d.head_dim // tp) + h * r)
+    if d.is_sparse(index):  # a mixture-of-experts layer: no MLP adapters (``model.lora``)
+        per.pop("linear_fc1"), per.pop("linear_fc2")
     return sum(per.get(t, 0) for t in lora.language)
 
 
 def language_stage_lora_params(d: TextDims, lora: LoraSpec, *, tp: int, pp: int, stage: int) -> int:
     """Adapters of every layer of pipeline stage ``stage`` on one tp rank, each layer by its type."""
-    return sum(language_lora_params(d, lora, tp, d.layer_type(i)) for i in d.stage_layers(pp, stage))
+    return sum(language_lora_params(d, lora, tp, d.layer_type(i), index=i) for i in d.stage_layers(pp, stage))
 
 
 # ---- vision tower (unsharded) ----------------------------------------------------------------------

@@ -30,6 +30,11 @@ stored as the weight's are: fc1's split into gate and up (megatron's swiglu fact
 b_r; a_r]``, not a contiguous slice of the whole; megatron's ``<linear>_split_sections``), so
 any TP reads any other's adapters.
 
+A mixture-of-experts model's sparse layers get no MLP adapters: ``linear_fc1`` / ``linear_fc2`` adapt the
+dense layers' MLP only, and the experts and routers stay frozen under LoRA (transformers stores
+Qwen3-VL-MoE's experts as fused 3-D parameters, which PEFT adapts only through ``target_parameters``, a
+different adapter than a per-expert LoRA; not built here). Attention is adapted as in a dense model.
+
 Initialisation is layout-free: A is drawn whole from a generator seeded by ``(seed, layer name with
 its global layer number)`` and sliced (row-parallel), PEFT's Kaiming-uniform bound 1/sqrt(in); B = 0.
 The vision tower (transformers' plain ``nn.Linear``, TP 1) gets the same adapter without
@@ -221,6 +226,8 @@ def apply_lora(model, spec: LoraSpec, *, seed: int, dp_rank: int = 0) -> int:
         for layer in lm.decoder.layers:
             g = layer.layer_number - 1  # global layer index: the same key under any PP split
             for target in spec.language:
+                if target in MLP_TARGETS and is_sparse_layer(layer):
+                    continue  # a mixture-of-experts layer: experts and router stay frozen (module docstring)
                 path, kind = layer_linear(layer, target)
                 _adapt(layer.get_submodule(path), kind, spec, f"language.layers.{g}.{path}", seed,
                        swiglu=gated and target == "linear_fc1", b_split=_row_sections(layer, path))
@@ -230,6 +237,15 @@ def apply_lora(model, spec: LoraSpec, *, seed: int, dp_rank: int = 0) -> int:
         for enc in model.modality_submodules[IMAGES].encoders.values():
             count += _adapt_vision(enc, vision, spec, seed)
     return count
+
+
+#: the language targets of the dense MLP
+MLP_TARGETS = ("linear_fc1", "linear_fc2")
+
+
+def is_sparse_layer(layer) -> bool:
+    """A mixture-of-experts decoder layer: its MLP is megatron's ``MoELayer`` (a router and experts)."""
+    return hasattr(getattr(layer, "mlp", None), "router")
 
 
 def _has_submodule(module: torch.nn.Module, path: str) -> bool:

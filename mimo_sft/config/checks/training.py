@@ -7,6 +7,14 @@ def c20_lora(ctx):
     from mimo_sft.config.lora import lora_problems
 
     yield from lora_problems(ctx.cfg.model)
+    from mimo_sft.config.checks.context import family_spec
+    from mimo_sft.config.lora import split_targets
+
+    m = ctx.cfg.model
+    if m.lora_rank > 0 and family_spec(ctx).architecture.moe and set(split_targets(m.lora_target_modules)) & {
+            "linear_fc1", "linear_fc2"}:
+        yield ("--lora-target-modules linear_fc1/linear_fc2 on a mixture-of-experts model adapt the dense layers' "
+               "MLP only: the experts and routers of its sparse layers stay frozen under LoRA", "note")
     if ctx.cfg.model.lora_rank > 0 and ctx.cfg.optimizer.use_distributed_optimizer:
         yield ("--lora-rank: the adapters train with the plain (unsharded) optimizer, not the distributed one "
                "(mimo-sft's choice: adapter optimizer state is small)", "note")
