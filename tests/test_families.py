@@ -71,7 +71,7 @@ def test_a_registered_descriptor_is_all_check_config_needs(tmp_path, monkeypatch
     probs = _problems(tmp_path, cfg, "language=dp=1", "audio=tp=2,dp=1,rank_offset=1")
     assert any("audio.tp=2: the toy audio tower runs unsharded" in p for p in probs), probs
     probs = _problems(tmp_path, {"model_type": "llava"}, "language=dp=1", "images=dp=1,rank_offset=1")
-    assert any("'llava' is not supported; supported model types: qwen2_5_vl, qwen3_vl, qwen3_5, qwen3_vl_moe, toy_audio" in p for p in probs), probs
+    assert any("'llava' is not supported; supported model types: qwen2_5_vl, qwen3_vl, qwen3_5, qwen3_vl_moe, qwen3_5_moe, toy_audio" in p for p in probs), probs
 
 
 def test_adapters_point_at_their_descriptor():

@@ -149,3 +149,28 @@ def test_load_balancing_loss_is_off_by_default_and_reported_when_on(reference):
     assert len(routers) == 4 and all((a[k] - b[k]).abs().max() > 1e-4 * a[k].abs().max() for k in routers)
     head = [k for k in a if k.endswith("output_layer.weight") or k.endswith("final_layernorm.weight")]
     assert head and all(torch.equal(a[k], b[k]) for k in head)  # above every router: untouched
+
+
+@functools.lru_cache(maxsize=None)
+def tiny_qwen3_5_moe() -> str:
+    from mimo_sft.testing.tiny_checkpoint import write_tiny_checkpoint
+
+    folder = Path(tempfile.mkdtemp(prefix="mimo_sft_q35moe_")) / "tiny_qwen3_5_moe"
+    return str(write_tiny_checkpoint(folder, seed=0, family="qwen3_5_moe", text_layers=4))
+
+
+#: the GDN decay path's fp32 gradient noise (tests/test_qwen3_5_e2e.py: DECAY)
+DECAY = {"self_attention.A_log": 1e-3, "self_attention.dt_bias": 1e-3, "self_attention.in_proj.weight": 1e-4}
+
+
+def test_qwen3_5_moe_ep2_dp2_non_colocated_reordering_packing():
+    """Qwen3.5-MoE (hybrid GDN decoder, sparse MLPs with a gated shared expert): language dp 2 x ep 2 fed by
+    one encoder rank, index reordering, packing (the GDN's conv and state restart per packed sample) against
+    the single-process step, per parameter."""
+    def q35(name, nproc, components, extra=()):
+        return layout_run(name, nproc, components, bridge_corner_data(), [*CORNER, *extra], model=tiny_qwen3_5_moe())
+
+    ref = q35("q35moe_ref", 1, SINGLE)
+    got = q35("q35moe_noncoloc", 3, ["language=dp=2,ep=2", "images=dp=1,rank_offset=2"],
+              ["--scalable-dp", "--intra-microbatch-reorder", "--reorder-mode", "index", *PACKED])
+    assert_same_step(ref, got, same_flops=False, weights_tol=WEIGHTS_TOL, loose=DECAY)

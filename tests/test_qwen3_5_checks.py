@@ -94,9 +94,15 @@ def test_the_builder_asserts_the_same_rules():
     assert "3 Gated DeltaNet key heads" in out[0] and "8 entries" in out[1] and "not a multiple" in out[2]
 
 
-def test_qwen3_5_moe_is_named_as_not_yet_built(tmp_path):
-    probs = _problems(tmp_path, dict(QWEN3_5, model_type="qwen3_5_moe"), "language=dp=1", "images=dp=1,rank_offset=1")
-    line = [p for p in probs if "qwen3_5_moe" in p]
-    assert len(line) == 1 and line[0].startswith("[16] --hf-model "), probs
-    assert "model_type 'qwen3_5_moe' is Qwen3.5 MoE" in line[0] and "the MoE family is not built yet" in line[0]
-    assert line[0].endswith("not yet supported by mimo-sft; supported model types: qwen2_5_vl, qwen3_vl, qwen3_5, qwen3_vl_moe")
+def test_qwen3_5_moe_folders_are_checked_for_gdn_heads_and_experts(tmp_path):
+    """Qwen3.5-MoE (no dense MLP: no intermediate_size) passes, and its GDN heads and experts are divided."""
+    text = {k: v for k, v in QWEN3_5["text_config"].items() if k != "intermediate_size"}
+    moe = dict(QWEN3_5, model_type="qwen3_5_moe",
+               text_config=dict(text, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48,
+                                shared_expert_intermediate_size=64))
+    assert _problems(tmp_path, moe, "language=dp=2,ep=2", "images=dp=1,rank_offset=2") == []
+    probs = _problems(tmp_path, moe, "language=dp=3,ep=3", "images=dp=1,rank_offset=3")
+    assert any("language.ep=3 does not divide the model's 8 experts" in p for p in probs), probs
+    probs = _problems(tmp_path, dict(moe, text_config=dict(moe["text_config"], linear_num_key_heads=3)),
+                      "language=tp=2,dp=1", "images=dp=1,rank_offset=2", extra=["--sequence-parallel"])
+    assert any("3 Gated DeltaNet key heads" in p for p in probs), probs

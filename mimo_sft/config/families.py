@@ -395,10 +395,31 @@ QWEN3_VL_MOE = register(FamilySpec(
     chat_template="qwen3_vl",
 ))
 
+def _qwen3_5_moe_language_dims(config: dict) -> LanguageDims:
+    """Qwen3.5-MoE: Qwen3.5's sizes (GDN heads included) and the routed experts."""
+    text = config.get("text_config", config)
+    return replace(_qwen3_5_language_dims(config), experts=routed_experts(text),
+                   expert_ffn=text.get("moe_intermediate_size"))
+
+
+QWEN3_5_MOE = register(FamilySpec(
+    name="qwen3_5_moe",
+    model_types=("qwen3_5_moe",),
+    # Qwen3.5's tower before the hybrid decoder with sparse MLPs and a gated shared expert
+    encoders={IMAGES: EncoderLimits(tower="vision tower", implementation="Hugging Face Qwen3.5-MoE")},
+    language_dims=_qwen3_5_moe_language_dims,
+    config_rules=(_hybrid_layer_findings, _moe_findings),
+    adapter="mimo_sft.model.qwen3_5_moe:Qwen35MoeAdapter",
+    rope_index="transformers.models.qwen3_5_moe.modeling_qwen3_5_moe:Qwen3_5MoeModel",
+    vision_flops="mimo_sft.model.vision_flops:qwen3_vl",
+    architecture=Architecture(qkv_bias=False, qk_norm=True, vision_layer_norm=True, vision_gated_mlp=False,
+                              vision_patch_bias=True, vision_pos_embed=True, deepstack=False, hybrid_gdn=True,
+                              moe=True),
+    chat_template="qwen3_5",
+))
+
 #: config.json ``model_type`` values of Qwen-VL generations mimo-sft knows of but cannot build yet, and why
-NOT_YET_SUPPORTED: dict[str, str] = {
-    "qwen3_5_moe": "Qwen3.5 MoE (Gated DeltaNet and mixture-of-experts layers; the MoE family is not built yet)",
-}
+NOT_YET_SUPPORTED: dict[str, str] = {}
 
 
 def unsupported_model_type(model_type, where: str) -> str:

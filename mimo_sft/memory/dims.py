@@ -121,7 +121,8 @@ class TextDims:
         head_dim = t.get("head_dim") or t["hidden_size"] // heads
         partial = float((t.get("rope_parameters") or {}).get("partial_rotary_factor",
                                                              t.get("partial_rotary_factor", 1.0)))
-        return cls(hidden=t["hidden_size"], ffn=t["intermediate_size"], layers=t["num_hidden_layers"], heads=heads,
+        # Qwen3.5-MoE has no dense MLP (and no intermediate_size): every layer is sparse
+        return cls(hidden=t["hidden_size"], ffn=t.get("intermediate_size") or t.get("moe_intermediate_size", 0), layers=t["num_hidden_layers"], heads=heads,
                    kv_heads=t.get("num_key_value_heads") or heads, head_dim=head_dim, vocab=t["vocab_size"], tied=tied,
                    rotary_dim=int(head_dim * partial) if partial < 1 else 0,
                    qkv_bias=arch.qkv_bias, qk_norm=arch.qk_norm,

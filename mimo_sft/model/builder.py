@@ -140,7 +140,8 @@ def _expert_slice(groups):
     from mimo_sft.model.moe_weights import ExpertSlice
 
     pgc = groups.pg_collection
-    return ExpertSlice(ep_rank=pgc.ep.rank(), ep=pgc.ep.size(), etp_rank=pgc.expt_tp.rank(), etp=pgc.expt_tp.size())
+    return ExpertSlice(ep_rank=pgc.ep.rank(), ep=pgc.ep.size(), etp_rank=pgc.expt_tp.rank(), etp=pgc.expt_tp.size(),
+                       tp_rank=pgc.tp.rank(), tp=pgc.tp.size())
 
 
 def _language_stage(info, parallel_state) -> tuple[int, bool, bool]:

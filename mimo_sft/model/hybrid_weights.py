@@ -68,9 +68,10 @@ def hybrid_shape(text_config, base: DecoderShape) -> HybridShape:
 def expected_layer_shapes(prefix: str, s: HybridShape, i: int) -> dict[str, tuple]:
     b = s.base
     L = f"{prefix}layers.{i}."
-    out = {L + "input_layernorm.weight": (b.hidden,), L + "post_attention_layernorm.weight": (b.hidden,),
-           L + "mlp.gate_proj.weight": (b.ffn, b.hidden), L + "mlp.up_proj.weight": (b.ffn, b.hidden),
-           L + "mlp.down_proj.weight": (b.hidden, b.ffn)}
+    out = {L + "input_layernorm.weight": (b.hidden,), L + "post_attention_layernorm.weight": (b.hidden,)}
+    if i not in b.moe_layers:  # a sparse layer's MLP: model.moe_weights
+        out.update({L + "mlp.gate_proj.weight": (b.ffn, b.hidden), L + "mlp.up_proj.weight": (b.ffn, b.hidden),
+                    L + "mlp.down_proj.weight": (b.hidden, b.ffn)})
     if s.layer_types[i] == LINEAR:
         A = L + "linear_attn."
         out.update({A + "in_proj_qkv.weight": (2 * s.qk + s.v, b.hidden), A + "in_proj_z.weight": (s.v, b.hidden),
@@ -185,9 +186,10 @@ def iter_hybrid_shard(ckpt: HFCheckpoint, prefix: str, lm_head: str, s: HybridSh
             out = _attention_layer(ckpt, L + "self_attn.", M + "self_attention.", s, tp_rank, tp)
         out[M + "input_layernorm.weight"] = ckpt.read(L + "input_layernorm.weight")
         out[M + "pre_mlp_layernorm.weight"] = ckpt.read(L + "post_attention_layernorm.weight")
-        out[M + "mlp.linear_fc1.weight"] = torch.cat([ckpt.read(L + "mlp.gate_proj.weight", rows=ffn),
-                                                      ckpt.read(L + "mlp.up_proj.weight", rows=ffn)], dim=0)
-        out[M + "mlp.linear_fc2.weight"] = ckpt.read(L + "mlp.down_proj.weight", rows=(0, b.hidden), cols=ffn)
+        if i not in b.moe_layers:
+            out[M + "mlp.linear_fc1.weight"] = torch.cat([ckpt.read(L + "mlp.gate_proj.weight", rows=ffn),
+                                                          ckpt.read(L + "mlp.up_proj.weight", rows=ffn)], dim=0)
+            out[M + "mlp.linear_fc2.weight"] = ckpt.read(L + "mlp.down_proj.weight", rows=(0, b.hidden), cols=ffn)
         yield out
 
 
@@ -229,7 +231,8 @@ def _export_layer(sd: dict[str, torch.Tensor], prefix: str, s: HybridShape, i: i
                A + "o_proj.weight": sd[S + "linear_proj.weight"]}
     out[L + "input_layernorm.weight"] = sd[M + "input_layernorm.weight"]
     out[L + "post_attention_layernorm.weight"] = sd[M + "pre_mlp_layernorm.weight"]
-    gate_w, up = torch.split(sd[M + "mlp.linear_fc1.weight"], [b.ffn, b.ffn], dim=0)
-    out.update({L + "mlp.gate_proj.weight": gate_w, L + "mlp.up_proj.weight": up,
-                L + "mlp.down_proj.weight": sd[M + "mlp.linear_fc2.weight"]})
+    if i not in b.moe_layers:
+        gate_w, up = torch.split(sd[M + "mlp.linear_fc1.weight"], [b.ffn, b.ffn], dim=0)
+        out.update({L + "mlp.gate_proj.weight": gate_w, L + "mlp.up_proj.weight": up,
+                    L + "mlp.down_proj.weight": sd[M + "mlp.linear_fc2.weight"]})
     return out

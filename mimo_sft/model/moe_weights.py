@@ -31,11 +31,14 @@ from mimo_sft.model.hf_checkpoint import HFCheckpoint
 
 @dataclass(frozen=True)
 class ExpertShape:
-    """A sparse layer's sizes: experts, their FFN width, the hidden width."""
+    """A sparse layer's sizes: experts, their FFN width, the hidden width; ``shared_ffn``: the FFN width of a
+    shared expert every token runs through, scaled by ``sigmoid(shared_expert_gate(x))`` (Qwen3.5-MoE;
+    0: none)."""
 
     experts: int
     ffn: int
     hidden: int
+    shared_ffn: int = 0
 
 
 @dataclass(frozen=True)
@@ -46,6 +49,9 @@ class ExpertSlice:
     ep: int = 1
     etp_rank: int = 0
     etp: int = 1
+    #: the shared expert is split over the module's tp, as a dense MLP
+    tp_rank: int = 0
+    tp: int = 1
 
     def experts(self, total: int) -> range:
         n = total // self.ep
@@ -67,6 +73,10 @@ def expected_expert_shapes(ckpt: HFCheckpoint, prefix: str, layers, s: ExpertSha
     for i in sorted(layers):
         L = f"{prefix}layers.{i}.mlp."
         out[L + "gate.weight"] = (s.experts, s.hidden)
+        if s.shared_ffn:
+            S = L + "shared_expert."
+            out.update({S + "gate_proj.weight": (s.shared_ffn, s.hidden), S + "up_proj.weight": (s.shared_ffn, s.hidden),
+                        S + "down_proj.weight": (s.hidden, s.shared_ffn), L + "shared_expert_gate.weight": (1, s.hidden)})
         if _fused(ckpt, L):
             gu, dn = ckpt.shape(L + "experts.gate_up_proj"), ckpt.shape(L + "experts.down_proj")
             out[L + "experts.gate_up_proj"] = gu if gu == (s.experts, s.hidden, 2 * s.ffn) else (s.experts, 2 * s.ffn, s.hidden)
@@ -116,6 +126,13 @@ def read_expert_layer(ckpt: HFCheckpoint, prefix: str, layer: int, local_layer: 
         X = f"{M}experts.local_experts.{k}."
         out[X + "linear_fc1.weight"] = torch.cat([gate, up], dim=0).contiguous()
         out[X + "linear_fc2.weight"] = down.contiguous()
+    if s.shared_ffn:  # megatron's SharedExpertMLP: a tp-split gated MLP and its [1, h] gate
+        S, n = L + "shared_expert.", s.shared_ffn // where.tp
+        rows = (where.tp_rank * n, (where.tp_rank + 1) * n)
+        out[M + "shared_experts.linear_fc1.weight"] = torch.cat(
+            [ckpt.read(S + "gate_proj.weight", rows=rows), ckpt.read(S + "up_proj.weight", rows=rows)], dim=0)
+        out[M + "shared_experts.linear_fc2.weight"] = ckpt.read(S + "down_proj.weight", rows=(0, s.hidden), cols=rows)
+        out[M + "shared_experts.gate_weight"] = ckpt.read(L + "shared_expert_gate.weight")
     return out
 
 
@@ -144,6 +161,11 @@ def export_experts(sd: dict[str, torch.Tensor], prefix: str, moe_layers, s: Expe
             continue
         M, L = f"decoder.layers.{i}.mlp.", f"{prefix}layers.{i}.mlp."
         out[L + "gate.weight"] = sd[M + "router.weight"]
+        if s.shared_ffn:
+            gate, up = torch.split(sd[M + "shared_experts.linear_fc1.weight"], [s.shared_ffn, s.shared_ffn], dim=0)
+            out.update({L + "shared_expert.gate_proj.weight": gate, L + "shared_expert.up_proj.weight": up,
+                        L + "shared_expert.down_proj.weight": sd[M + "shared_experts.linear_fc2.weight"],
+                        L + "shared_expert_gate.weight": sd[M + "shared_experts.gate_weight"]})
         fc1 = [sd[f"{M}experts.local_experts.{e}.linear_fc1.weight"] for e in range(s.experts)]
         fc2 = [sd[f"{M}experts.local_experts.{e}.linear_fc2.weight"] for e in range(s.experts)]
         if fused:

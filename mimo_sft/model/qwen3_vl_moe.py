@@ -39,7 +39,10 @@ def moe_transformer_settings(hf_cfg) -> dict:
     """The megatron ``TransformerConfig`` fields that make its MoE layers compute transformers' block."""
     t = hf_cfg.text_config
     sparse = moe_layers_of(hf_cfg)
-    return dict(num_moe_experts=t.num_experts, moe_router_topk=t.num_experts_per_tok,
+    shared = getattr(t, "shared_expert_intermediate_size", 0) or 0
+    # Qwen3.5-MoE's shared expert: megatron's SharedExpertMLP with its sigmoid gate (gate_weight [1, h])
+    shared_settings = dict(moe_shared_expert_intermediate_size=shared, moe_shared_expert_gate=True) if shared else {}
+    return dict(**shared_settings, num_moe_experts=t.num_experts, moe_router_topk=t.num_experts_per_tok,
                 moe_ffn_hidden_size=t.moe_intermediate_size,
                 moe_layer_freq=[int(i in sparse) for i in range(t.num_hidden_layers)],
                 moe_router_score_function="softmax", moe_router_pre_softmax=False, moe_router_dtype="fp32",
@@ -55,7 +58,8 @@ def moe_layers_of(hf_cfg) -> frozenset:
 
 def expert_shape_of(hf_cfg) -> ExpertShape:
     t = hf_cfg.text_config
-    return ExpertShape(experts=t.num_experts, ffn=t.moe_intermediate_size, hidden=t.hidden_size)
+    return ExpertShape(experts=t.num_experts, ffn=t.moe_intermediate_size, hidden=t.hidden_size,
+                       shared_ffn=getattr(t, "shared_expert_intermediate_size", 0) or 0)
 
 
 def moe_block_spec(dense_block, hf_cfg, *, layer_offset: int):

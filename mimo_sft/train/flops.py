@@ -69,7 +69,8 @@ def _text_dims(text_config):
     heads = t.num_attention_heads
     kv = getattr(t, "num_key_value_heads", None) or heads
     head_dim = getattr(t, "head_dim", None) or t.hidden_size // heads
-    return t.hidden_size, t.num_hidden_layers, heads, kv, head_dim, t.intermediate_size, t.vocab_size
+    ffn = getattr(t, "intermediate_size", None) or getattr(t, "moe_intermediate_size", 0)  # Qwen3.5-MoE: no dense MLP
+    return t.hidden_size, t.num_hidden_layers, heads, kv, head_dim, ffn, t.vocab_size
 
 
 def _is_hybrid(t) -> bool:
