@@ -72,14 +72,27 @@ def test_tiny_built_model_has_the_forecast_counts(tmp_path):
     assert sum(p.numel() for p in model.language_model.parameters()) == language_stage_params(d, tp=1, pp=1, stage=0)
 
 
-@pytest.mark.parametrize("shape", ["real_30b_a3b", "other"])
+@pytest.mark.parametrize("shape", ["real_30b_a3b", "other", "qwen3_5_moe_gdn", "qwen3_5_moe_attention"])
 def test_sparse_layer_saved_bytes_match_the_formula(preset_30b, tmp_path, shape):
     """One sparse decoder layer's saved-for-backward bytes (``testing.saved_bytes``: the layer as the builder
-    builds it, bf16, CUDA's fused norms) against ``memory.activations`` at Qwen3-VL-30B-A3B's width (2048
-    hidden, 128 experts of 768, top 8), and at another shape (fewer, wider experts, top 3): within 1 %."""
+    builds it, bf16, CUDA's fused norms, a random router) against ``memory.activations`` at Qwen3-VL-30B-A3B's
+    width (2048 hidden, 128 experts of 768, top 8), at another shape (fewer, wider experts, top 3), and for
+    Qwen3.5-MoE's two layer kinds with their gated shared expert (at 1024 wide: 397B-A17B's own layer would
+    take 6 GB): within 1 %."""
     from mimo_sft.testing import saved_bytes as sb
+    from mimo_sft.testing.tiny_checkpoint import write_preset_checkpoint
 
-    folder = preset_30b
+    folder, kind = preset_30b, None
+    if shape.startswith("qwen3_5_moe"):
+        folder = write_preset_checkpoint(tmp_path / "q35", "qwen3.5-397b-a17b")
+        cfg = json.loads((folder / "config.json").read_text())
+        cfg["text_config"].update(hidden_size=1024, num_experts=64, num_experts_per_tok=4, moe_intermediate_size=512,
+                                  shared_expert_intermediate_size=768, num_hidden_layers=4, num_attention_heads=8,
+                                  num_key_value_heads=2, linear_num_value_heads=32,
+                                  layer_types=["linear_attention"] * 3 + ["full_attention"])
+        cfg["vision_config"]["out_hidden_size"] = 1024
+        (folder / "config.json").write_text(json.dumps(cfg))
+        kind = "full_attention" if shape.endswith("attention") else "linear_attention"
     if shape == "other":
         cfg = json.loads((preset_30b / "config.json").read_text())
         cfg["text_config"].update(num_local_experts=24, num_experts_per_tok=3, moe_intermediate_size=1536,
@@ -91,10 +104,37 @@ def test_sparse_layer_saved_bytes_match_the_formula(preset_30b, tmp_path, shape)
             if f.is_file():
                 (folder / f.name).write_bytes(f.read_bytes())
         (folder / "config.json").write_text(json.dumps(cfg))
-    block, lcfg = sb.language_layer(str(folder), dtype=torch.bfloat16)
+    block, lcfg = sb.language_layer(str(folder), dtype=torch.bfloat16, layer_type=kind)
     assert type(block.layers[0].mlp).__name__ == "MoELayer"
     tokens = 256
     got = sb.language_layer_saved(block, lcfg, tokens, dtype=torch.bfloat16, device="cuda")
     d = TextDims.from_config(json.loads((folder / "config.json").read_text()))
-    want = sum(act.language_layer_terms(d, tp=1, sp=False, b=2, device="cuda", index=0).values()) * tokens
+    assert d.shared_ffn == (768 if kind else 0)
+    want = sum(act.language_layer_terms(d, tp=1, sp=False, b=2, device="cuda", index=0,
+                                        layer_type=kind or "full_attention").values()) * tokens
     assert math.isclose(got, want, rel_tol=0.01), (got, want)
+
+
+def test_qwen3_5_397b_preset_is_397b_total_and_17b_active_as_transformers_counts():
+    """The preset as Megatron-Bridge's provider states the model (60 hybrid layers, 512 experts, top 10, one
+    shared): transformers' meta model has the forecast's count, 396.8B (the name rounds), 17.3B of it active."""
+    from transformers import Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration
+
+    from mimo_sft.testing.tiny_checkpoint import preset_config
+    from mimo_sft.train.flops import language_matmul_params
+
+    cfg = preset_config("qwen3.5-397b-a17b")
+    assert type(cfg) is Qwen3_5MoeConfig
+    with torch.device("meta"):
+        model = Qwen3_5MoeForConditionalGeneration(cfg)
+    count = sum(p.numel() for p in model.parameters())
+    hf = cfg.to_dict()
+    d = TextDims.from_config(hf)
+    assert (d.experts, d.topk, d.expert_ffn, d.shared_ffn, len(d.sparse)) == (512, 10, 1024, 1024, 60)
+    assert language_params(d) + sum(vision_params(VisionDims.from_config(hf))) == count
+    assert round(count / 1e9) == 397 and round(language_active_params(d) / 1e9) == 17
+    t = cfg.text_config
+    inactive = 60 * (512 - 10) * 3 * t.hidden_size * t.moe_intermediate_size
+    linears = sum(p.numel() for n, p in model.model.language_model.named_parameters()
+                  if "norm" not in n and "embed" not in n and not n.endswith(("A_log", "dt_bias")))
+    assert language_matmul_params(t) == linears - inactive + t.hidden_size * t.vocab_size

@@ -143,16 +143,21 @@ def _gdn_terms(d: TextDims, *, tp: int, b: int) -> dict[str, float]:
     }
 
 
-def _moe_terms(d: TextDims, *, seq: int, etp: int, b: int) -> dict[str, float]:
-    """A sparse layer's MLP (megatron ``MoELayer``, alltoall dispatcher, ``SequentialMLP``), per token, routing
-    balanced over the experts (an expert that draws more tokens keeps more). The router keeps fp32 logits and
-    probabilities over the experts, the routing map and the top-k weights (``9 E + 8 k`` bytes, on the rank's
-    own tokens); the experts keep, for each of the ``k`` slots a token is routed to, its ``h``-wide input row
-    and the fused SwiGLU's fc1 output and product (``3 x ffn/etp``); the tokens of the ``etp`` ranks that share
-    an expert are gathered, so each of them keeps ``etp`` times the rows of its own tokens. Measured on a
-    Qwen3-VL-30B-A3B layer (docs/memory.md)."""
-    return {"router": (9 * d.experts + 8 * d.topk) / seq,
-            "experts": d.topk * b * (etp * d.hidden + 3 * d.expert_ffn) / seq}
+def _moe_terms(d: TextDims, *, seq: int, tp: int, etp: int, b: int) -> dict[str, float]:
+    """A sparse layer's MLP (megatron ``MoELayer``, alltoall dispatcher, ``SequentialMLP``), per token. The
+    router keeps, on the rank's own tokens, an int64 index over the experts (``8 E``) and per routed slot the
+    int64 top-k and permutation indices and two fp32 weights (``24 k``); the experts keep, for each of the ``k``
+    slots a token is routed to, its ``h``-wide input row and the fused SwiGLU's fc1 output and product
+    (``3 x ffn/etp``), with routing balanced over the experts (an expert that draws more tokens keeps more);
+    the tokens of the ``etp`` ranks that share an expert are gathered, so each keeps ``etp`` times the rows of its
+    own tokens. A shared expert (Qwen3.5-MoE) keeps a dense MLP's ``3 b ffn/tp``, its output ``b h`` for the
+    gate's product and the gate ``b``. Every tensor named here was listed from a real-width layer with a
+    random router (``testing.saved_bytes``, docs/memory.md)."""
+    terms = {"router": (8 * d.experts + 24 * d.topk) / seq,
+             "experts": d.topk * b * (etp * d.hidden + 3 * d.expert_ffn) / seq}
+    if d.shared_ffn:
+        terms["shared expert"] = 3 * b * (d.shared_ffn // tp) + b * (d.hidden + 1) / seq
+    return terms
 
 
 def language_layer_terms(d: TextDims, *, tp: int, sp: bool, b: int, recompute_modules=(),
@@ -171,7 +176,7 @@ def language_layer_terms(d: TextDims, *, tp: int, sp: bool, b: int, recompute_mo
     else:
         terms.update(_attention_terms(d, tp=tp, b=b, recompute_modules=recompute_modules, fused=fused))
     if d.is_sparse(index):
-        terms.update(_moe_terms(d, seq=seq, etp=tp if etp is None else etp, b=b))
+        terms.update(_moe_terms(d, seq=seq, tp=tp, etp=tp if etp is None else etp, b=b))
     else:
         terms["mlp"] = 0.0 if "mlp" in recompute_modules else (3 if swiglu_fused else 5) * b * (d.ffn // tp)
     return terms

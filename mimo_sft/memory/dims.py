@@ -110,6 +110,8 @@ class TextDims:
     topk: int = 0
     expert_ffn: int = 0
     sparse: frozenset = frozenset()
+    #: Qwen3.5-MoE's shared expert on every sparse layer (FFN width; 0: none) with its [1, h] sigmoid gate
+    shared_ffn: int = 0
 
     @classmethod
     def from_config(cls, config: dict) -> "TextDims":
@@ -158,7 +160,8 @@ def _moe_fields(t: dict) -> dict:
     from mimo_sft.config.families import routed_experts, sparse_layer_indexes
 
     return dict(experts=routed_experts(t) or 0, topk=t.get("num_experts_per_tok", 0),
-                expert_ffn=t.get("moe_intermediate_size", 0), sparse=sparse_layer_indexes(t))
+                expert_ffn=t.get("moe_intermediate_size", 0), sparse=sparse_layer_indexes(t),
+                shared_ffn=t.get("shared_expert_intermediate_size") or 0)
 
 
 @dataclass(frozen=True)
@@ -233,7 +236,8 @@ def language_layer_params(d: TextDims, tp: int, layer_type: str = FULL_ATTENTION
     (``ep``, ``etp``: default tp) in place of the dense MLP."""
     mlp = 3 * d.hidden * (d.ffn // tp)
     if d.is_sparse(index):
-        mlp = d.experts * d.hidden + expert_params(d, ep=ep, etp=tp if etp is None else etp)
+        shared = 3 * d.hidden * (d.shared_ffn // tp) + d.hidden if d.shared_ffn else 0  # tp-split, and its gate
+        mlp = d.experts * d.hidden + expert_params(d, ep=ep, etp=tp if etp is None else etp) + shared
     if layer_type == LINEAR_ATTENTION:
         return 2 * d.hidden + _gdn_mixer_params(d.gdn, d.hidden, tp) + mlp
     qkv = d.qkv_width // tp

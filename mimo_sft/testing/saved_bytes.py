@@ -249,15 +249,27 @@ def language_layer(hf_dir: str, *, dtype: torch.dtype, recompute: dict | None = 
                  "bias_activation_fusion": FUSED_SWIGLU}
     overrides.update(recompute or {})
     overrides.update(extra or {})
-    # no initialisation (weights left as allocated): what is saved depends on shapes, not values, and a
+    # no initialisation (weights left as allocated, a router aside: _init_routers): what is saved depends on shapes, not values, and a
     # 7B-wide layer then builds in a fraction of the time
     cfg = adapter.language_transformer_config(hf_cfg, tp=tp, pp=1, dtype=dtype, random_init=False, cpu_init=True,
                                               overrides=overrides)
     spec = adapter.block_spec(hf_cfg, 1)
     block = TransformerBlock(cfg, spec, post_layer_norm=False, pg_collection=state.modules["language"].pg_collection)
     block = block.to(dtype)
+    _init_routers(block)
     block.rotary_percent = float((getattr(text, "rope_parameters", None) or {}).get("partial_rotary_factor", 1.0))
     return block, cfg
+
+
+def _init_routers(block) -> None:
+    """A mixture-of-experts layer's routers (and shared-expert gates) drawn from N(0, 0.02), seeded: what its
+    layer saves depends on where tokens are routed, and uninitialised weights route every token alike (or
+    produce NaNs); the experts' weights, whose values change no shape, stay as allocated."""
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in block.named_parameters():
+            if name.endswith(("router.weight", "shared_experts.gate_weight")):
+                p.copy_(0.02 * torch.randn(p.shape, generator=gen))
 
 
 def language_layer_saved(block, cfg, tokens: int, *, dtype: torch.dtype, batch: int = 1, device: str = "cpu") -> int:

@@ -267,6 +267,24 @@ PRESETS["qwen3.5-27b"] = dict(
                 out_hidden_size=5120),
 )
 
+#: Qwen3.5-397B-A17B (mixture of experts), as NVIDIA-NeMo/Megatron-Bridge's
+#: src/megatron/bridge/models/qwen_vl/qwen35_vl_provider.py (``Qwen35VLMoEModelProvider``, which names
+#: Qwen/Qwen3.5-397B-A17B) states it: 60 layers = 15 x (3 GDN + 1 gated attention), hidden 4096, vocab 248320,
+#: GDN 16 key / 64 value heads of 128, attention 32 q / 2 kv heads of 256, 512 experts of 1024 with 10 routed
+#: and 1 shared (of the same width, its "expert dim"), mRoPE [11, 11, 10], rotary base 1e7, partial rotary
+#: 0.25, eos 248046; untied and the tower (27 blocks, 1152 wide) as transformers' ``Qwen3_5MoeConfig`` /
+#: ``Qwen3_5MoeVisionConfig`` defaults, which that provider builds from; the tower's output width the
+#: decoder's 4096. Checked: transformers' meta model counts 397B parameters, 17B active.
+PRESETS["qwen3.5-397b-a17b"] = dict(
+    _QWEN3_5_SHARED, family="qwen3_5_moe", tie_word_embeddings=False,
+    text=dict({k: v for k, v in _QWEN3_5_TEXT.items()}, eos_token_id=248046, hidden_size=4096,
+              num_hidden_layers=60, layer_types=_qwen3_5_pattern(15), num_attention_heads=32, num_key_value_heads=2,
+              linear_num_key_heads=16, linear_num_value_heads=64, num_experts=512, num_experts_per_tok=10,
+              moe_intermediate_size=1024, shared_expert_intermediate_size=1024),
+    vision=dict(_QWEN3_5_VISION, depth=27, hidden_size=1152, num_heads=16, intermediate_size=4304,
+                out_hidden_size=4096),
+)
+
 
 def _qwen_bpe_ranks(resource: str = "qwen.tiktoken", count: int = QWEN_SPECIAL_START_ID,
                     what: str = "Qwen2's") -> dict[bytes, int]:

@@ -116,7 +116,8 @@ def _layer_matmul_params(t, layer_type: str, sparse: bool = False) -> int:
     mlp = 3 * h * ffn
     if sparse:
         experts = getattr(t, "num_experts", None) or t.num_local_experts
-        mlp = h * experts + t.num_experts_per_tok * 3 * h * t.moe_intermediate_size
+        shared = getattr(t, "shared_expert_intermediate_size", 0) or 0  # Qwen3.5-MoE: every token, and its gate
+        mlp = h * experts + t.num_experts_per_tok * 3 * h * t.moe_intermediate_size + (3 * h * shared + h if shared else 0)
     if layer_type == LINEAR_ATTENTION:
         nk, nv, dk, dv, kernel = _gdn_dims(t)
         qkv = 2 * nk * dk + nv * dv
