@@ -31,6 +31,7 @@ class FlagSpec:
     help: str
     choices: tuple | None
     negatable: bool
+    repeatable: bool = False  # given several times: a list of values (--dataset-path: a mixture)
 
 
 def _base_type(tp) -> tuple[Any, bool]:
@@ -58,7 +59,7 @@ def flag_table() -> dict[str, FlagSpec]:
             tp, optional = _base_type(hints[f.name])
             table[flag] = FlagSpec(
                 flag, section, f.name, tp, optional, f.metadata.get("help", ""), f.metadata.get("choices"),
-                bool(f.metadata.get("negatable")) or tp is bool,
+                bool(f.metadata.get("negatable")) or tp is bool, bool(f.metadata.get("repeatable")),
             )
     return table
 
@@ -105,6 +106,10 @@ def _coerce(value: Any, tp: Any, optional: bool, where: str, choices: tuple | No
             if not isinstance(value, dict):
                 raise ValueError
             out = value
+        elif tp is list:
+            if not isinstance(value, list):
+                raise ValueError
+            out = value
         else:  # pragma: no cover - schema uses only the types above
             out = value
     except (TypeError, ValueError):
@@ -148,7 +153,12 @@ def parse_flags(args: list[str]) -> tuple[Optional[str], list[str], dict[tuple[s
                 value: Any = True
             else:
                 value = take_value()
-            overrides[(spec.section, spec.name)] = _coerce(value, spec.type, spec.optional, name, spec.choices)
+            value = _coerce(value, spec.type, spec.optional, name, spec.choices)
+            key = (spec.section, spec.name)
+            if spec.repeatable and key in overrides:  # --dataset-path a --dataset-path b: a mixture
+                before = overrides[key]
+                value = (before if isinstance(before, list) else [before]) + [value]
+            overrides[key] = value
         elif name in negations and not eq:
             spec = negations[name]
             overrides[(spec.section, spec.name)] = False
@@ -254,6 +264,7 @@ def load_config(args: list[str]) -> ExperimentConfig:
     if not isinstance(raw, dict):
         raise UserError(f"--config {config_path}: the top level must be a mapping of sections")
     raw = {k: (dict(v) if isinstance(v, dict) else v) for k, v in raw.items()}
+    _fold_repeated_paths(raw, overrides)
     for (section, key), value in overrides.items():
         raw.setdefault(section, {})
         if not isinstance(raw[section], dict):
@@ -269,6 +280,29 @@ def load_config(args: list[str]) -> ExperimentConfig:
         raw.setdefault("parallel", {})
         raw["parallel"]["components"] = specs
     return config_from_dict(raw, source=config_path or "flags")
+
+
+def _fold_repeated_paths(raw: dict, overrides: dict) -> None:
+    """``--dataset-path`` given several times becomes ``data.datasets`` (one entry per path, in flag
+    order), replacing the YAML's sources as a whole (as ``--component`` replaces the layout); a
+    ``--valid-dataset-path`` given several times names each source's validation set. Edits both."""
+    paths = overrides.get(("data", "dataset_path"))
+    valids = overrides.get(("data", "valid_dataset_path"))
+    data = raw.setdefault("data", {}) if isinstance(raw.get("data", {}), dict) else {}
+    raw["data"] = data
+    if isinstance(paths, list):
+        data["datasets"] = [{"path": p} for p in paths]
+        data.pop("dataset_path", None)
+        overrides[("data", "dataset_path")] = None
+    elif paths is not None and data.get("datasets"):
+        data["datasets"] = []  # one --dataset-path replaces the YAML's mixture
+    if isinstance(valids, list):
+        entries = data.get("datasets") or []
+        if len(valids) != len(entries):
+            raise UserError(f"--valid-dataset-path is given {len(valids)} times for {len(entries)} training sources; "
+                            "give it once (one validation set) or once per source, in the order of the sources")
+        data["datasets"] = [dict(e, valid_path=v) if isinstance(e, dict) else e for e, v in zip(entries, valids)]
+        overrides[("data", "valid_dataset_path")] = None
 
 
 def config_to_dict(cfg: ExperimentConfig) -> dict:

@@ -50,7 +50,9 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    dataset_path: Optional[str] = opt(None, "--dataset-path", "parquet/json/jsonl file or folder, a save_to_disk folder, or a hub name")
+    dataset_path: Optional[str] = opt(None, "--dataset-path", "parquet/json/jsonl file or folder, a save_to_disk folder, or a hub name; repeat it for a mixture of several sources (see --dataset-weights)", repeatable=True)
+    dataset_weights: Optional[str] = opt(None, "--dataset-weights", "comma-separated weight of each --dataset-path (or data.datasets entry), e.g. 0.5,0.3,0.2: the shares of the drawn samples (normalised; default: equal)")
+    datasets: list = opt([], None, "YAML only: the sources of a mixture, a list of {path, weight, name, split, schema, messages_column, images_column, conversations_column, image_root, valid_path, valid_dataset_split} (docs/data.md, Dataset mixtures)")
     split: str = opt("train", "--dataset-split", "dataset split to read")
     schema: str = opt("auto", "--dataset-schema", "column layout of the dataset", choices=("auto", "messages", "sharegpt"))
     messages_column: str = opt("messages", "--messages-column", "column with chat messages (messages schema)")
@@ -68,7 +70,7 @@ class DataConfig:
     num_workers: int = opt(-1, "--num-workers", "DataLoader worker processes per rank (-1: from the CPUs each rank of the node may use, no more than /dev/shm holds)")
     max_bad_samples: int = opt(10, "--max-bad-samples", "samples with unreadable images (corrupt, or a file gone mid-run) that are skipped, counted and named in the log before the run stops (0: stop at the first)")
     on_truncation: str = opt("drop", "--on-truncation", "what to do with a sample whose image tokens do not fit in --seq-length", choices=("drop", "error"))
-    valid_dataset_path: Optional[str] = opt(None, "--valid-dataset-path", "validation set: a dataset in the training set's format and schema (same columns and image settings); evaluated in dataset order, never trained on")
+    valid_dataset_path: Optional[str] = opt(None, "--valid-dataset-path", "validation set: a dataset in the training set's format and schema (same columns and image settings); evaluated in dataset order, never trained on; with several --dataset-path, repeat it once per source for a validation loss per source", repeatable=True)
     valid_dataset_split: str = opt("train", "--valid-dataset-split", "split of --valid-dataset-path to read (a single file is split 'train')")
     valid_split: Optional[str] = opt(None, "--valid-split", "hold out N samples (an integer) or a FRACTION in (0, 1) of the training set as the validation set: a fixed seeded choice, never trained on")
 

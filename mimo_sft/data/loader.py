@@ -24,6 +24,7 @@ import torch
 from mimo_sft.data.microbatch import (ERROR_KEY, MicroBatchDataset, MicroBatchIterator, data_loader, identity,
                                       worker_init)
 from mimo_sft.data.preprocess import SamplePreprocessor
+from mimo_sft.data.mixture import MixtureSource
 from mimo_sft.data.sampler import CanonicalSampler
 from mimo_sft.data.sources import SFTSource, load_sft_dataset
 from mimo_sft.errors import UserError
@@ -61,7 +62,7 @@ def check_fits(source: SFTSource, pre: SamplePreprocessor, *, micro_batch_size: 
     """User-facing size checks shared by the iterator and ``validate``."""
     n = len(source)
     need = max(micro_batch_size, global_batch_size or 0)
-    if n < need:
+    if n < need and not isinstance(source, MixtureSource):  # a mixture's sources repeat: any size fills a batch
         which = "--global-batch-size" if global_batch_size and global_batch_size >= micro_batch_size else "--micro-batch-size"
         raise UserError(f"the dataset has {n} samples, fewer than one global batch ({which} {need}); "
                         "add samples or lower the batch size")
@@ -99,6 +100,8 @@ def build_microbatch_iterator(data_cfg, *, model_dir, micro_batch_size: int, can
     sampler_kw = dict(total_samples=len(source), micro_batch_size=micro_batch_size, canonical_grid=canonical_grid,
                       dataloader_type=data_cfg.dataloader_type, drop_last=data_cfg.drop_last,
                       consumed_samples=consumed_samples)
+    if isinstance(source, MixtureSource):  # the weighted interleave with per-source epochs (data.mixture)
+        sampler_kw["order"] = source.order(seed=seed, shuffle=data_cfg.dataloader_type == "cyclic")
     common = dict(need_pixels=need_pixels, on_truncation=data_cfg.on_truncation,
                   pad_to_seq_length=data_cfg.pad_to_seq_length, max_bad_samples=data_cfg.max_bad_samples)
     local = micro_batch_size // dp_size if scalable_dp or index_reorder is not None else micro_batch_size

@@ -56,6 +56,7 @@ class MicroBatchDataset(torch.utils.data.Dataset):
         need = self.need_pixels if need_pixels is None else need_pixels
         n = len(self.source)
         j = int(idx)
+        step = getattr(self.source, "next_index", None)  # a mixture: the next row of the same source
         for _ in range(n):
             messages, refs = self.source[j]
             try:
@@ -65,8 +66,9 @@ class MicroBatchDataset(torch.utils.data.Dataset):
                     raise UserError(f"{err}; raise --seq-length, lower --max-pixels, or use --on-truncation drop") from None
                 self.dropped += 1
                 log.warning("dropped sample %d (image tokens end at %d > --seq-length %d), using sample %d instead; "
-                            "%d dropped so far in this process", j, err.needed, err.seq_length, (j + 1) % n, self.dropped)
-                j = (j + 1) % n
+                            "%d dropped so far in this process", j, err.needed, err.seq_length,
+                            step(j) if step else (j + 1) % n, self.dropped)
+                j = step(j) if step else (j + 1) % n
         raise UserError(f"no sample of the dataset fits in --seq-length {self.pre.seq_length}; raise it or lower --max-pixels")
 
     def _encode_or_stand_in(self, messages, refs, j: int, need: bool) -> dict:
@@ -91,6 +93,8 @@ class MicroBatchDataset(torch.utils.data.Dataset):
         batch = collate(samples, pad_id=self.pre.pad_id, need_pixels=need_pixels, pixel_dim=self.pre.pixel_dim,
                         seq_length=self.pre.seq_length if self.pad_to_seq_length else None)
         decoded = sum(len(s["grids"]) - s.get("blank_images", 0) for s in samples if "pixel_values" in s)
+        if hasattr(self.source, "source_of"):  # a mixture: each row's source, for the per-source losses
+            batch["source_ids"] = self.source.source_of(batch["sample_ids"])
         batch[SIDE_KEY] = {"bad_samples": self._bad, "images_decoded": decoded if need_pixels else 0}
         self._bad = []
         return batch

@@ -11,6 +11,10 @@ Epochs: ``single`` reads 0..N-1 every epoch; ``cyclic`` reshuffles each epoch wi
 ``drop_last=True`` drops the incomplete last micro-batch of an epoch; ``drop_last=False`` fills it
 with the first positions of the same epoch's order (every rank must see a full micro-batch).
 The stream is endless; the training loop stops after its iterations.
+
+Mixtures (``order``, a ``data.mixture.MixtureOrder``): the stream has no global epochs -- position
+``p`` is the mixture's draw ``p`` (each source with epochs of its own), and micro-batch k is
+positions ``[k*MBS, (k+1)*MBS)``, cut into shares exactly as above; ``drop_last`` plays no part.
 """
 
 from __future__ import annotations
@@ -44,14 +48,14 @@ class CanonicalSampler(RankShare):
 
     def __init__(self, total_samples: int, *, micro_batch_size: int, canonical_grid: int, dp_size: int,
                  dp_rank: int, dataloader_type: str = "single", drop_last: bool = True,
-                 consumed_samples: int = 0, seed: int = 0, whole_micro_batch: bool = False):
+                 consumed_samples: int = 0, seed: int = 0, whole_micro_batch: bool = False, order=None):
         assert total_samples > 0, "empty dataset"
         assert micro_batch_size % canonical_grid == 0, (
             f"micro_batch_size {micro_batch_size} must be a multiple of the canonical grid {canonical_grid}")
         assert canonical_grid % dp_size == 0, f"canonical grid {canonical_grid} must be a multiple of dp size {dp_size}"
         assert 0 <= dp_rank < dp_size, f"dp_rank {dp_rank} outside [0, {dp_size})"
         assert dataloader_type in ("single", "cyclic"), dataloader_type
-        assert total_samples >= micro_batch_size, "dataset smaller than one micro-batch"
+        assert order is not None or total_samples >= micro_batch_size, "dataset smaller than one micro-batch"
         assert consumed_samples % micro_batch_size == 0, (
             f"consumed_samples {consumed_samples} is not a multiple of micro_batch_size {micro_batch_size}")
         super().__init__(micro_batch_size, dp_size, dp_rank, whole_micro_batch)
@@ -62,6 +66,7 @@ class CanonicalSampler(RankShare):
         self.drop_last = drop_last
         self.consumed = consumed_samples
         self.seed = seed
+        self.order = order  # a mixture's stream (module docstring); None: one dataset's epochs
 
     @property
     def micro_batches_per_epoch(self) -> int:
@@ -86,6 +91,8 @@ class CanonicalSampler(RankShare):
 
     def global_micro_batch(self, k: int) -> list[int]:
         """All ``micro_batch_size`` indices of global micro-batch k (counted from the stream start)."""
+        if self.order is not None:
+            return self.order.indices(k * self.mbs, (k + 1) * self.mbs)
         per_epoch = self.micro_batches_per_epoch
         epoch, j = divmod(k, per_epoch)
         return self.epoch_order(epoch)[j * self.mbs: (j + 1) * self.mbs].tolist()
@@ -100,6 +107,10 @@ class CanonicalSampler(RankShare):
 
     def __iter__(self) -> Iterator[list[int]]:
         k = self.consumed // self.mbs
+        if self.order is not None:
+            while True:
+                yield self.share(self.order.indices(k * self.mbs, (k + 1) * self.mbs))
+                k += 1
         cached_epoch, order = None, None
         per_epoch = self.micro_batches_per_epoch
         while True:

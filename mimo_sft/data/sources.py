@@ -275,7 +275,13 @@ def load_sft_dataset(data_cfg, *, check_files: bool = True) -> SFTSource:
 
     ``check_files=False``: skip the image-file check (training runs it once on one rank and hands
     the verdict to the others, ``train.feed``; see ``data.file_check``; ``check-data`` lists every
-    missing file itself)."""
+    missing file itself). Several sources (``data.datasets``, ``--dataset-path`` repeated): a
+    ``data.mixture.MixtureSource`` of them, each loaded by this function with its own settings."""
+    if getattr(data_cfg, "datasets", None):
+        from mimo_sft.config.mixture import mixture_specs
+        from mimo_sft.data.mixture import load_mixture
+
+        return load_mixture(mixture_specs(data_cfg), lambda one: load_sft_dataset(one, check_files=check_files))
     ds = load_raw_dataset(data_cfg.dataset_path, data_cfg.split)
     cols = list(ds.column_names)
     schema = data_cfg.schema

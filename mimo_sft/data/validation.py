@@ -28,8 +28,10 @@ import torch
 
 from mimo_sft.config.checks.validation import parse_eval_iters
 from mimo_sft.config.checks.validation import parse_valid_split as config_valid_split
+from mimo_sft.config.mixture import mixture_specs, per_source_validation
 from mimo_sft.data.microbatch import MicroBatchDataset, MicroBatchIterator, identity, worker_init
 from mimo_sft.data.preprocess import SamplePreprocessor
+from mimo_sft.data.mixture import InterleavedView, MixtureSource
 from mimo_sft.data.sampler import RankShare
 from mimo_sft.data.sources import SFTSource, load_sft_dataset
 from mimo_sft.errors import UserError
@@ -79,9 +81,12 @@ def split_sources(data_cfg, *, seed: int, global_batch_size: int,
     image files checked on one rank, ``train.feed.checked_source``); ``load_valid(data_cfg)``: how
     ``--valid-dataset-path`` is opened (the same, with the validation set's config); both default to
     ``load_sft_dataset`` (opened and checked in this process)."""
+    specs = mixture_specs(data_cfg)
+    if specs is not None and per_source_validation(specs):
+        return None, _per_source_valid(specs, load_valid or load_sft_dataset)
     if data_cfg.valid_dataset_path:
         valid_cfg = dataclasses.replace(data_cfg, dataset_path=data_cfg.valid_dataset_path,
-                                        split=data_cfg.valid_dataset_split)
+                                        split=data_cfg.valid_dataset_split, datasets=[], dataset_weights=None)
         try:
             return None, (load_valid or load_sft_dataset)(valid_cfg)
         except UserError as e:  # the loader names the training flags; say which set it was
@@ -90,8 +95,31 @@ def split_sources(data_cfg, *, seed: int, global_batch_size: int,
     if split is None:
         return None, None
     full = load_full() if load_full is not None else load_sft_dataset(data_cfg)
+    if isinstance(full, MixtureSource):  # each source holds out its own rows (its sources repeat: min 1 left)
+        cuts = [holdout_rows(len(p), split, seed=seed, min_train=1) for p in full.parts]
+        train = MixtureSource([subset_source(p, t) for p, (t, _v) in zip(full.parts, cuts)], full.names, full.shares)
+        valid = MixtureSource([subset_source(p, v) for p, (_t, v) in zip(full.parts, cuts)], full.names, full.shares)
+        return train, InterleavedView(valid)
     train_rows, valid_rows = holdout_rows(len(full), split, seed=seed, min_train=global_batch_size)
     return subset_source(full, train_rows), subset_source(full, valid_rows)
+
+
+def _per_source_valid(specs, load_valid) -> InterleavedView:
+    """The validation sets the sources name (``valid_path``), read round-robin over the sources so
+    every prefix of ``--eval-iters`` holds each of them; a source without one is not evaluated."""
+    parts, names, shares = [], [], []
+    for spec in specs:
+        if not spec.data.valid_dataset_path:
+            continue
+        one = dataclasses.replace(spec.data, dataset_path=spec.data.valid_dataset_path,
+                                  split=spec.data.valid_dataset_split, valid_dataset_path=None)
+        try:
+            parts.append(load_valid(one))
+        except UserError as e:
+            raise UserError(f"validation set of source '{spec.name}' ({spec.data.valid_dataset_path}): {e}") from None
+        names.append(spec.name)
+        shares.append(spec.weight)
+    return InterleavedView(MixtureSource(parts, names, shares))
 
 
 def check_resumed_split(saved_split, data_cfg, *, checkpoint: str) -> None:

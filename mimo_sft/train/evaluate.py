@@ -27,7 +27,7 @@ import json
 import math
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -50,9 +50,12 @@ class EvalResult:
     valid_tokens: float
     valid_samples: int
     valid_time_s: float
+    #: a validation mixture's per source: ``valid_loss/<name>`` and ``valid_tokens/<name>`` (empty for one set)
+    valid_sources: dict = field(default_factory=dict)
 
     def to_json(self) -> dict:
-        return asdict(self)
+        row = asdict(self)
+        return {**{k: v for k, v in row.items() if k != "valid_sources"}, **self.valid_sources}
 
 
 class Evaluator:
@@ -79,6 +82,7 @@ class Evaluator:
         self.packed = cfg.data.in_batch_packing
         self.model = ctx.model
         self.runner = runner
+        self.names = list(getattr(source, "names", None) or [])  # a validation mixture's sources
         self.world = pstate.world_gloo
         c = layout.coords(pstate.rank).get(LANGUAGE)
         #: the ranks whose losses are summed: last language stage, tensor/context rank 0, one per DP rank
@@ -91,19 +95,31 @@ class Evaluator:
         rng = runtime.rng_state()
         modes = [(m, m.training) for m in self.model.modules()]
         self.model.eval()
+        n = len(self.names)
+        training_sources, self.runner.n_sources = self.runner.n_sources, n
         try:
             loss_sum, tokens = self.runner.forward_only(feed, self.reader.micro_batches)
+            sums = self.runner.source_sums
         finally:
+            self.runner.n_sources = training_sources
             for module, training in modes:
                 module.training = training
             runtime.set_rng_state(rng)
-        t = torch.tensor([loss_sum, tokens] if self.counts_loss else [0.0, 0.0], dtype=torch.float64)
+        per = [*sums[0], *sums[1]] if sums is not None and self.counts_loss else [0.0] * (2 * n)
+        t = torch.tensor([loss_sum, tokens, *per] if self.counts_loss else [0.0, 0.0, *per], dtype=torch.float64)
         dist.all_reduce(t, group=self.world)
         total_loss, total_tokens = float(t[0]), float(t[1])
         assert total_tokens == self.expected_tokens, (total_tokens, self.expected_tokens)
         loss = total_loss / total_tokens
+        by_source = {}
+        for i, name in enumerate(self.names):
+            loss_i, tokens_i = float(t[2 + i]), float(t[2 + n + i])
+            if tokens_i > 0:
+                by_source[f"valid_loss/{name}"] = loss_i / tokens_i
+            by_source[f"valid_tokens/{name}"] = tokens_i
         return EvalResult(step=step, valid_loss=loss, valid_ppl=_ppl(loss), valid_tokens=total_tokens,
-                          valid_samples=self.n_samples, valid_time_s=time.perf_counter() - t0)
+                          valid_samples=self.n_samples, valid_time_s=time.perf_counter() - t0,
+                          valid_sources=by_source)
 
     def close(self) -> None:
         self.reader = None  # ends persistent loader workers

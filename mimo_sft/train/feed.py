@@ -13,7 +13,7 @@ Which source, split and observers a rank gets is decided by :func:`build_feed`.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Iterator, Optional
 
 from mimo_sft.data.colocated import ColocatedSplit, colocated_read_plan
@@ -43,6 +43,7 @@ class StepCounters:
     reorder_bytes: float = 0.0  # sample bytes this rank's reorder exchange sent to other ranks (0 by index)
     images_decoded: int = 0    # images this rank decoded (its DataLoader workers) for this step's micro-batches
     bad_samples_skipped: int = 0  # bad samples this rank counts (see Feed: each sample is counted on one rank)
+    source_samples: list = field(default_factory=list)  # a mixture: samples fed per source
 
 
 class Feed:
@@ -66,6 +67,8 @@ class Feed:
         self.flops = flops
         self.packed = packed  # --in-batch-packing: the language model computes real tokens only
         self.counters = StepCounters()
+        #: the training mixture (``data.mixture.MixtureSource``; None: one dataset), set by build_feed
+        self.mixture = None
 
     # ---- schedule side ----------------------------------------------------------------------
     def __iter__(self) -> "Feed":
@@ -93,6 +96,11 @@ class Feed:
         self.counters.real_tokens += float(batch["attention_mask"].sum())
         self.counters.computed_positions += computed_positions(batch, packed=self.packed)
         self.counters.samples += int(batch["input_ids"].shape[0])
+        if self.mixture is not None and "source_ids" in batch:
+            n = len(self.mixture.names)
+            per = batch["source_ids"].bincount(minlength=n).tolist()
+            c = self.counters
+            c.source_samples = [a + b for a, b in zip(c.source_samples or [0] * n, per)]
         self._count_answers(batch)
         return batch
 
@@ -141,16 +149,25 @@ class Feed:
 
 
 def build_feed(cfg, layout, pstate, info, *, consumed_samples: int, train_source=None) -> Feed:
+    """This rank's feed (:func:`_build_feed`), knowing the training mixture if there is one."""
+    from mimo_sft.data.mixture import MixtureSource
+
+    source = train_source if train_source is not None else checked_source(cfg, pstate)
+    feed = _build_feed(cfg, layout, pstate, info, consumed_samples=consumed_samples, source=source)
+    feed.mixture = source if isinstance(source, MixtureSource) else None
+    return feed
+
+
+def _build_feed(cfg, layout, pstate, info, *, consumed_samples: int, source) -> Feed:
     """This rank's feed: which shard it reads (module, DP coordinates, pixels or not), reordering
     (by index or by exchange), the colocated split, and the step observers (vision load where it is
     logged, model FLOPs). The dataset is opened and its files checked once (:func:`checked_source`);
-    ``train_source``: the (checked) training rows when a validation split was held out of them."""
+    ``source``: the (checked) training rows (a held-out split leaves only the training part)."""
     from mimo_sft.data.loader import build_microbatch_iterator
     from mimo_sft.parallel import runtime
 
     rank = pstate.rank
     mbs = cfg.train.micro_batch_size
-    source = train_source if train_source is not None else checked_source(cfg, pstate)
     common = dict(model_dir=cfg.model.hf_model, micro_batch_size=mbs, canonical_grid=layout.canonical_grid,
                   seed=cfg.train.seed, consumed_samples=consumed_samples, scalable_dp=cfg.parallel.scalable_dp,
                   global_batch_size=cfg.train.global_batch_size, source=source, pin_memory=runtime.on_gpu())
@@ -246,12 +263,25 @@ def checked_source(cfg, pstate, data_cfg=None, *, cache_verdict: bool = True):
         if not first:
             source = load_sft_dataset(data_cfg, check_files=False)
     cache = cfg.logging.output_dir if cache_verdict else None
-    verdict = [cached_check(source, cache) if pstate.rank == 0 else None]
+    verdict = [_file_verdict(source, cache, cached_check) if pstate.rank == 0 else None]
     if world > 1:
         dist.broadcast_object_list(verdict, src=0, group=group)
     if verdict[0] is not None:
         raise UserError(verdict[0])
     return source
+
+
+def _file_verdict(source, cache, cached_check):
+    """The image-file check's verdict; a mixture's sources each checked (and cached) on their own,
+    a failure naming its source."""
+    parts = getattr(source, "parts", None)
+    if parts is None:
+        return cached_check(source, cache)
+    for name, part in zip(source.names, parts):
+        verdict = cached_check(part, cache)
+        if verdict is not None:
+            return f"source '{name}': {verdict}"
+    return None
 
 
 def first_on_node(group) -> bool:

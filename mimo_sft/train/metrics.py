@@ -68,6 +68,9 @@ class StepMetrics:
     #: a mixture-of-experts model's routing figures (``train.expert_load``), written as they are named; empty
     #: for a dense model
     moe: dict = field(default_factory=dict, metadata={"flatten_as": "", "per_module": False})
+    #: a dataset mixture's per-source figures, written as ``loss/<name>``, ``tokens/<name>`` (supervised) and
+    #: ``samples/<name>``; ``loss/<name>`` absent in a step without that source's tokens; empty for one dataset
+    sources: dict = field(default_factory=dict, metadata={"flatten_as": "", "per_module": False})
 
     def to_json(self) -> dict:
         """The ``metrics.jsonl`` object: every field, dict fields flattened to ``<prefix><key>``."""

@@ -87,15 +87,23 @@ class StepOutput:
     global_tokens: float  # supervised tokens of the whole global batch (every rank)
 
 
-def _language_loss(loss_mask: torch.Tensor, output: torch.Tensor):
-    """Per-token loss contract of megatron's schedules: (sum, count, values to report)."""
+def _language_loss(loss_mask: torch.Tensor, output: torch.Tensor, token_sources=None, n_sources: int = 0):
+    """Per-token loss contract of megatron's schedules: (sum, count, values to report). A mixture's
+    ``token_sources`` (each position's source number; ``n_sources``: the overflow bin of packing's
+    pad) add the per-source sums and counts, ``[2, n_sources]``."""
     if isinstance(output, dict):
         output = output[LANGUAGE]
     mask = loss_mask.to(output.device, torch.float32)
     loss_sum = (output.float() * mask).sum()
     count = mask.sum()
     report = torch.stack([loss_sum.detach(), count.detach()])
-    return loss_sum, count.to(torch.int), {"loss_sum_and_tokens": report}
+    reports = {"loss_sum_and_tokens": report}
+    if token_sources is not None and token_sources.numel() == mask.numel():  # (a CP shard: not attributed)
+        bins = token_sources
+        values = torch.stack([(output.detach().float() * mask).reshape(-1), mask.reshape(-1)]).double()
+        per = torch.zeros(2, n_sources + 1, dtype=torch.float64, device=mask.device)
+        reports["source_loss_and_tokens"] = per.index_add_(1, bins.to(mask.device), values)[:, :n_sources]
+    return loss_sum, count.to(torch.int), reports
 
 
 def _in_bridge_range(method):
@@ -152,6 +160,9 @@ class StepRunner:
         self._global_tokens = None
         #: called with each micro-batch (host tensors) before its forward (``train.expert_load``)
         self.micro_batch_hook = None
+        #: a mixture's source count (0: none): the schedule then also sums loss and tokens per source
+        self.n_sources = 0
+        self.source_sums = None  # [2, n_sources] of the last schedule (last language stage), else None
         if self.colocated:
             self.communicator = None
             self.pg_collection = pstate.modules[LANGUAGE].pg_collection
@@ -213,9 +224,17 @@ class StepRunner:
         has_lang = LANGUAGE in self.mine
         has_enc = any(n != LANGUAGE for n in self.mine)
         packing_kwargs = None
+        token_sources = None
+        if self.n_sources and has_lang and "source_ids" in batch:  # each position's source, as the loss lays them
+            src = batch["source_ids"]
+            token_sources = (torch.repeat_interleave(src, batch["attention_mask"].sum(dim=1).long()) if self.packing
+                             else src[:, None].expand(batch["loss_mask"].shape).reshape(-1))
         if self.packing and has_lang:  # every language stage packs the same rows the same way
             # cu_seqlens stay on the host: every layer's rotary and attention read them there (no device sync)
             batch, packing_kwargs = pack_micro_batch(batch, multiple=self.pack_multiple)
+        if token_sources is not None and token_sources.numel() < batch["loss_mask"].numel():  # packing's pad segment
+            token_sources = torch.cat([token_sources, token_sources.new_full(
+                (batch["loss_mask"].numel() - token_sources.numel(),), self.n_sources)])
         host_grid = batch.get("image_grid_thw")
         batch = runtime.to_device(batch)
         kwargs = {"input_ids": batch["input_ids"]}
@@ -229,7 +248,7 @@ class StepRunner:
         output, loss_mask = model(**kwargs)
         if loss_mask is None:
             loss_mask = batch["loss_mask"]
-        return output, partial(_language_loss, loss_mask)
+        return output, partial(_language_loss, loss_mask, token_sources=token_sources, n_sources=self.n_sources)
 
     def run(self, num_microbatches: int) -> StepOutput:
         self._global_tokens = None
@@ -257,6 +276,9 @@ class StepRunner:
                 p2p_communicator=self.communicator, pg_collection=self.pg_collection, **common)
         reports = [item["loss_sum_and_tokens"] for item in store or []
                    if isinstance(item, dict) and "loss_sum_and_tokens" in item]
+        per_source = [item["source_loss_and_tokens"] for item in store or []
+                      if isinstance(item, dict) and "source_loss_and_tokens" in item]
+        self.source_sums = torch.stack(per_source).double().sum(dim=0).tolist() if per_source else None
         if not reports:
             return 0.0, 0.0
         loss_sum, tokens = torch.stack(reports).double().sum(dim=0).tolist()  # one host read per step

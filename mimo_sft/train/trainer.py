@@ -38,6 +38,7 @@ import torch.distributed as dist
 
 from mimo_sft.config.loader import config_to_dict, dump_config
 from mimo_sft.config.schema import ExperimentConfig
+from mimo_sft.data.mixture import check_resumed_mixture
 from mimo_sft.data.validation import check_resumed_split, split_sources, valid_flag
 from mimo_sft.errors import UserError
 from mimo_sft.parallel import runtime
@@ -165,12 +166,16 @@ class Trainer:
                                                    load_valid=lambda data_cfg: checked_source(cfg, self.pstate, data_cfg))
         self.feed = build_feed(cfg, layout, self.pstate, self.ctx.info, consumed_samples=self.consumed,
                                train_source=train_source)
+        if cfg.checkpoint.load_checkpoint:  # a mixture resumes only on the same sources, rows and shares
+            ckpt = resolve_checkpoint(cfg.checkpoint.load_checkpoint)
+            check_resumed_mixture(read_meta(ckpt).get("mixture"), self.feed.mixture, checkpoint=ckpt)
         self.runner = StepRunner(model=self.ctx.model, modules=self.ctx.modules, pstate=self.pstate, layout=layout,
                                  feed=self.feed, modality_inputs_fn=self.ctx.info.modality_inputs,
                                  seq_length=cfg.data.seq_length, local_mbs=cfg.train.micro_batch_size // layout.language.dp,
                                  packing=cfg.data.in_batch_packing)
         if self.expert_load is not None and self.expert_load.aux_coeff > 0:
             self.runner.micro_batch_hook = self.expert_load.see
+        self.runner.n_sources = len(self.feed.mixture.names) if self.feed.mixture is not None else 0
         self.logger = MetricsLogger(self.output_dir, enabled=self.ctx.is_metrics_rank, total_steps=cfg.train.train_iters,
                                     log_interval=cfg.logging.log_interval, tensorboard=cfg.logging.tensorboard,
                                     trackers=open_trackers(cfg.logging, config_to_dict(cfg)) if self.ctx.is_metrics_rank else [])
@@ -216,6 +221,8 @@ class Trainer:
               f"micro-batches of {t.micro_batch_size}), reordering {f'on ({cfg.reorder.mode})' if cfg.reorder.enabled else 'off'}, "
               f"{start}, output {self.output_dir}\n"
               f"mimo-sft: {self._checkpoint_plan()}", flush=True)
+        if self.feed.mixture is not None:
+            print(f"mimo-sft: data mixture: {self.feed.mixture.rows_text()}", flush=True)
 
     def _checkpoint_plan(self) -> str:
         """Where the weights go and how often, said before step 0 (a run must never end without
@@ -301,8 +308,11 @@ class Trainer:
         if not self.is_last_language_stage:
             return
         out = result.output
+        n_src = self.runner.n_sources  # a mixture: per-source loss sums, tokens, samples after the 7 figures
+        sums = self.runner.source_sums or [[0.0] * n_src, [0.0] * n_src]
         t = torch.tensor([out.loss_sum, out.num_tokens, c.real_tokens, float(c.samples), c.computed_positions,
-                          c.truncated_samples, c.empty_answers], dtype=torch.float64)
+                          c.truncated_samples, c.empty_answers, *sums[0], *sums[1],
+                          *(c.source_samples or [0] * n_src)], dtype=torch.float64)
         no_index = float(2 ** 62)  # "none seen" for the MIN reduction of the first flagged sample
         firsts = torch.tensor([c.first_truncated if c.first_truncated >= 0 else no_index,
                                c.first_empty if c.first_empty >= 0 else no_index], dtype=torch.float64)
@@ -328,7 +338,19 @@ class Trainer:
             peak_memory_bytes=max(peaks.values()), peak_memory_bytes_by_module=peaks,
             model_flops=model_flops, model_tflops_per_gpu=tflops, mfu=mfu,
             update_ok=result.update_ok, consumed_samples=self.consumed,
-            truncated_samples=int(t[5]), empty_answers=int(t[6]), moe=moe))
+            truncated_samples=int(t[5]), empty_answers=int(t[6]), moe=moe, sources=self._source_figures(t[7:])))
+
+    def _source_figures(self, t: torch.Tensor) -> dict:
+        """``loss/<name>``, ``tokens/<name>``, ``samples/<name>`` from the reduced per-source sums."""
+        names = self.feed.mixture.names if self.feed.mixture is not None else []
+        n = len(names)
+        out = {}
+        for i, name in enumerate(names):
+            loss_sum, tokens, samples = float(t[i]), float(t[n + i]), int(t[2 * n + i])
+            if tokens > 0:
+                out[f"loss/{name}"] = loss_sum / tokens
+            out[f"tokens/{name}"], out[f"samples/{name}"] = tokens, samples
+        return out
 
     def maybe_evaluate(self) -> Optional[EvalResult]:
         """Evaluate every ``--eval-interval`` steps and after the last step (collective)."""
@@ -363,6 +385,7 @@ class Trainer:
         """Save this step (``--async-save``: in the background, said when published). A new best is
         written before training goes on, so that ``checkpoints/best`` can name it at once."""
         extra = {"valid_split": self.cfg.data.valid_split,
+                 **({"mixture": self.feed.mixture.fingerprint()} if self.feed.mixture is not None else {}),
                  **({"valid_loss": evaluation.valid_loss} if evaluation is not None else {})}
         pending = self.pending_saves
         if best and pending is not None:

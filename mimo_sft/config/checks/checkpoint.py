@@ -223,8 +223,21 @@ def data_order_meta(cfg) -> dict:
     ``global_batch_size`` is kept for information only: it changes how many samples a step takes, not
     which sample comes next (``consumed_samples`` is a position in a stream of micro-batches)."""
     t, d = cfg.train, cfg.data
-    return {DATA_ORDER_KEY: {"micro_batch_size": t.micro_batch_size, "global_batch_size": t.global_batch_size,
-                             "seed": t.seed, "dataloader_type": d.dataloader_type, "drop_last": d.drop_last}}
+    order = {"micro_batch_size": t.micro_batch_size, "global_batch_size": t.global_batch_size,
+             "seed": t.seed, "dataloader_type": d.dataloader_type, "drop_last": d.drop_last}
+    sources = _sources(d)
+    if sources is not None:  # a mixture: its interleave follows the shares (data.mixture)
+        order["sources"] = sources
+    return {DATA_ORDER_KEY: order}
+
+
+def _sources(data_cfg) -> list | None:
+    """A mixture's ``[{name, path, share}]`` (None: one dataset, or settings check 17 refuses)."""
+    from mimo_sft.config.mixture import mixture_problems, mixture_specs
+
+    if not data_cfg.datasets or mixture_problems(data_cfg):
+        return None
+    return [{"name": s.name, "path": s.data.dataset_path, "share": round(s.weight, 12)} for s in mixture_specs(data_cfg)]
 
 
 def data_order_problems(saved: dict, cfg, path: str):
@@ -250,7 +263,15 @@ def data_order_problems(saved: dict, cfg, path: str):
         was = saved["dataloader_type"]
         yield (f"--dataloader-type {d.dataloader_type} differs from the checkpoint's {was} (another sample order): "
                f"resume with --dataloader-type {was}, {fix}")
+    now = _sources(d)
+    if saved and (saved.get("sources") or now) and saved.get("sources") != now:
+        def said(sources):
+            return ", ".join(f"{x['name']}={x['path']} ({x['share']:.3g})" for x in sources) if sources else "one dataset"
+        yield (f"the dataset mixture differs from the checkpoint's ({said(now)} now, {said(saved.get('sources'))} then; "
+               f"its data position is a position of that mixture's interleave): resume with the same --dataset-path "
+               f"and --dataset-weights, {fix}")
     seeded = [why for why, on in (("--dataloader-type cyclic shuffles each epoch with it", d.dataloader_type == "cyclic"),
+                                  ("a dataset mixture interleaves its sources with it", bool(now)),
                                   ("--valid-split holds out rows chosen with it", d.valid_split is not None)) if on]
     if seeded and saved.get("seed") not in (None, t.seed):
         was = saved["seed"]

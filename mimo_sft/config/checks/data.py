@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 from mimo_sft.config.checks.context import looks_local
+from mimo_sft.config.mixture import mixture_problems, mixture_specs
 
 
 def c13_reorder(ctx):
@@ -39,7 +40,11 @@ def c14_scalable_dp(ctx):
 
 def c17_data(ctx):
     d = ctx.cfg.data
-    if d.dataset_path is None:
+    if d.datasets or d.dataset_weights:
+        yield from _mixture(d)
+    if d.datasets:
+        pass  # each source's path: _mixture
+    elif d.dataset_path is None:
         if ctx.for_run:
             yield "no dataset: give --dataset-path (parquet/json/jsonl file or folder, or a save_to_disk folder)"
         else:
@@ -62,3 +67,20 @@ def c19_packing(ctx):
         yield (f"--in-batch-packing with --attention-backend {m.attention_backend}: megatron's local core attention "
                f"cannot keep packed samples apart; use --attention-backend sdpa (the default), or "
                f"--no-in-batch-packing to compute padded rows")
+
+
+def _mixture(d):
+    """The mixture's settings (weights, names, keys; one line each naming the source), then each
+    source's files and image folder."""
+    problems = mixture_problems(d)
+    yield from problems
+    if problems or not d.datasets:
+        return
+    for spec in mixture_specs(d):
+        s = spec.data
+        if not os.path.exists(s.dataset_path) and looks_local(s.dataset_path):
+            yield f"source '{spec.name}': {s.dataset_path} not found; give a parquet/json/jsonl file or folder"
+        if s.valid_dataset_path and not os.path.exists(s.valid_dataset_path) and looks_local(s.valid_dataset_path):
+            yield f"source '{spec.name}': validation set {s.valid_dataset_path} not found"
+        if s.image_root and not os.path.isdir(s.image_root):
+            yield f"source '{spec.name}': image_root {s.image_root}: folder not found"

@@ -1,0 +1,245 @@
+"""Dataset mixtures: several sources read as one, drawn in fixed shares, each with epochs of its own.
+
+Why a global index space: everything downstream of the sampler (workers, reordering by index or by
+exchange, the colocated split, bad-sample counting) handles "dataset index i". ``MixtureSource``
+makes its sources one dataset whose indices are their concatenation (index ``offsets[s] + row``),
+so none of that changes. The mixture lives in the *order* instead: :class:`MixtureOrder` maps
+stream position ``p`` (0, 1, 2, ... over the whole run, no global epochs) to a global index, and
+``CanonicalSampler`` cuts that stream into micro-batches and canonical-grid shares as it cuts a
+single dataset's, so every module and every DP size reads the same global order.
+
+The interleave (which source position ``p`` draws from) is a pure function of the shares and the
+seed, never of the sources' sizes: positions come in chunks of ``C`` (1024, or the power of two that
+gives the smallest share at least one draw); every chunk holds exactly ``quota[s]`` draws of source
+``s`` (largest-remainder apportionment of ``C * share``), shuffled by a generator seeded with
+``(seed, chunk)``. So the draws of source ``s`` before position ``p`` are ``chunk * quota[s]`` plus
+its count inside the chunk -- resuming at ``consumed_samples`` needs no replay, and the shares are
+exact to ``1/(2C)`` at every chunk boundary.
+
+Per-source epochs: the ``n``-th draw of source ``s`` reads row ``perm_s(e)[j]`` with
+``(e, j) = divmod(n, rows_s)``: rows in order (``--dataloader-type single``) or a permutation seeded
+with ``(seed, s, e)`` (``cyclic``). A small source repeats (a new epoch, reshuffled with cyclic); a
+large one is never restarted by the others. A streaming source (parquet shards, WebDataset) only
+needs "the ``n``-th draw of source ``s``", in order: the interleave above tells it how many draws
+it has served at any position (docs/data.md).
+"""
+
+from __future__ import annotations
+
+import bisect
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+from mimo_sft.errors import UserError
+
+#: smallest chunk of the interleave (positions with fixed per-source counts)
+MIN_CHUNK = 1024
+MAX_CHUNK = 1 << 24
+_SEED_MASK = (1 << 63) - 1
+
+
+def apportion(total: int, shares: list[float]) -> list[int]:
+    """Integers summing to ``total``, each ``floor(total * share)`` plus one for the largest
+    remainders (ties: the lower source index)."""
+    raw = [total * s for s in shares]
+    out = [int(np.floor(r)) for r in raw]
+    left = total - sum(out)
+    order = sorted(range(len(shares)), key=lambda i: (-(raw[i] - out[i]), i))
+    for i in order[:left]:
+        out[i] += 1
+    return out
+
+
+def chunk_size(shares: list[float], names: Optional[list[str]] = None) -> int:
+    """The interleave's chunk: the smallest power of two >= MIN_CHUNK giving every positive share a draw."""
+    c = MIN_CHUNK
+    while c <= MAX_CHUNK:
+        q = apportion(c, shares)
+        if all(qi > 0 for qi, s in zip(q, shares) if s > 0):
+            return c
+        c *= 2
+    small = min((s, i) for i, s in enumerate(shares) if s > 0)
+    name = names[small[1]] if names else str(small[1])
+    raise UserError(f"source '{name}': its share {small[0]:.2e} is below 1/{MAX_CHUNK}; raise its weight "
+                    "or leave it out")
+
+
+class MixtureOrder:
+    """Stream position -> global index of a mixture (module docstring); pure in its arguments."""
+
+    def __init__(self, sizes: list[int], shares: list[float], *, seed: int, shuffle: bool,
+                 names: Optional[list[str]] = None):
+        assert len(sizes) == len(shares) and all(n > 0 for n, s in zip(sizes, shares) if s > 0)
+        self.sizes, self.shares = list(sizes), list(shares)
+        self.offsets = [0]
+        for n in sizes:
+            self.offsets.append(self.offsets[-1] + n)
+        self.seed, self.shuffle = int(seed) & _SEED_MASK, shuffle
+        self.chunk = chunk_size(self.shares, names)
+        self.quota = np.array(apportion(self.chunk, self.shares), dtype=np.int64)
+        self._chunk_cache: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._epoch_cache: dict[tuple[int, int], np.ndarray] = {}
+
+    def chunk_sources(self, c: int) -> tuple[np.ndarray, np.ndarray]:
+        """``(source, draw number)`` of every position of chunk ``c``."""
+        hit = self._chunk_cache.get(c)
+        if hit is not None:
+            return hit
+        base = np.repeat(np.arange(len(self.sizes), dtype=np.int64), self.quota)
+        src = base[np.random.default_rng([self.seed, 0, c]).permutation(self.chunk)]
+        draw = np.empty(self.chunk, dtype=np.int64)
+        for s in range(len(self.sizes)):
+            where = np.nonzero(src == s)[0]
+            draw[where] = c * self.quota[s] + np.arange(len(where))
+        if len(self._chunk_cache) > 2:
+            self._chunk_cache.clear()
+        self._chunk_cache[c] = (src, draw)
+        return src, draw
+
+    def epoch_rows(self, s: int, epoch: int) -> Optional[np.ndarray]:
+        """Source ``s``'s row order in its epoch ``epoch`` (None: rows in order)."""
+        if not self.shuffle:
+            return None
+        key = (s, epoch)
+        hit = self._epoch_cache.get(key)
+        if hit is None:
+            if len(self._epoch_cache) > 2 * len(self.sizes):
+                self._epoch_cache.clear()
+            hit = self._epoch_cache[key] = np.random.default_rng([self.seed, 1 + s, epoch]).permutation(self.sizes[s])
+        return hit
+
+    def draw(self, s: int, n: int) -> int:
+        """Global index of the ``n``-th draw of source ``s``."""
+        epoch, j = divmod(int(n), self.sizes[s])
+        rows = self.epoch_rows(s, epoch)
+        return self.offsets[s] + (j if rows is None else int(rows[j]))
+
+    def locate(self, p: int) -> tuple[int, int]:
+        """``(source, draw number)`` of stream position ``p``."""
+        c, i = divmod(int(p), self.chunk)
+        src, draw = self.chunk_sources(c)
+        return int(src[i]), int(draw[i])
+
+    def indices(self, start: int, stop: int) -> list[int]:
+        """Global indices of positions ``[start, stop)``."""
+        return [self.draw(*self.locate(p)) for p in range(start, stop)]
+
+    def draws_before(self, p: int) -> list[int]:
+        """Per source, the draws served before position ``p`` (a streaming source's resume point)."""
+        c, i = divmod(int(p), self.chunk)
+        src, _ = self.chunk_sources(c)
+        return [int(c * self.quota[s] + np.count_nonzero(src[:i] == s)) for s in range(len(self.sizes))]
+
+
+class MixtureSource:
+    """Several ``SFTSource`` as one dataset (global index = ``offsets[s] + row``); picklable for
+    DataLoader workers. ``shares``: each source's share of the drawn samples (summing to 1)."""
+
+    def __init__(self, parts: list, names: list[str], shares: list[float]):
+        assert len(parts) == len(names) == len(shares) and parts
+        self.parts, self.names, self.shares = list(parts), list(names), list(shares)
+        self.sizes = [len(p) for p in parts]
+        self.offsets = [0]
+        for n in self.sizes:
+            self.offsets.append(self.offsets[-1] + n)
+        self.dataset_path = ", ".join(f"{n}={getattr(p, 'dataset_path', '?')}" for n, p in zip(names, parts))
+
+    def __len__(self) -> int:
+        return self.offsets[-1]
+
+    def locate(self, idx: int) -> tuple[int, int]:
+        """``(source, row)`` of global index ``idx``."""
+        s = bisect.bisect_right(self.offsets, int(idx)) - 1
+        assert 0 <= s < len(self.parts), f"index {idx} outside the mixture's {len(self)} rows"
+        return s, int(idx) - self.offsets[s]
+
+    def __getitem__(self, idx: int) -> tuple[list[dict], list[Any]]:
+        s, row = self.locate(idx)
+        return self.parts[s][row]
+
+    def next_index(self, idx: int) -> int:
+        """The index that stands in for ``idx`` (truncation policy): the next row of the same source."""
+        s, row = self.locate(idx)
+        return self.offsets[s] + (row + 1) % self.sizes[s]
+
+    def source_of(self, ids: torch.Tensor) -> torch.Tensor:
+        """The source number of each global index in ``ids`` (int64)."""
+        bounds = torch.tensor(self.offsets[1:-1], dtype=torch.int64)
+        return torch.bucketize(ids.to(torch.int64), bounds, right=True)
+
+    def order(self, *, seed: int, shuffle: bool) -> MixtureOrder:
+        return MixtureOrder(self.sizes, self.shares, seed=seed, shuffle=shuffle, names=self.names)
+
+    def image_paths(self) -> list[tuple[int, str]]:
+        return [(off + row, path) for p, off in zip(self.parts, self.offsets) for row, path in p.image_paths()]
+
+    def check_image_files(self) -> None:
+        for p in self.parts:
+            p.check_image_files()
+
+    def rows_text(self) -> str:
+        """``name rows (share)`` of every source, for the run's banner."""
+        return ", ".join(f"{n} {r} rows ({100 * s:.1f}%)" for n, r, s in zip(self.names, self.sizes, self.shares))
+
+    def fingerprint(self) -> dict:
+        """What a checkpoint records so that a resume reads the same mixture (names, rows, shares)."""
+        return {"names": self.names, "rows": self.sizes, "shares": [round(s, 12) for s in self.shares]}
+
+
+class InterleavedView:
+    """A mixture's rows read round-robin over its sources (row 0 of each, row 1 of each, ...; a
+    finished source drops out): a validation set whose every prefix (``--eval-iters``) holds every
+    source."""
+
+    def __init__(self, mixture: MixtureSource):
+        self.mixture = mixture
+        self.names = mixture.names
+        self.dataset_path = mixture.dataset_path
+        self.map = [mixture.offsets[s] + r for r in range(max(mixture.sizes))
+                    for s in range(len(mixture.sizes)) if r < mixture.sizes[s]]
+
+    def __len__(self) -> int:
+        return len(self.map)
+
+    def __getitem__(self, i: int):
+        return self.mixture[self.map[int(i)]]
+
+    def source_of(self, ids: torch.Tensor) -> torch.Tensor:
+        mapped = torch.tensor([self.map[int(i)] for i in ids.tolist()], dtype=torch.int64)
+        return self.mixture.source_of(mapped)
+
+
+def check_resumed_mixture(saved: Optional[dict], source, *, checkpoint: str) -> None:
+    """A resume must read the mixture the checkpoint was trained on: ``consumed_samples`` is a
+    position of its interleave, which depends on the shares, and rows name other samples if a
+    source's row count changed. ``saved``: meta.json's ``mixture`` (None: none recorded)."""
+    now = source.fingerprint() if isinstance(source, MixtureSource) else None
+    if saved is None and now is None:
+        return
+    if saved is None or now is None:
+        was = "a mixture of " + ", ".join(saved["names"]) if saved else "one --dataset-path"
+        raise UserError(f"--load-checkpoint {checkpoint} was trained on {was}; resume with the same sources, or "
+                        f"start from its weights with --pretrained-checkpoint {checkpoint}")
+    for key, what in (("names", "source names"), ("rows", "row counts"), ("shares", "shares (--dataset-weights)")):
+        if list(saved.get(key, now[key])) != list(now[key]):
+            raise UserError(f"--load-checkpoint {checkpoint}: the mixture's {what} differ from the checkpoint's "
+                            f"({saved[key]} then, {now[key]} now); resume with the same sources and weights, or start "
+                            f"from its weights with --pretrained-checkpoint {checkpoint}")
+
+
+def load_mixture(specs, load_one) -> MixtureSource:
+    """The sources of ``specs`` (``config.mixture.SourceSpec``), each opened by ``load_one(data_cfg)``;
+    a source that cannot be opened or holds no samples is named in the one-line error."""
+    parts = []
+    for spec in specs:
+        try:
+            part = load_one(spec.data)
+        except UserError as e:
+            raise UserError(f"source '{spec.name}': {e}") from None
+        if len(part) == 0:
+            raise UserError(f"source '{spec.name}' ({spec.data.dataset_path}) has no samples left; drop it or "
+                            "fix its rows")
+        parts.append(part)
+    return MixtureSource(parts, [s.name for s in specs], [s.weight for s in specs])

@@ -1,0 +1,233 @@
+"""Dataset mixtures: the weighted interleave (shares, one order for every DP size, per-source
+epochs, resume), the mixture's settings (flags, YAML, the bad-input lines) and its loading."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import pytest
+
+from mimo_sft.validate import check_config
+from mimo_sft.config.loader import load_config
+from mimo_sft.config.mixture import mixture_specs
+from mimo_sft.data.mixture import MixtureOrder, MixtureSource, check_resumed_mixture
+from mimo_sft.data.sampler import CanonicalSampler
+from mimo_sft.errors import UserError
+
+
+def _shares(sizes, weights, n=10_000, shuffle=False, seed=3):
+    total = sum(weights)
+    order = MixtureOrder(sizes, [w / total for w in weights], seed=seed, shuffle=shuffle)
+    offsets = order.offsets
+    counts = Counter(next(s for s in range(len(sizes)) if i < offsets[s + 1]) for i in order.indices(0, n))
+    return [counts[s] / n for s in range(len(sizes))], order
+
+
+@pytest.mark.parametrize("sizes,weights", [([50, 7000], [0.7, 0.3]), ([13, 400, 5000], [0.5, 0.3, 0.2]),
+                                           ([100, 100, 100], [1, 1, 2])])
+def test_drawn_shares_are_within_2_percent_of_the_weights_over_10k_samples(sizes, weights):
+    for shuffle in (False, True):
+        got, _ = _shares(sizes, weights, shuffle=shuffle)
+        for g, w in zip(got, weights):
+            assert abs(g - w / sum(weights)) < 0.02, (got, weights)
+    # a stretch starting mid-stream too (not just from position 0)
+    order = MixtureOrder(sizes, [w / sum(weights) for w in weights], seed=9, shuffle=True)
+    idx = order.indices(123_457, 133_457)
+    counts = Counter(next(s for s in range(len(sizes)) if i < order.offsets[s + 1]) for i in idx)
+    assert all(abs(counts[s] / 10_000 - w / sum(weights)) < 0.02 for s, w in enumerate(weights))
+
+
+def test_per_source_epochs_a_small_source_repeats_and_a_large_one_does_not_restart():
+    _, order = _shares([10, 100_000], [0.5, 0.5], n=1)
+    small, large = [], []
+    for i in order.indices(0, 4000):
+        (small if i < 10 else large).append(i)
+    # single: the small source reads rows 0..9 again and again; the large one reads on, never restarts
+    assert small[:30] == list(range(10)) * 3 and len(small) > 1500
+    assert large == list(range(10, 10 + len(large)))
+    # cyclic: every epoch of the small source is a permutation of its rows, and they differ
+    order = MixtureOrder([10, 100_000], [0.5, 0.5], seed=3, shuffle=True)
+    small = [i for i in order.indices(0, 4000) if i < 10]
+    epochs = [small[k: k + 10] for k in range(0, 50, 10)]
+    assert all(sorted(e) == list(range(10)) for e in epochs) and len({tuple(e) for e in epochs}) > 1
+    large = [i for i in order.indices(0, 4000) if i >= 10]
+    assert len(set(large)) == len(large)  # no repeat inside the large source's first epoch
+
+
+def test_the_interleave_depends_on_shares_and_seed_not_on_the_row_counts():
+    a = MixtureOrder([10, 20], [0.6, 0.4], seed=1, shuffle=False)
+    b = MixtureOrder([999, 5], [0.6, 0.4], seed=1, shuffle=False)
+    assert [a.locate(p)[0] for p in range(3000)] == [b.locate(p)[0] for p in range(3000)]
+    c = MixtureOrder([10, 20], [0.6, 0.4], seed=2, shuffle=False)
+    assert [a.locate(p)[0] for p in range(3000)] != [c.locate(p)[0] for p in range(3000)]
+    # draws served before a position: what a streaming source would resume at
+    p = 2500
+    assert a.draws_before(p) == [sum(1 for q in range(p) if a.locate(q)[0] == s) for s in range(2)]
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_every_dp_size_reads_the_same_global_order_and_a_resume_continues_it(shuffle):
+    order_kw = dict(sizes=[7, 30, 300], shares=[0.5, 0.3, 0.2], seed=5, shuffle=shuffle)
+    mbs, grid, steps = 8, 4, 40
+
+    def stream(dp, consumed=0):
+        per_rank = []
+        for r in range(dp):
+            s = CanonicalSampler(337, micro_batch_size=mbs, canonical_grid=grid, dp_size=dp, dp_rank=r,
+                                 consumed_samples=consumed, order=MixtureOrder(**order_kw))
+            it = iter(s)
+            per_rank.append([next(it) for _ in range(steps)])
+        return [sum((per_rank[r][k] for r in range(dp)), []) for k in range(steps)]
+
+    one = stream(1)
+    assert stream(2) == one and stream(4) == one
+    assert stream(2, consumed=16 * mbs)[: steps - 16] == one[16:]
+    assert stream(4, consumed=16 * mbs)[: steps - 16] == one[16:]
+    whole = CanonicalSampler(337, micro_batch_size=mbs, canonical_grid=grid, dp_size=2, dp_rank=1,
+                             order=MixtureOrder(**order_kw), whole_micro_batch=True)
+    assert whole.global_micro_batch(3) == one[3] and next(iter(whole)) == one[0]
+
+
+def test_mixture_source_maps_global_indices_to_its_sources():
+    mix = MixtureSource([list("abc"), list("defgh")], ["x", "y"], [0.5, 0.5])
+    assert len(mix) == 8 and mix[0] == "a" and mix[3] == "d" and mix[7] == "h"
+    import torch
+
+    assert mix.source_of(torch.tensor([0, 2, 3, 7])).tolist() == [0, 0, 1, 1]
+    assert mix.next_index(2) == 0 and mix.next_index(7) == 3  # a stand-in stays in its source
+    assert mix.fingerprint() == {"names": ["x", "y"], "rows": [3, 5], "shares": [0.5, 0.5]}
+    check_resumed_mixture(mix.fingerprint(), mix, checkpoint="ck")
+    with pytest.raises(UserError, match=r"row counts differ"):
+        check_resumed_mixture({**mix.fingerprint(), "rows": [3, 6]}, mix, checkpoint="ck")
+    with pytest.raises(UserError, match=r"trained on one --dataset-path"):
+        check_resumed_mixture(None, mix, checkpoint="ck")
+
+
+# --------------------------------------------------------------------------- settings
+
+def test_repeated_dataset_path_flags_make_a_weighted_mixture(tmp_path):
+    cfg = load_config(["--dataset-path", "a/one.parquet", "--dataset-path", "b/two", "--dataset-path", "c/one.jsonl",
+                       "--dataset-weights", "0.5,0.3,0.2", "--valid-dataset-path", "va.parquet",
+                       "--valid-dataset-path", "vb.parquet", "--valid-dataset-path", "vc.parquet"])
+    assert cfg.data.dataset_path is None and [e["path"] for e in cfg.data.datasets] == ["a/one.parquet", "b/two",
+                                                                                        "c/one.jsonl"]
+    specs = mixture_specs(cfg.data)
+    assert [s.name for s in specs] == ["one", "two", "one-2"]
+    assert [round(s.weight, 6) for s in specs] == [0.5, 0.3, 0.2]
+    assert [s.data.dataset_path for s in specs] == ["a/one.parquet", "b/two", "c/one.jsonl"]
+    assert [s.data.valid_dataset_path for s in specs] == ["va.parquet", "vb.parquet", "vc.parquet"]
+    # one --dataset-path stays the plain single source
+    plain = load_config(["--dataset-path", "a.parquet"]).data
+    assert plain.dataset_path == "a.parquet" and plain.datasets == [] and mixture_specs(plain) is None
+
+
+def test_yaml_sources_with_per_source_keys(tmp_path):
+    y = tmp_path / "c.yaml"
+    y.write_text("data:\n  images_column: pics\n  datasets:\n"
+                 "    - {path: a.parquet, weight: 3, name: docs, images_column: imgs, split: train}\n"
+                 "    - {path: b.jsonl, weight: 1, schema: sharegpt}\n")
+    specs = mixture_specs(load_config(["--config", str(y)]).data)
+    assert [(s.name, s.weight) for s in specs] == [("docs", 0.75), ("b", 0.25)]
+    assert specs[0].data.images_column == "imgs" and specs[1].data.images_column == "pics"
+    assert specs[1].data.schema == "sharegpt" and specs[0].data.schema == "auto"
+
+
+def _c17(args):
+    res = check_config(load_config(args))
+    return [str(p) for p in res.problems if p.check == 17]
+
+
+@pytest.mark.parametrize("weights,line", [
+    ("0.5,-0.1", "[17] source 'b' (b.parquet): weight -0.1 is negative or not finite; give a weight >= 0"),
+    ("0,0", "[17] --dataset-weights: every weight is 0 (source 'a' (a.parquet), source 'b' (b.parquet)); give at "
+            "least one source a weight > 0"),
+    ("0.5,0.3,0.2", "[17] --dataset-weights 0.5,0.3,0.2: 3 weights for 2 sources (a.parquet, b.parquet); give one "
+                    "weight per source"),
+    ("0.5,x", "[17] --dataset-weights 0.5,x: 'x' is not a number; give one weight per --dataset-path, e.g. "
+              "0.5,0.3,0.2"),
+])
+def test_bad_weights_are_one_line_each_naming_the_source(tmp_path, weights, line):
+    for name in ("a", "b"):
+        (tmp_path / f"{name}.parquet").write_text("")
+    import os
+
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        mine = _c17(["--dataset-path", "a.parquet", "--dataset-path", "b.parquet", "--dataset-weights", weights])
+    finally:
+        os.chdir(cwd)
+    assert mine == [line]
+
+
+def test_missing_sources_and_count_mismatches_are_named(tmp_path):
+    mine = _c17(["--dataset-path", str(tmp_path / "a.parquet"), "--dataset-path", str(tmp_path / "b.parquet")])
+    assert mine == [f"[17] source 'a': {tmp_path / 'a.parquet'} not found; give a parquet/json/jsonl file or folder",
+                    f"[17] source 'b': {tmp_path / 'b.parquet'} not found; give a parquet/json/jsonl file or folder"]
+    with pytest.raises(UserError, match=r"--valid-dataset-path is given 2 times for 3 training sources"):
+        load_config(["--dataset-path", "a", "--dataset-path", "b", "--dataset-path", "c",
+                     "--valid-dataset-path", "x", "--valid-dataset-path", "y"])
+    y = tmp_path / "c.yaml"
+    y.write_text("data:\n  datasets:\n    - {path: a.parquet, wieght: 2}\n")
+    assert _c17(["--config", str(y)])[0] == ("[17] data.datasets[0]: unknown key 'wieght'; keys: path, weight, name, "
+                                             "valid_path, split, schema, messages_column, images_column, "
+                                             "conversations_column, image_root, valid_dataset_split")
+
+
+def test_an_empty_source_is_refused_naming_it(tmp_path):
+    from mimo_sft.data.sources import load_sft_dataset
+
+    rows = [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}] * 3
+    (tmp_path / "full.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "empty.jsonl").write_text("")
+    cfg = load_config(["--dataset-path", str(tmp_path / "full.jsonl"), "--dataset-path", str(tmp_path / "empty.jsonl")])
+    with pytest.raises(UserError) as err:
+        load_sft_dataset(cfg.data)
+    assert str(err.value).startswith("source 'empty': ") and "\n" not in str(err.value)
+    ok = load_sft_dataset(load_config(["--dataset-path", str(tmp_path / "full.jsonl"),
+                                       "--dataset-path", str(tmp_path / "full.jsonl")]).data)
+    assert isinstance(ok, MixtureSource) and ok.names == ["full", "full-2"] and len(ok) == 6 and ok[4] == ok[1]
+
+
+def test_the_loss_is_attributed_to_each_rows_source_padded_and_packed():
+    import torch
+
+    from mimo_sft.train.step import _language_loss
+
+    losses = torch.tensor([[1.0, 2.0, 3.0, 0.0], [4.0, 5.0, 0.0, 0.0], [6.0, 7.0, 8.0, 9.0]])
+    mask = torch.tensor([[0, 1, 1, 0], [1, 1, 0, 0], [1, 0, 1, 1]], dtype=torch.float32)
+    rows = torch.tensor([1, 0, 1])
+    padded = rows[:, None].expand(3, 4).reshape(-1)
+    total, count, rep = _language_loss(mask, losses, token_sources=padded, n_sources=2)
+    assert rep["source_loss_and_tokens"].tolist() == [[9.0, 28.0], [2.0, 5.0]]
+    assert float(total) == 37.0 and int(count) == 7
+    # packed [1, T] with a pad segment in the overflow bin (2)
+    packed_loss = torch.tensor([[2.0, 3.0, 4.0, 5.0, 1.0]])
+    packed_mask = torch.tensor([[1.0, 1.0, 1.0, 0.0, 1.0]])
+    _t, _c, rep = _language_loss(packed_mask, packed_loss, token_sources=torch.tensor([1, 1, 0, 0, 2]), n_sources=2)
+    assert rep["source_loss_and_tokens"].tolist() == [[4.0, 5.0], [1.0, 2.0]]
+    # a shard of other length (context parallelism) is not attributed rather than attributed wrongly
+    assert "source_loss_and_tokens" not in _language_loss(mask, losses, token_sources=rows, n_sources=2)[2]
+
+
+def test_a_mixture_holds_out_validation_rows_per_source_and_reads_them_round_robin(tmp_path):
+    import torch
+
+    from mimo_sft.data.mixture import InterleavedView
+    from mimo_sft.data.validation import split_sources
+
+    def rows(tag, n):
+        return [{"messages": [{"role": "user", "content": f"{tag}{i}"}, {"role": "assistant", "content": "ok"}]}
+                for i in range(n)]
+
+    for tag, n in (("a", 20), ("b", 6)):
+        (tmp_path / f"{tag}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows(tag, n)))
+    cfg = load_config(["--dataset-path", str(tmp_path / "a.jsonl"), "--dataset-path", str(tmp_path / "b.jsonl"),
+                       "--valid-split", "2"])
+    train, valid = split_sources(cfg.data, seed=1, global_batch_size=8)
+    assert isinstance(train, MixtureSource) and train.sizes == [18, 4] and isinstance(valid, InterleavedView)
+    assert len(valid) == 4 and valid.source_of(torch.arange(4)).tolist() == [0, 1, 0, 1]
+    held = {valid[i][0][0]["content"][0]["text"] for i in range(4)}
+    seen = {train[i][0][0]["content"][0]["text"] for i in range(len(train))}
+    assert not held & seen and len(held | seen) == 26
