@@ -28,6 +28,8 @@ import tempfile
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 NAME = 84  # the table's first column
+#: the MLP's terms: a dense MLP's, or a sparse layer's router, experts and shared expert
+MLP_TERMS = ("mlp", "router", "experts", "shared expert")
 #: several images in one micro-batch (``[t, h, w]`` patches): three pages, scaled down from 2 Mpx, and a part
 PAGES = [[1, 42, 30]] * 3 + [[1, 16, 20]]
 SETTINGS = {
@@ -57,8 +59,9 @@ def _forecast(d, rc, *, tp, sp, b, layer_type, device="cpu", swiglu_fused=None):
         return act.language_layer_input(d, tp=tp, sp=sp, b=b)
     mods = rc["recompute_modules"] if rc else ()
     fused = act.FUSED_SWIGLU if swiglu_fused is None else swiglu_fused
+    # index 0: the measured one-layer block's layer (a mixture-of-experts preset's layer 0 is sparse)
     return sum(act.language_layer_terms(d, tp=tp, sp=sp, b=b, recompute_modules=mods, layer_type=layer_type,
-                                        device=device, swiglu_fused=fused).values())
+                                        device=device, swiglu_fused=fused, index=0).values())
 
 
 def language_rows(hf_dir, d, tokens, dtype, b):
@@ -96,7 +99,7 @@ def _layer_parts(block, cfg, d, tokens, dtype, b, kind):
     from mimo_sft.testing import saved_bytes as sb
 
     layer = block.layers[0]
-    terms = act.language_layer_terms(d, tp=1, sp=False, b=b, layer_type=kind, device="cpu")
+    terms = act.language_layer_terms(d, tp=1, sp=False, b=b, layer_type=kind, device="cpu", index=0)
     rope = MultimodalRotaryEmbedding(kv_channels=cfg.kv_channels, rotary_percent=block.rotary_percent)
     emb = rope(torch.arange(tokens).view(1, 1, tokens).expand(3, 1, tokens), cfg.mrope_section)
     x = torch.randn(tokens, 1, d.hidden, dtype=dtype, requires_grad=True)
@@ -105,11 +108,12 @@ def _layer_parts(block, cfg, d, tokens, dtype, b, kind):
         mixer, _ = sb.saved_bytes(lambda t: layer.self_attention(t, None, rotary_pos_emb=emb), x, exclude=params + [emb])
         mlp, _ = sb.saved_bytes(layer.mlp, x, exclude=params)
     half = terms["linear inputs"] / 2
-    mixer_terms = [t for t in terms if t not in ("norms", "linear inputs", "mlp")]
+    mixer_terms = [t for t in terms if t not in ("norms", "linear inputs") + MLP_TERMS]
     label = " + ".join(mixer_terms) if len(mixer_terms) <= 4 else "its terms"
     return [(f"  token mixer part ({label} + its input)", "token",
              half + sum(terms[t] for t in mixer_terms), mixer / tokens),
-            ("  MLP part (mlp + its input)", "token", half + terms["mlp"], mlp / tokens)]
+            ("  MLP part (mlp, or router + experts, + its input)", "token",
+             half + sum(terms.get(t, 0) for t in MLP_TERMS), mlp / tokens)]
 
 
 def vision_rows(hf_dir, v, patches, dtype, b):

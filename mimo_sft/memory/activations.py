@@ -143,7 +143,7 @@ def _gdn_terms(d: TextDims, *, tp: int, b: int) -> dict[str, float]:
     }
 
 
-def _moe_terms(d: TextDims, *, seq: int, tp: int, etp: int, b: int) -> dict[str, float]:
+def _moe_terms(d: TextDims, *, seq: int, tp: int, etp: int, b: int, swiglu_fused: bool = True) -> dict[str, float]:
     """A sparse layer's MLP (megatron ``MoELayer``, alltoall dispatcher, ``SequentialMLP``), per token. The
     router keeps, on the rank's own tokens, an int64 index over the experts (``8 E``) and per routed slot the
     int64 top-k and permutation indices and two fp32 weights (``24 k``); the experts keep, for each of the ``k``
@@ -153,10 +153,13 @@ def _moe_terms(d: TextDims, *, seq: int, tp: int, etp: int, b: int) -> dict[str,
     own tokens. A shared expert (Qwen3.5-MoE) keeps a dense MLP's ``3 b ffn/tp``, its output ``b h`` for the
     gate's product and the gate ``b``. Every tensor named here was listed from a real-width layer with a
     random router (``testing.saved_bytes``, docs/memory.md)."""
+    # unfused (``bias_activation_fusion`` off; training always fuses): the experts' weighted SwiGLU keeps 6 x ffn
+    # per slot (measured), the shared expert's plain one the dense MLP's 5
+    routed, shared = (3, 3) if swiglu_fused else (6, 5)
     terms = {"router": (8 * d.experts + 24 * d.topk) / seq,
-             "experts": d.topk * b * (etp * d.hidden + 3 * d.expert_ffn) / seq}
+             "experts": d.topk * b * (etp * d.hidden + routed * d.expert_ffn) / seq}
     if d.shared_ffn:
-        terms["shared expert"] = 3 * b * (d.shared_ffn // tp) + b * (d.hidden + 1) / seq
+        terms["shared expert"] = shared * b * (d.shared_ffn // tp) + b * (d.hidden + 1) / seq
     return terms
 
 
@@ -176,7 +179,7 @@ def language_layer_terms(d: TextDims, *, tp: int, sp: bool, b: int, recompute_mo
     else:
         terms.update(_attention_terms(d, tp=tp, b=b, recompute_modules=recompute_modules, fused=fused))
     if d.is_sparse(index):
-        terms.update(_moe_terms(d, seq=seq, tp=tp, etp=tp if etp is None else etp, b=b))
+        terms.update(_moe_terms(d, seq=seq, tp=tp, etp=tp if etp is None else etp, b=b, swiglu_fused=swiglu_fused))
     else:
         terms["mlp"] = 0.0 if "mlp" in recompute_modules else (3 if swiglu_fused else 5) * b * (d.ffn // tp)
     return terms
