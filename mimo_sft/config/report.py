@@ -22,13 +22,19 @@ def print_report(cfg: ExperimentConfig, result: CheckResult, console: Console, *
         title = (f"Layout: {layout.world_size} ranks, {mode}, canonical grid {layout.canonical_grid}, "
                  f"micro-batch {mbs}, global batch {cfg.train.global_batch_size}")
         table = Table(title=title, title_justify="left")
-        for col in ("module", "ranks", "tp", "pp", "cp", "dp", "canonical groups per DP rank", "samples per rank"):
+        experts = any(s.ep > 1 or s.etp is not None for s in layout.components)  # ep/etp columns only where set
+        cols = ("module", "ranks", "tp", "pp", "cp", "dp") + (("ep", "etp") if experts else ()) + (
+            "canonical groups per DP rank", "samples per rank")
+        for col in cols:
             table.add_column(col, justify="left" if col in ("module", "ranks", "canonical groups per DP rank") else "right")
+        specs = {s.name: s for s in layout.components}
         for row in layout.rank_rows(mbs):
             groups = row["canonical_groups"]
             shown = ", ".join(groups[:8]) + (f", ... ({len(groups)} ranks)" if len(groups) > 8 else "")
+            s = specs[row["module"]]
+            ep = (str(s.ep), str(s.expert_tp)) if experts else ()
             table.add_row(row["module"], row["ranks"], str(row["tp"]), str(row["pp"]), str(row["cp"]), str(row["dp"]),
-                          shown, "-" if row["samples_per_rank"] is None else str(row["samples_per_rank"]))
+                          *ep, shown, "-" if row["samples_per_rank"] is None else str(row["samples_per_rank"]))
         console.print(table)
         r = cfg.reorder
         data_mode = "scalable DP (each rank reads its shard)" if cfg.parallel.scalable_dp else "every rank reads the whole micro-batch"

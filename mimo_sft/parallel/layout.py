@@ -141,7 +141,8 @@ class Layout:
                     "pp": s.pp,
                     "cp": s.cp,
                     "dp": s.dp,
-                    "etp": s.etp,
+                    "ep": s.ep,
+                    "etp": s.expert_tp,
                     "canonical_groups": groups,
                     "samples_per_rank": (micro_batch_size // s.dp) if s.dp and micro_batch_size % s.dp == 0 else None,
                 }
