@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import tempfile
-import re
 import time
 
 import pytest
