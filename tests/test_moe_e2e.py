@@ -174,3 +174,24 @@ def test_qwen3_5_moe_ep2_dp2_non_colocated_reordering_packing():
     got = q35("q35moe_noncoloc", 3, ["language=dp=2,ep=2", "images=dp=1,rank_offset=2"],
               ["--scalable-dp", "--intra-microbatch-reorder", "--reorder-mode", "index", *PACKED])
     assert_same_step(ref, got, same_flops=False, weights_tol=WEIGHTS_TOL, loose=DECAY)
+
+
+def test_export_of_an_ep2_checkpoint_holds_every_expert_where_transformers_reads_it(continuous, tmp_path):
+    """``mimo-sft export`` of the ep 2 run's checkpoint (each rank held 4 of the 8 experts): every expert's
+    trained fc1/fc2 lands in transformers' fused tensors at its own index, and transformers loads the folder."""
+    import subprocess
+    import sys
+
+    from transformers import AutoModelForImageTextToText
+
+    out = tmp_path / "hf"
+    proc = subprocess.run([sys.executable, "-m", "mimo_sft", "export", "--checkpoint",
+                           continuous + "/checkpoints/iter_0000004", "--out", str(out)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    ckpt = checkpoint_tensors(continuous + "/checkpoints/iter_0000004")
+    hf = AutoModelForImageTextToText.from_pretrained(str(out), dtype=torch.float32).state_dict()
+    for layer in range(4):
+        fc1 = ckpt[f"language_model.decoder.layers.{layer}.mlp.experts.experts.linear_fc1.weight"]  # [8, 2I, h]
+        fc2 = ckpt[f"language_model.decoder.layers.{layer}.mlp.experts.experts.linear_fc2.weight"]  # [8, h, I]
+        p = f"model.language_model.layers.{layer}.mlp.experts."
+        assert torch.equal(hf[p + "gate_up_proj"], fc1.float()) and torch.equal(hf[p + "down_proj"], fc2.float())
