@@ -231,3 +231,24 @@ def test_a_mixture_holds_out_validation_rows_per_source_and_reads_them_round_rob
     held = {valid[i][0][0]["content"][0]["text"] for i in range(4)}
     seen = {train[i][0][0]["content"][0]["text"] for i in range(len(train))}
     assert not held & seen and len(held | seen) == 26
+
+
+def test_per_source_validation_losses_reach_tensorboard(tmp_path):
+    """A mixture's ``valid_loss/<name>`` rows are TensorBoard scalars too (``valid/loss/<name>``)."""
+    from types import SimpleNamespace
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from mimo_sft.train.metrics import MetricsLogger
+
+    row = {"step": 3, "valid_loss": 2.0, "valid_ppl": 7.39, "valid_loss/docs": 1.5, "valid_loss/chat": 3.0,
+           "valid_tokens/docs": 20.0, "valid_tokens/chat": 10.0}
+    result = SimpleNamespace(to_json=lambda: row, step=3, valid_loss=2.0, valid_ppl=7.39, valid_tokens=30.0,
+                             valid_samples=4, valid_time_s=0.1)
+    logger = MetricsLogger(str(tmp_path), enabled=True, total_steps=3, tensorboard=True)
+    logger.log_validation(result)
+    logger.close()
+    events = EventAccumulator(str(tmp_path / "tensorboard")).Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"valid/loss", "valid/loss/docs", "valid/loss/chat", "valid/tokens/docs"} <= tags, tags
+    assert events.Scalars("valid/loss/chat")[0].value == 3.0

@@ -279,7 +279,8 @@ class MetricsLogger:
         row = result.to_json()
         self._fh.write(json.dumps(row) + "\n")
         if self._tb is not None:
-            for key in ("valid_loss", "valid_ppl"):
+            # the whole set's loss and perplexity, and a mixture's per-source ``valid_loss/<name>``, ``valid_tokens/<name>``
+            for key in ("valid_loss", "valid_ppl") + tuple(k for k in row if k.startswith(("valid_loss/", "valid_tokens/"))):
                 self._tb.add_scalar(f"valid/{key[len('valid_'):]}", row[key], result.step)
         for tracker in self.trackers:  # the trackers get the same row (valid_loss, valid_ppl, ...)
             tracker.log_metrics(row, result.step)
