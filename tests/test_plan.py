@@ -198,6 +198,32 @@ def test_planner_numbers_are_the_iterators_numbers():
         assert lang["min_before"][k] == min(tinfo["lang_load_before"])
 
 
+def test_a_mixtures_plan_follows_the_weighted_interleave():
+    """With two sources the planned sample ids are the ones the run's iterators read (the mixture's weighted
+    interleave, per-source epochs and same-source replacements), not the joined dataset's order."""
+    from mimo_sft.config.loader import load_config
+    from mimo_sft.data.loader import build_microbatch_iterator, build_preprocessor
+    from mimo_sft.data.sources import load_sft_dataset
+    from mimo_sft.plan import PlanOptions, build_plan
+
+    data = _long_multi_image_data()
+    cfg = load_config(["--component", "language=tp=1,dp=2,rank_offset=0", "--component", "images=dp=2,rank_offset=2",
+                       "--scalable-dp", "--hf-model", tiny_model(), "--dataset-path", data, "--dataset-path", demo_data(),
+                       "--dataset-weights", "0.3,0.7", "--seq-length", "128", "--micro-batch-size", "8",
+                       "--global-batch-size", "16", "--dataloader-type", "cyclic", "--seed", "7"])
+    steps = 4
+    plan = build_plan(cfg, PlanOptions(steps=steps))
+    source, pre = load_sft_dataset(cfg.data), build_preprocessor(cfg.data, cfg.model.hf_model)
+    its = [build_microbatch_iterator(cfg.data, model_dir=cfg.model.hf_model, micro_batch_size=8, canonical_grid=2,
+                                     dp_size=2, dp_rank=r, need_pixels=False, seed=7, num_workers=0, source=source,
+                                     preprocessor=pre) for r in range(2)]
+    for k in range(steps):
+        assert [int(i) for it in its for i in next(it)["sample_ids"]] == plan["sample_ids"][k]
+    first = source.sizes[0]
+    drawn = [i for ids in plan["sample_ids"] for i in ids]
+    assert 0 < sum(i < first for i in drawn) < len(drawn)  # both sources drawn
+
+
 # ------------------------------------------------------------------------------- CLI
 
 def test_table_and_png(tmp_path):

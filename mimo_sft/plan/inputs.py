@@ -13,6 +13,7 @@ refuses it under ``--on-truncation error``.
 from __future__ import annotations
 
 from mimo_sft.data.loader import build_preprocessor, check_fits, sample_metadata
+from mimo_sft.data.mixture import MixtureSource
 from mimo_sft.data.sampler import CanonicalSampler
 from mimo_sft.data.sources import load_sft_dataset
 from mimo_sft.errors import UserError
@@ -43,8 +44,9 @@ class _MetaCache:
         return self.metas[i]
 
 
-def _effective(cache: _MetaCache, idx: int, n: int, on_truncation: str, seq_length: int):
-    """The sample training actually uses at dataset index ``idx`` (see the module docstring)."""
+def _effective(cache: _MetaCache, idx: int, n: int, on_truncation: str, seq_length: int, next_index=None):
+    """The sample training actually uses at dataset index ``idx`` (see the module docstring); ``next_index``:
+    the index that stands in for another (a mixture's: the next row of the same source)."""
     j = idx
     for _ in range(n):
         m = cache.get(j)
@@ -53,7 +55,7 @@ def _effective(cache: _MetaCache, idx: int, n: int, on_truncation: str, seq_leng
         if on_truncation == "error":
             raise UserError(f"sample {j}: its image tokens do not fit in --seq-length {seq_length}; raise --seq-length, "
                             "lower --max-pixels, or use --on-truncation drop")
-        j = (j + 1) % n
+        j = next_index(j) if next_index is not None else (j + 1) % n
     raise UserError(f"no sample of the dataset fits in --seq-length {seq_length}; raise it or lower --max-pixels")
 
 
@@ -66,9 +68,11 @@ def load_micro_batches(cfg, layout, n_micro_batches: int) -> tuple[list[MicroBat
     mbs = cfg.train.micro_batch_size
     check_fits(source, pre, micro_batch_size=mbs, global_batch_size=cfg.train.global_batch_size)
     n = len(source)
+    mixture = isinstance(source, MixtureSource)  # the run's weighted interleave with per-source epochs
+    order = dict(order=source.order(seed=cfg.train.seed, shuffle=cfg.data.dataloader_type == "cyclic")) if mixture else {}
     sampler = CanonicalSampler(n, micro_batch_size=mbs, canonical_grid=layout.canonical_grid, dp_size=1, dp_rank=0,
                                dataloader_type=cfg.data.dataloader_type, drop_last=cfg.data.drop_last,
-                               consumed_samples=0, seed=cfg.train.seed, whole_micro_batch=True)
+                               consumed_samples=0, seed=cfg.train.seed, whole_micro_batch=True, **order)
     index_lists = [sampler.global_micro_batch(k) for k in range(n_micro_batches)]
     cache = _MetaCache(cfg, source, pre)
     cache.fetch(i for lst in index_lists for i in lst)
@@ -77,7 +81,8 @@ def load_micro_batches(cfg, layout, n_micro_batches: int) -> tuple[list[MicroBat
     for lst in index_lists:
         ids, patches, tokens, counts = [], [], [], []
         for i in lst:
-            m, moved = _effective(cache, i, n, cfg.data.on_truncation, seq)
+            m, moved = _effective(cache, i, n, cfg.data.on_truncation, seq,
+                                  source.next_index if mixture else None)
             replaced += moved
             images += len(m.image_patches)
             ids.append(m.index)
