@@ -135,9 +135,12 @@ def preload() -> dict:
 
 
 def thread_names() -> list[str]:
-    """Names of this process's native threads (a fork copies only the calling one)."""
+    """Names of this process's native threads, the main thread's first (a fork copies only the calling one).
+    Task ids sort as numbers with the main one (the pid) first: as strings, a later thread whose id has one
+    more digit than the pid would sort before it."""
     names = []
-    for tid in sorted(os.listdir("/proc/self/task")):
+    pid = os.getpid()
+    for tid in sorted(os.listdir("/proc/self/task"), key=lambda t: (int(t) != pid, int(t))):
         try:
             with open(f"/proc/self/task/{tid}/comm") as fh:
                 names.append(fh.read().strip())
