@@ -6,7 +6,7 @@ it loads the sources, so both read it from :func:`mixture_specs`.
 
 A mixture comes from ``data.datasets`` (YAML: a list of ``{path, weight, name, split, schema,
 messages_column, images_column, conversations_column, image_root, valid_path,
-valid_dataset_split}``; each key but ``path`` optional, the data keys defaulting to the ``data:``
+valid_dataset_split, streaming}``; each key but ``path`` optional, the data keys defaulting to the ``data:``
 section's) or from ``--dataset-path`` given several times (``config.loader`` turns those into
 ``data.datasets`` entries), weighted by ``--dataset-weights 0.5,0.3,0.2`` (which overrides the
 entries' ``weight``; without either every source weighs the same). Shares are the weights
@@ -17,6 +17,8 @@ folder stem; names are kept to letters, digits, ``._-``.
 from __future__ import annotations
 
 import dataclasses
+import glob
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +28,7 @@ from mimo_sft.errors import UserError
 
 #: the per-source keys of a ``data.datasets`` entry that override the ``data:`` section's
 OVERRIDES = ("split", "schema", "messages_column", "images_column", "conversations_column", "image_root",
-             "valid_dataset_split")
+             "valid_dataset_split", "streaming")
 KEYS = ("path", "weight", "name", "valid_path") + OVERRIDES
 
 
@@ -156,3 +158,37 @@ def _specs(data_cfg) -> Optional[list[SourceSpec]]:
 def per_source_validation(specs: list[SourceSpec]) -> bool:
     """Whether the sources name validation sets of their own (a source without one is not evaluated)."""
     return any(s.data.valid_dataset_path for s in specs)
+
+
+def is_streamed(data_cfg) -> bool:
+    """Whether one source's config reads shards in place (``data.streamed``): ``streaming`` set, or
+    WebDataset ``.tar`` shards (a tar file, a glob of them, or a folder holding them)."""
+    if getattr(data_cfg, "streaming", False):
+        return True
+    path = str(getattr(data_cfg, "dataset_path", None) or "")
+    if not path:
+        return False
+    if path.lower().endswith(".tar"):
+        return True
+    folder = os.path.expanduser(path)
+    return os.path.isdir(folder) and any(n.lower().endswith(".tar") for n in os.listdir(folder))
+
+
+def path_exists(path: str) -> bool:
+    """A file or folder, or a glob matching one (a streamed source's shards)."""
+    if any(ch in path for ch in "*?["):
+        return bool(glob.glob(os.path.expanduser(path)))
+    return os.path.exists(os.path.expanduser(path))
+
+
+def random_access_problems(data_cfg, label: str) -> list[str]:
+    """One line per setting that a streamed source (``label``) cannot serve without random access."""
+    out = []
+    if getattr(data_cfg, "dataloader_type", "single") == "cyclic":
+        out.append(f"{label} is streamed (shards read in order): --dataloader-type cyclic reshuffles every row "
+                   "of it each epoch, which needs random access; use --dataloader-type single (shuffle the rows "
+                   "once when writing the shards), or drop --streaming to load it through datasets")
+    if getattr(data_cfg, "valid_split", None) not in (None, "", "0"):
+        out.append(f"{label} is streamed: --valid-split holds out random rows of it, which needs random access; "
+                   "give its validation set with --valid-dataset-path instead")
+    return out

@@ -53,10 +53,11 @@ _SERIAL_S = 50e-6
 _NOT_FOUND = (errno.ENOENT, errno.ENOTDIR, errno.EBADF, errno.ELOOP)
 
 
-def _slices(chunked) -> Iterator[tuple[int, Any]]:
-    """``(first row, array)`` for every slice of at most :data:`SLICE_ROWS` rows of a ChunkedArray."""
+def _slices(chunks) -> Iterator[tuple[int, Any]]:
+    """``(first row, array)`` for every slice of at most :data:`SLICE_ROWS` rows of a column's chunks
+    (``source.column_chunks``: a ChunkedArray's, or a streamed source's row groups)."""
     row = 0
-    for chunk in chunked.chunks:
+    for chunk in chunks:
         for off in range(0, len(chunk), SLICE_ROWS):
             yield row + off, chunk.slice(off, SLICE_ROWS)
         row += len(chunk)
@@ -72,7 +73,7 @@ def _content_slices(source) -> Iterator[list[tuple[int, Any]]]:
     """(row, reference) of the images named inside message content, one slice's list at a time."""
     if source.schema != "messages":
         return
-    for start, arr in _slices(source.ds.data.table.column(source.text_column)):
+    for start, arr in _slices(source.column_chunks(source.text_column)):
         out: list = []
         walk_arrow(arr, _row_ids(start, len(arr)), out)
         yield sorted(out, key=lambda x: x[0])
@@ -117,7 +118,7 @@ def _path_slices(source) -> Iterator[list[tuple[int, str]]]:
         for refs in _content_slices(source):
             yield [(row, p) for row, ref in refs if (p := path_of(ref)) is not None]
         return
-    for start, arr in _slices(source.ds.data.table.column(source.images_column)):
+    for start, arr in _slices(source.column_chunks(source.images_column)):
         yield _slice_paths(arr, _row_ids(start, len(arr)))
 
 
@@ -209,7 +210,7 @@ def check_image_files(source, *, threads: int = STAT_THREADS) -> None:
 def _cache_key(source) -> str:
     """The dataset's content (datasets' fingerprint), where relative paths point, and the file list's
     size: a change to any of them checks the files again."""
-    parts = [getattr(source.ds, "_fingerprint", "") or source.dataset_path, str(source.image_root),
+    parts = [source.content_key(), str(source.image_root),
              str(source.base_dir), str(len(source))]
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:32]
 

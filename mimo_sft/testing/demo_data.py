@@ -113,8 +113,7 @@ def write_demo_dataset(out: str | os.PathLike, *, samples: int, seed: int = 0, l
     """
     import datasets
 
-    rng = random.Random(seed)
-    rows = [make_sample(rng, long_answers) for _ in range(samples)]
+    rows = demo_rows(samples, seed=seed, long_answers=long_answers)
     features = datasets.Features({
         "messages": datasets.List({"role": datasets.Value("string"),
                                    "content": datasets.List({"type": datasets.Value("string"),
@@ -127,3 +126,47 @@ def write_demo_dataset(out: str | os.PathLike, *, samples: int, seed: int = 0, l
     path.parent.mkdir(parents=True, exist_ok=True)
     ds.to_parquet(str(path))
     return out
+
+
+def write_shards(rows: list[dict], out: str | os.PathLike, *, shards: int, kind: str = "parquet",
+                 row_group_rows: int = 64) -> list[Path]:
+    """``rows`` (``make_sample``'s form) as ``shards`` shard files in folder ``out``, in row order:
+    parquet (``row_group_rows`` rows a row group, the demo's features) or WebDataset tars (a sample
+    is ``<key>.json`` with its messages plus ``<key>.<i>.png`` per image). Streamed-source tests and
+    ``scripts/bench_data_scale.py`` read them in place."""
+    import json
+    import tarfile
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    bounds = [len(rows) * k // shards for k in range(shards + 1)]
+    files = []
+    for k in range(shards):
+        part = rows[bounds[k]:bounds[k + 1]]
+        if kind == "parquet":
+            import pyarrow as pa
+            import pyarrow.parquet as pq
+
+            path = out / f"train-{k:05d}-of-{shards:05d}.parquet"
+            pq.write_table(pa.Table.from_pylist(part), str(path), row_group_size=row_group_rows)
+        elif kind == "webdataset":
+            path = out / f"shard-{k:06d}.tar"
+            with tarfile.open(path, "w", format=tarfile.GNU_FORMAT) as tar:
+                for j, row in enumerate(part):
+                    key = f"{bounds[k] + j:09d}"
+                    members = [(f"{key}.json", json.dumps({"messages": row["messages"]}).encode())]
+                    members += [(f"{key}.{i}.png", img["bytes"]) for i, img in enumerate(row["images"])]
+                    for name, data in members:
+                        info = tarfile.TarInfo(name)
+                        info.size = len(data)
+                        tar.addfile(info, io.BytesIO(data))
+        else:
+            raise ValueError(f"shard kind {kind!r}: parquet or webdataset")
+        files.append(path)
+    return files
+
+
+def demo_rows(samples: int, *, seed: int = 0, long_answers: bool = False) -> list[dict]:
+    """``samples`` rows of the demo dataset (``write_demo_dataset`` writes the same rows)."""
+    rng = random.Random(seed)
+    return [make_sample(rng, long_answers) for _ in range(samples)]

@@ -69,6 +69,14 @@ class Feed:
         self.counters = StepCounters()
         #: the training mixture (``data.mixture.MixtureSource``; None: one dataset), set by build_feed
         self.mixture = None
+        #: the training source and what places a stream position in it (``stream_position``), set by build_feed
+        self.source, self.position_args = None, {}
+
+    def stream_position(self, consumed_samples: int) -> dict:
+        """Where each streamed source stands after ``consumed_samples`` (meta.json's ``streams``; empty: none)."""
+        from mimo_sft.data.streamed import stream_position
+
+        return stream_position(self.source, consumed_samples, **self.position_args) if self.source is not None else {}
 
     # ---- schedule side ----------------------------------------------------------------------
     def __iter__(self) -> "Feed":
@@ -155,6 +163,9 @@ def build_feed(cfg, layout, pstate, info, *, consumed_samples: int, train_source
     source = train_source if train_source is not None else checked_source(cfg, pstate)
     feed = _build_feed(cfg, layout, pstate, info, consumed_samples=consumed_samples, source=source)
     feed.mixture = source if isinstance(source, MixtureSource) else None
+    feed.source = source
+    feed.position_args = dict(seed=cfg.train.seed, micro_batch_size=cfg.train.micro_batch_size,
+                              drop_last=cfg.data.drop_last)
     return feed
 
 

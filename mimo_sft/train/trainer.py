@@ -39,6 +39,7 @@ import torch.distributed as dist
 from mimo_sft.config.loader import config_to_dict, dump_config
 from mimo_sft.config.schema import ExperimentConfig
 from mimo_sft.data.mixture import check_resumed_mixture
+from mimo_sft.data.streamed import check_resumed_streams
 from mimo_sft.data.validation import check_resumed_split, split_sources, valid_flag
 from mimo_sft.errors import UserError
 from mimo_sft.parallel import runtime
@@ -168,7 +169,9 @@ class Trainer:
                                train_source=train_source)
         if cfg.checkpoint.load_checkpoint:  # a mixture resumes only on the same sources, rows and shares
             ckpt = resolve_checkpoint(cfg.checkpoint.load_checkpoint)
-            check_resumed_mixture(read_meta(ckpt).get("mixture"), self.feed.mixture, checkpoint=ckpt)
+            meta = read_meta(ckpt)
+            check_resumed_mixture(meta.get("mixture"), self.feed.mixture, checkpoint=ckpt)
+            check_resumed_streams(meta.get("streams"), self.feed.stream_position(self.consumed), checkpoint=ckpt)
         self.runner = StepRunner(model=self.ctx.model, modules=self.ctx.modules, pstate=self.pstate, layout=layout,
                                  feed=self.feed, modality_inputs_fn=self.ctx.info.modality_inputs,
                                  seq_length=cfg.data.seq_length, local_mbs=cfg.train.micro_batch_size // layout.language.dp,
@@ -386,6 +389,7 @@ class Trainer:
         written before training goes on, so that ``checkpoints/best`` can name it at once."""
         extra = {"valid_split": self.cfg.data.valid_split,
                  **({"mixture": self.feed.mixture.fingerprint()} if self.feed.mixture is not None else {}),
+                 **({"streams": streams} if (streams := self.feed.stream_position(self.consumed)) else {}),
                  **({"valid_loss": evaluation.valid_loss} if evaluation is not None else {})}
         pending = self.pending_saves
         if best and pending is not None:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import os
 
 from mimo_sft.config.checks.context import looks_local
-from mimo_sft.config.mixture import mixture_problems, mixture_specs
+from mimo_sft.config.mixture import (is_streamed, mixture_problems, mixture_specs, path_exists,
+                                     random_access_problems)
 
 
 def c13_reorder(ctx):
@@ -49,8 +50,10 @@ def c17_data(ctx):
             yield "no dataset: give --dataset-path (parquet/json/jsonl file or folder, or a save_to_disk folder)"
         else:
             yield ("--dataset-path not given: the data was not checked (finetune needs it)", "note")
-    elif not os.path.exists(d.dataset_path) and looks_local(d.dataset_path):
+    elif not path_exists(d.dataset_path) and looks_local(d.dataset_path):
         yield f"--dataset-path {d.dataset_path}: not found; give a parquet/json/jsonl file or folder, or a save_to_disk folder"
+    elif is_streamed(d):
+        yield from random_access_problems(d, f"--dataset-path {d.dataset_path}")
     if d.min_pixels is not None and d.max_pixels is not None and d.min_pixels > d.max_pixels:
         yield f"--min-pixels={d.min_pixels} is above --max-pixels={d.max_pixels}"
     if d.max_image_pixels < 0:
@@ -78,8 +81,10 @@ def _mixture(d):
         return
     for spec in mixture_specs(d):
         s = spec.data
-        if not os.path.exists(s.dataset_path) and looks_local(s.dataset_path):
+        if not path_exists(s.dataset_path) and looks_local(s.dataset_path):
             yield f"source '{spec.name}': {s.dataset_path} not found; give a parquet/json/jsonl file or folder"
+        elif is_streamed(s):
+            yield from random_access_problems(s, f"source '{spec.name}'")
         if s.valid_dataset_path and not os.path.exists(s.valid_dataset_path) and looks_local(s.valid_dataset_path):
             yield f"source '{spec.name}': validation set {s.valid_dataset_path} not found"
         if s.image_root and not os.path.isdir(s.image_root):

@@ -1,0 +1,264 @@
+"""The canonical sample form, and a dataset's rows in it: ``SFTSource[i] -> (messages, image_refs)``.
+
+Why one form: preprocessing should not care whether a row came from a ``messages`` dataset or a
+ShareGPT/LLaVA one, or from a ``datasets`` table or shards read in place (``data.streamed``).
+``messages`` holds only ``{"type": "image"}`` / ``{"type": "text", "text": ...}`` parts and
+``image_refs`` are undecoded references (bytes, a resolved path, or an in-memory PIL image). Images
+are never decoded here: image columns are read as stored (Arrow) so the metadata-only path can read
+just the header. A sample's images come from an images column (LLaVA's ``image`` may be one path or a
+list) or, in Qwen's own format, from the content parts that name them (``{"type": "image", "image": ...}``).
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+from pathlib import Path
+from typing import Any
+
+from mimo_sft.data.image_refs import image_list, part_ref
+from mimo_sft.errors import UserError
+
+_ROLE_MAP = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "model": "assistant",
+             "bot": "assistant", "system": "system"}
+IMAGE_MARKER = "<image>"
+
+
+class SFTSource:
+    """Rows of a dataset as ``(messages, image_refs)``; picklable for DataLoader workers.
+
+    A sample's images come from the images column, or (datasets without one) from the message
+    content itself (Qwen's ``{"type": "image", "image": "a.png"}``); a dataset using both is refused.
+    """
+
+    def __init__(self, ds, *, schema: str, text_column: str, images_column: str | None, base_dir: Path | None,
+                 image_root: Path | None, dataset_path: str):
+        self.ds = ds
+        self.schema = schema
+        self.text_column = text_column
+        self.images_column = images_column
+        self.base_dir = base_dir
+        self.image_root = image_root
+        self.dataset_path = dataset_path
+        self._text = ds.select_columns([text_column])
+        self._images = ds.select_columns([images_column]).with_format("arrow") if images_column else None
+
+    def __len__(self) -> int:
+        return len(self.ds)
+
+    def _text_value(self, idx: int):
+        return self._text[int(idx)][self.text_column]
+
+    def column_chunks(self, column: str):
+        """``column``'s Arrow arrays in row order (the start-up file check streams them)."""
+        return self.ds.data.table.column(column).chunks
+
+    def content_key(self) -> str:
+        """What names the rows' content (datasets' fingerprint): the file check's cache key."""
+        return getattr(self.ds, "_fingerprint", "") or self.dataset_path
+
+    def __getitem__(self, idx: int) -> tuple[list[dict], list[Any]]:
+        text = self._text_value(idx)
+        if self.schema == "messages":
+            messages, inline = _canonical_messages(text, idx, self.text_column)
+        else:
+            messages, inline = _sharegpt_messages(text, idx, self.text_column), []
+        if inline and self.images_column is not None:
+            raise self._both_error(idx)
+        raw = inline if inline else self._column_refs(idx)
+        refs = [self._resolve(r, idx) for r in raw]
+        self._check_count(messages, refs, idx, inline=bool(inline))
+        return messages, refs
+
+    def _column_refs(self, idx: int) -> list:
+        if self.images_column is None:
+            return []
+        return image_list(self._images[int(idx)].column(0).to_pylist()[0])
+
+    def _check_count(self, messages, refs, idx, *, inline: bool) -> None:
+        """Every image part needs exactly one image; say which source to fix when not."""
+        n_parts = sum(1 for m in messages for p in m["content"] if p["type"] == "image")
+        if n_parts == len(refs):
+            return
+        where = f"sample {idx} of {self.dataset_path}: {n_parts} image placeholder(s) in the text but"
+        if inline:
+            raise UserError(f"{where} only {len(refs)} of them name an image; give every image part an "
+                            "'image', 'url' or 'path' key")
+        if self.images_column is None:
+            raise UserError(f"{where} the dataset has no images column; name it with --images-column, or name "
+                            "each image in its content part ({\"type\": \"image\", \"image\": \"a.png\"})")
+        raise UserError(f"{where} {len(refs)} image(s) in column '{self.images_column}'; fix the row or point "
+                        f"--images-column at the images")
+
+    def _both_error(self, row: int) -> UserError:
+        return UserError(f"--dataset-path {self.dataset_path}: sample {row} names its images inside the messages "
+                         f"and the dataset also has an images column '{self.images_column}'; keep only one of the "
+                         "two (remove the column or the in-content image references)")
+
+    def image_paths(self) -> list[tuple[int, str]]:
+        """(row, path) of every image stored as a file path, without decoding any image (streamed
+        slice by slice: :func:`mimo_sft.data.file_check.image_paths`)."""
+        from mimo_sft.data.file_check import image_paths
+
+        return list(image_paths(self))
+
+    def check_image_files(self) -> None:
+        """Refuse mixed image sources and missing files (:func:`mimo_sft.data.file_check.check_image_files`)."""
+        from mimo_sft.data.file_check import check_image_files
+
+        check_image_files(self)
+
+    def _resolve(self, ref, idx):
+        """bytes -> ``bytes``; path or URI -> absolute ``Path`` / ``bytes``; PIL image -> itself."""
+        where = f"column '{self.images_column}'" if self.images_column else "the message content"
+        if isinstance(ref, dict):
+            if ref.get("bytes"):
+                return bytes(ref["bytes"])
+            ref = ref.get("path")
+            if not ref:
+                raise UserError(f"sample {idx} of {self.dataset_path}: image entry has neither bytes nor path; "
+                                f"fix {where}")
+        if isinstance(ref, (bytes, bytearray)):
+            return bytes(ref)
+        if isinstance(ref, str):
+            return self._resolve_string(ref, idx)
+        if isinstance(ref, os.PathLike):
+            return self._under_root(Path(ref))
+        if hasattr(ref, "size") and hasattr(ref, "mode"):  # PIL image held in memory
+            return ref
+        raise UserError(f"sample {idx} of {self.dataset_path}: unsupported image value of type {type(ref).__name__} "
+                        f"in {where}; use paths, bytes or images")
+
+    def _resolve_string(self, ref: str, idx):
+        """A path, ``file://`` URI or base64 ``data:`` URI; http(s) is refused (no network at run time)."""
+        if ref.lower().startswith(("http://", "https://")):
+            raise UserError(f"sample {idx} of {self.dataset_path}: image {ref} is a remote URL; remote images are not "
+                            "fetched (no network at run time): download them and use local paths")
+        if ref.startswith("data:"):
+            head, _, payload = ref.partition(",")
+            try:
+                if not head.endswith(";base64"):
+                    raise ValueError("not base64")
+                return base64.b64decode(payload, validate=True)
+            except ValueError:
+                raise UserError(f"sample {idx} of {self.dataset_path}: image data URI '{head}' is not base64 image "
+                                "data; use 'data:image/...;base64,...' or a path") from None
+        if ref.startswith("file://"):  # file:///abs/a.png -> /abs/a.png; file://a.png -> a.png (relative)
+            ref = ref[len("file://"):]
+        return self._under_root(Path(ref))
+
+    def _under_root(self, p: Path) -> Path:
+        """Relative paths resolve against --image-root, else the dataset's folder, else the cwd."""
+        p = p.expanduser()
+        if not p.is_absolute():
+            p = (self.image_root or self.base_dir or Path.cwd()) / p
+        return p
+
+
+def _clean_part(part, idx, col) -> dict:
+    if isinstance(part, str):
+        return {"type": "text", "text": part}
+    if not isinstance(part, dict):
+        raise UserError(f"sample {idx}: content parts in column '{col}' must be dicts with 'type'; got {type(part).__name__}")
+    kind = part.get("type")
+    if kind == "image" or (kind is None and part.get("image") is not None):
+        return {"type": "image"}
+    if kind == "text" or (kind is None and part.get("text") is not None):
+        return {"type": "text", "text": part.get("text") or ""}
+    raise UserError(f"sample {idx}: content part type '{kind}' in column '{col}' is not supported; use 'text' or 'image'")
+
+
+def _canonical_messages(messages, idx, col) -> tuple[list[dict], list]:
+    """(canonical messages, the images their parts name inline, in message order)."""
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise UserError(f"sample {idx}: column '{col}' must hold a non-empty list of messages")
+    out, inline = [], []
+    for m in messages:
+        role = _ROLE_MAP.get(str(m.get("role", "")).lower()) if isinstance(m, dict) else None
+        if role is None:
+            raise UserError(f"sample {idx}: every message in '{col}' needs a role of system/user/assistant")
+        content = m.get("content")
+        raw = [content] if isinstance(content, str) else list(content or [])
+        parts = [_clean_part(p, idx, col) for p in raw]
+        inline += [r for p, c in zip(raw, parts) if c["type"] == "image" and (r := part_ref(p)) is not None]
+        out.append({"role": role, "content": parts})
+    return out, inline
+
+
+def _split_markers(text: str) -> list[dict]:
+    parts = []
+    pieces = text.split(IMAGE_MARKER)
+    for i, piece in enumerate(pieces):
+        if i > 0:
+            parts.append({"type": "image"})
+        piece = piece.strip("\n") if len(pieces) > 1 else piece
+        if piece:
+            parts.append({"type": "text", "text": piece})
+    return parts
+
+
+def _sharegpt_messages(turns, idx, col) -> list[dict]:
+    if not isinstance(turns, (list, tuple)) or not turns:
+        raise UserError(f"sample {idx}: column '{col}' must hold a non-empty list of turns with 'from'/'value'")
+    out = []
+    for t in turns:
+        if not isinstance(t, dict) or "value" not in t:
+            raise UserError(f"sample {idx}: every turn in '{col}' needs 'from' and 'value' (ShareGPT/LLaVA schema)")
+        role = _ROLE_MAP.get(str(t.get("from", t.get("role", ""))).lower())
+        if role is None:
+            raise UserError(f"sample {idx}: turn speaker '{t.get('from')}' in '{col}' is not human/gpt/system")
+        out.append({"role": role, "content": _split_markers(str(t["value"] or ""))})
+    return out
+
+
+def pick_columns(data_cfg, cols: list[str]) -> tuple[str, str, str | None]:
+    """``(schema, text column, images column or None)`` of a dataset with columns ``cols``."""
+    schema = data_cfg.schema
+    if schema == "auto":
+        if data_cfg.messages_column in cols:
+            schema = "messages"
+        elif data_cfg.conversations_column in cols:
+            schema = "sharegpt"
+        else:
+            raise UserError(f"--dataset-path {data_cfg.dataset_path}: no '{data_cfg.messages_column}' or "
+                            f"'{data_cfg.conversations_column}' column (columns: {', '.join(cols)}); "
+                            "set --messages-column or --conversations-column")
+    text_column = data_cfg.messages_column if schema == "messages" else data_cfg.conversations_column
+    flag = "--messages-column" if schema == "messages" else "--conversations-column"
+    if text_column not in cols:
+        raise UserError(f"--dataset-path {data_cfg.dataset_path}: column '{text_column}' not found "
+                        f"(columns: {', '.join(cols)}); set {flag}")
+    images_column = data_cfg.images_column if data_cfg.images_column in cols else None
+    if images_column is None and schema == "sharegpt" and "image" in cols:
+        images_column = "image"  # LLaVA's single-image column
+    if images_column is None and data_cfg.images_column != "images":
+        raise UserError(f"--images-column '{data_cfg.images_column}' not found (columns: {', '.join(cols)}); fix --images-column")
+    return schema, text_column, images_column
+
+
+def source_folders(data_cfg) -> tuple[Path | None, Path | None]:
+    """``(the dataset's folder, --image-root)``: where relative image paths resolve."""
+    p = Path(str(data_cfg.dataset_path)).expanduser()
+    if any(ch in str(data_cfg.dataset_path) for ch in "*?["):  # a glob of shards: their folder
+        p = p.parent
+    base_dir = (p if p.is_dir() else p.parent).resolve() if p.exists() else None
+    image_root = Path(data_cfg.image_root).expanduser().resolve() if data_cfg.image_root else None
+    if image_root is not None and not image_root.is_dir():
+        raise UserError(f"--image-root {data_cfg.image_root} is not a folder; point it at the folder the image paths are relative to")
+    return base_dir, image_root
+
+
+def checked(source, *, check_files: bool):
+    """``source``, its image files checked (``check_files``) and its first rows read."""
+    images_column = source.images_column
+    if check_files:
+        from mimo_sft.data.file_check import cached_check
+
+        verdict = cached_check(source, None)
+        if verdict is not None:
+            raise UserError(verdict)
+    if images_column is None:
+        # Fail now, not mid-training, if the text asks for images the dataset does not have.
+        for i in range(min(len(source), 64)):
+            source[i]
+    return source

@@ -1,0 +1,176 @@
+"""Streamed sources (parquet shards and WebDataset tars read in place): the same samples as the same
+rows loaded through ``datasets``, no Arrow copy, positions for the checkpoint, and one-line refusals."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import os
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from mimo_sft.config.schema import DataConfig
+from mimo_sft.data.mixture import MixtureSource
+from mimo_sft.data.sources import load_sft_dataset
+from mimo_sft.data.streamed import StreamedSource, check_resumed_streams, stream_position
+from mimo_sft.errors import UserError
+from mimo_sft.testing.demo_data import demo_rows, write_demo_dataset, write_shards
+
+N = 90
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    """The demo's rows (text-only, multi-image, large pages, long answers) as one parquet loaded by
+    ``datasets`` and as parquet shards (row groups of 8) and tar shards holding the same rows."""
+    root = tmp_path_factory.mktemp("streamed")
+    rows = demo_rows(N, seed=5, long_answers=True)
+    write_demo_dataset(root / "full.parquet", samples=N, seed=5, long_answers=True)
+    write_shards(rows, root / "pq", shards=4, row_group_rows=8)
+    write_shards(rows, root / "wds", shards=3, kind="webdataset")
+    kinds = {"text": sum(not r["images"] for r in rows), "multi": sum(len(r["images"]) > 1 for r in rows)}
+    assert kinds["text"] > 0 and kinds["multi"] > 0, kinds
+    return root
+
+
+def _cfg(path, **kw) -> DataConfig:
+    return DataConfig(dataset_path=None if path is None else str(path), **kw)
+
+
+@pytest.mark.parametrize("kind", ["pq", "wds"])
+def test_streamed_rows_are_the_datasets_rows(data, kind):
+    ref = load_sft_dataset(_cfg(data / "full.parquet"))
+    got = load_sft_dataset(_cfg(data / kind, streaming=kind == "pq"))  # tars are streamed without the flag
+    assert isinstance(got, StreamedSource) and len(got) == len(ref) == N
+    # out of order too: a rank's reads jump between row groups and shards
+    for i in [*range(N), 77, 3, 41, 89, 0]:
+        assert got[i] == ref[i], i
+
+
+def test_parquet_glob_and_split_naming(data):
+    glob_src = load_sft_dataset(_cfg(f"{data}/pq/train-0000[0-1]-*.parquet", streaming=True))
+    assert len(glob_src) == N // 2
+    with pytest.raises(UserError, match="no 'valid' folder and no shard named 'valid-\\*'"):
+        load_sft_dataset(_cfg(data / "pq", streaming=True, split="valid"))
+
+
+def test_no_arrow_copy_is_written(data, tmp_path, monkeypatch):
+    """Opening shards reads metadata only: datasets' cache gains no Arrow file."""
+    import datasets
+
+    cache = tmp_path / "hf_cache"
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", cache)
+    src = load_sft_dataset(_cfg(data / "pq", streaming=True))
+    src[5]
+    wds = load_sft_dataset(_cfg(data / "wds"))
+    wds[5]
+    written = sorted(p.relative_to(cache).parts[0] for p in cache.rglob("*") if p.is_file()) if cache.exists() else []
+    assert set(written) <= {"mimo_sft_tar_index"}, written  # the tar member index, nothing else
+    assert not [p for p in cache.rglob("*.arrow")]
+
+
+def test_tar_index_is_cached_and_rebuilt_when_a_shard_changes(data, tmp_path, monkeypatch):
+    import datasets
+
+    from mimo_sft.data import shards
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "c")
+    shard = tmp_path / "one.tar"
+    shard.write_bytes((data / "wds" / "shard-000000.tar").read_bytes())
+    first = shards.cached_tar_index(str(shard))
+    (cached,) = list((tmp_path / "c" / "mimo_sft_tar_index").glob("*.npz"))
+    again = shards.cached_tar_index(str(shard))
+    assert all((first[k] == again[k]).all() for k in first)
+    rows = demo_rows(4, seed=9)
+    write_shards(rows, tmp_path / "new", shards=1, kind="webdataset")
+    shard.write_bytes((tmp_path / "new" / "shard-000000.tar").read_bytes())
+    os.utime(shard, ns=(1, 1))
+    assert len(shards.cached_tar_index(str(shard))["json_off"]) == 4
+    assert cached.exists() and len(list(cached.parent.glob("*.npz"))) == 2
+
+
+def test_a_mixture_with_a_streamed_source(data):
+    docs = load_sft_dataset(_cfg(data / "full.parquet"))
+    mix = load_sft_dataset(dataclasses.replace(_cfg(None), datasets=[
+        {"path": str(data / "full.parquet"), "weight": 0.6, "name": "docs"},
+        {"path": str(data / "wds"), "weight": 0.4, "name": "web"}]))
+    assert isinstance(mix, MixtureSource) and isinstance(mix.parts[1], StreamedSource)
+    order = mix.order(seed=3, shuffle=False)
+    for idx in order.indices(0, 200):
+        s, row = mix.locate(idx)
+        assert mix[idx] == docs[row]  # both sources hold the same rows
+    pos = stream_position(mix, 200, seed=3, micro_batch_size=8, drop_last=True)
+    web = pos["web"]
+    assert list(pos) == ["web"] and web["draws"] == order.draws_before(200)[1]
+    assert web["epoch"] == web["draws"] // N and web["next_row"] == web["draws"] % N
+    lo = sum(n for _name, n in web["shards"][:[s[0] for s in web["shards"]].index(web["shard"])])
+    assert lo + web["row_in_shard"] == web["next_row"]
+
+
+def test_one_streamed_source_position_and_resume_check(data):
+    src = load_sft_dataset(_cfg(data / "pq", streaming=True))
+    pos = stream_position(src, 88, seed=0, micro_batch_size=8, drop_last=True)["dataset"]
+    # 90 rows, micro-batches of 8 with drop_last: 88 positions an epoch, so position 88 is epoch 1, row 0
+    assert (pos["epoch"], pos["next_row"], pos["shard"], pos["row_in_shard"]) == (1, 0, "train-00000-of-00004.parquet", 0)
+    pos = stream_position(src, 40, seed=0, micro_batch_size=8, drop_last=True)["dataset"]
+    assert (pos["shard"], pos["row_in_shard"]) == ("train-00001-of-00004.parquet", 18)
+    saved = {"dataset": pos}
+    check_resumed_streams(saved, {"dataset": pos}, checkpoint="ck")
+    moved = dict(pos, shards=[[n, r] for n, r in pos["shards"][:-1]])
+    with pytest.raises(UserError, match="the shards of streamed source 'dataset' differ"):
+        check_resumed_streams(saved, {"dataset": moved}, checkpoint="ck")
+
+
+@pytest.mark.parametrize("setting,match", [
+    ({"dataloader_type": "cyclic"}, "is streamed \\(shards read in order\\): --dataloader-type cyclic"),
+    ({"valid_split": "0.1"}, "is streamed: --valid-split holds out random rows"),
+])
+def test_random_access_modes_are_refused_naming_the_source(data, setting, match):
+    with pytest.raises(UserError, match=match):
+        load_sft_dataset(_cfg(data / "wds", **setting))
+    from mimo_sft.config.checks.data import c17_data
+
+    class Ctx:
+        for_run = True
+        cfg = type("C", (), {"data": dataclasses.replace(_cfg(None), datasets=[
+            {"path": str(data / "full.parquet"), "name": "docs"},
+            {"path": str(data / "pq"), "name": "shards", "streaming": True}], **setting)})()
+
+    lines = [x for x in c17_data(Ctx()) if isinstance(x, str)]
+    assert len(lines) == 1 and lines[0].startswith("source 'shards' is streamed"), lines
+
+
+def _tar(path: Path, members: list[tuple[str, bytes]], mode: str = "w") -> None:
+    with tarfile.open(path, mode) as tar:
+        for name, payload in members:
+            info = tarfile.TarInfo(name)
+            info.size = len(payload)
+            tar.addfile(info, io.BytesIO(payload))
+
+
+def test_bad_shards_get_one_line(data, tmp_path):
+    _tar(tmp_path / "gz.tar.gz", [("a.json", b"{}")], mode="w:gz")
+    with pytest.raises(UserError, match="is a compressed tar; .* plain .tar shards"):
+        load_sft_dataset(_cfg(tmp_path / "gz.tar.gz", streaming=True))
+    (tmp_path / "nojson").mkdir()
+    _tar(tmp_path / "nojson" / "s.tar", [("k1.png", b"x")])
+    with pytest.raises(UserError, match="sample 'k1' has no .json member \\(it has png\\)"):
+        load_sft_dataset(_cfg(tmp_path / "nojson"))
+    (tmp_path / "mixed").mkdir()
+    for f in ("a.parquet", "b.tar"):
+        (tmp_path / "mixed" / f).write_bytes((data / "wds" / "shard-000000.tar").read_bytes())
+    with pytest.raises(UserError, match="holds both parquet and tar shards"):
+        load_sft_dataset(_cfg(tmp_path / "mixed", streaming=True))
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    (tmp_path / "cols").mkdir()
+    pq.write_table(pa.table({"messages": ["x"]}), tmp_path / "cols" / "a.parquet")
+    pq.write_table(pa.table({"conversations": ["x"]}), tmp_path / "cols" / "b.parquet")
+    with pytest.raises(UserError, match="every shard of a source needs the same columns"):
+        load_sft_dataset(_cfg(tmp_path / "cols", streaming=True))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(UserError, match="no .parquet or .tar shards found"):
+        load_sft_dataset(_cfg(tmp_path / "empty", streaming=True))
