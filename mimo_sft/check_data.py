@@ -16,7 +16,9 @@ import time
 from mimo_sft.errors import UserError
 
 CHECK_DATA_FLAGS = {"--workers": "decoding worker processes (default: every CPU; 0: decode in this process)",
-                    "--json": "print the counts and every problem as one JSON object"}
+                    "--json": "print the counts and every problem as one JSON object",
+                    "--write-costs": "write each source's reordering counts (real and image tokens per row) to "
+                                     "--cost-dir, so --reorder-mode index plans without reading rows"}
 
 _COUNT_TEXT = {
     "samples": "samples", "images": "images", "text_only": "text-only samples",
@@ -29,13 +31,15 @@ _COUNT_TEXT = {
 }
 
 
-def _split_args(args: list[str]) -> tuple[int, bool, list[str]]:
-    workers, as_json, rest = os.cpu_count() or 1, False, []
+def _split_args(args: list[str]) -> tuple[int, bool, bool, list[str]]:
+    workers, as_json, costs, rest = os.cpu_count() or 1, False, False, []
     i = 0
     while i < len(args):
         name, eq, inline = args[i].partition("=")
         if name == "--json" and not eq:
             as_json = True
+        elif name == "--write-costs" and not eq:
+            costs = True
         elif name == "--workers":
             if not eq:
                 i += 1
@@ -51,7 +55,7 @@ def _split_args(args: list[str]) -> tuple[int, bool, list[str]]:
         else:
             rest.append(args[i])
         i += 1
-    return workers, as_json, rest
+    return workers, as_json, costs, rest
 
 
 def run_check_data(args: list[str]) -> int:
@@ -59,7 +63,7 @@ def run_check_data(args: list[str]) -> int:
     from mimo_sft.data.check import check_dataset
     from mimo_sft.quiet import quiet_libraries
 
-    workers, as_json, rest = _split_args(list(args))
+    workers, as_json, costs, rest = _split_args(list(args))
     cfg = load_config(rest)
     if not cfg.model.hf_model:
         raise UserError("check-data needs --hf-model DIR: the checkpoint's chat template and image processor "
@@ -68,7 +72,7 @@ def run_check_data(args: list[str]) -> int:
         raise UserError(f"--hf-model {cfg.model.hf_model}: folder not found; point it at a Hugging Face Qwen-VL checkpoint folder")
     quiet_libraries()
     t0 = time.perf_counter()
-    report = check_dataset(cfg.data, model_dir=cfg.model.hf_model, workers=workers)
+    report = check_dataset(cfg.data, model_dir=cfg.model.hf_model, workers=workers, write_costs=costs)
     report["seconds"] = round(time.perf_counter() - t0, 3)
     report["workers"] = workers
     if as_json:
@@ -92,4 +96,6 @@ def _print(report: dict) -> None:
         print(f"  {counts[key]:>12,}  {text}{where}")
     verdict = ("OK: every sample can be trained on" if report["ok"] else
                f"{len(report['problems']):,} problem(s): fix or remove those samples")
+    for path in report.get("cost_files", []):
+        print(f"reordering counts written: {path}")
     print(verdict)

@@ -39,11 +39,11 @@ def _data() -> dict:
     return out
 
 
-def _run(name: str, nproc: int, *, streamed: bool, load=None, components=NON_COLOCATED_4):
+def _run(name: str, nproc: int, *, streamed: bool, load=None, components=NON_COLOCATED_4, extra=()):
     d = _data()
     docs, chat = (d["docs_shards"], d["chat_shards"]) if streamed else (d["docs"], d["chat"])
     flags = [*FLAGS, "--dataset-path", chat, *(["--streaming"] if streamed else []),
-             *(["--load-checkpoint", load] if load else [])]
+             *(["--load-checkpoint", load] if load else []), *extra]
     return finetune(name, nproc, flags, components=components, data=docs)
 
 
@@ -52,8 +52,33 @@ def _streamed():
     return _run("streamed_cont", 4, streamed=True)
 
 
-def _train(run_dir) -> dict:
-    return {m["step"]: {k: v for k, v in m.items() if k.startswith(KEYS)} for m in metrics(run_dir) if "loss" in m}
+def _train(run_dir, keys=KEYS) -> dict:
+    return {m["step"]: {k: v for k, v in m.items() if k.startswith(keys)} for m in metrics(run_dir) if "loss" in m}
+
+
+def test_index_mode_plans_from_check_datas_cost_files():
+    """check-data --write-costs writes each streamed source's counts; a run given them plans from them
+    (the banner names both files) and logs the same plan figures and losses as the run that read rows."""
+    import subprocess
+    import sys
+
+    from train_helpers import tiny_model
+
+    d = _data()
+    costs = new_dir("streamed_costs")
+    flags = ["--hf-model", tiny_model(), "--dataset-path", d["docs_shards"], "--dataset-path", d["chat_shards"],
+             "--streaming", "--dataset-weights", "0.6,0.4", "--seq-length", "160", "--cost-dir", costs]
+    check = subprocess.run([sys.executable, "-m", "mimo_sft", "check-data", *flags, "--write-costs", "--workers", "0"],
+                           capture_output=True, text=True, timeout=300)
+    assert check.returncode == 0, check.stdout + check.stderr
+    assert check.stdout.count("reordering counts written: ") == 2
+    planned = _run("streamed_planned", 4, streamed=True, extra=["--cost-dir", costs])
+    assert planned.proc.stdout.count("mimo-sft: reordering costs from ") == 2, planned.proc.stdout
+    keys = (*KEYS, "reorder_", "vision_load")
+    a, b = _train(_streamed().out, keys), _train(planned.out, keys)
+    assert any(k.startswith(("reorder_", "vision_load")) for k in a[1]), a[1]
+    assert {s: {k: v for k, v in m.items() if not k.endswith("_s")} for s, m in a.items()} == \
+        {s: {k: v for k, v in m.items() if not k.endswith("_s")} for s, m in b.items()}
 
 
 def test_streamed_shards_train_as_the_same_rows_loaded():

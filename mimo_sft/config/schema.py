@@ -58,6 +58,7 @@ class DataConfig:
     messages_column: str = opt("messages", "--messages-column", "column with chat messages (messages schema)")
     images_column: str = opt("images", "--images-column", "column with the sample's images")
     conversations_column: str = opt("conversations", "--conversations-column", "column with ShareGPT/LLaVA turns")
+    cost_dir: Optional[str] = opt(None, "--cost-dir", "folder of the per-row reordering counts that check-data --write-costs writes and --reorder-mode index reads instead of reading rows (default: datasets' cache folder, mimo_sft_costs)")
     streaming: bool = opt(False, "--streaming", "read --dataset-path's parquet shards in place (no Arrow copy of the dataset; rows in shard order, docs/data.md, Streaming sources); WebDataset .tar shards are always read this way")
     image_root: Optional[str] = opt(None, "--image-root", "folder that relative image paths are resolved against (default: the dataset's folder)")
     min_pixels: Optional[int] = opt(None, "--min-pixels", "smallest image area after resizing (default: the processor's)")

@@ -41,11 +41,14 @@ class ChunkReport:
     counts: dict = field(default_factory=lambda: dict.fromkeys(COUNT_KEYS, 0))
     problems: list = field(default_factory=list)
     first: dict = field(default_factory=dict)  # count key -> smallest sample index that had it
+    #: ``--write-costs``: (first index, ``[rows, 2]`` int32 real tokens and image tokens; ``data.cost_file``)
+    costs: list = field(default_factory=list)
 
     def add(self, other: "ChunkReport") -> None:
         for k, v in other.counts.items():
             self.counts[k] += v
         self.problems.extend(other.problems)
+        self.costs.extend(other.costs)
         for k, i in other.first.items():
             self.first[k] = min(i, self.first.get(k, i))
 
@@ -57,21 +60,34 @@ class ChunkReport:
 class _CheckDataset:
     """Item k = the report of the k-th chunk of sample indices (a torch Dataset in shape)."""
 
-    def __init__(self, source, pre, n: int, chunk: int):
-        self.source, self.pre, self.n, self.chunk = source, pre, n, chunk
+    def __init__(self, source, pre, n: int, chunk: int, costs: bool = False):
+        self.source, self.pre, self.n, self.chunk, self.costs = source, pre, n, chunk, costs
 
     def __len__(self) -> int:
         return (self.n + self.chunk - 1) // self.chunk
 
     def __getitem__(self, k: int) -> ChunkReport:
+        import numpy as np
+
+        from mimo_sft.data.cost_file import UNKNOWN
+
         report = ChunkReport()
-        for i in range(k * self.chunk, min(self.n, (k + 1) * self.chunk)):
-            check_sample(self.source, self.pre, i, report)
+        lo, hi = k * self.chunk, min(self.n, (k + 1) * self.chunk)
+        block = np.full((hi - lo, 2), UNKNOWN, dtype=np.int32) if self.costs else None
+        for i in range(lo, hi):
+            counts = check_sample(self.source, self.pre, i, report)
+            if block is not None and counts is not None:
+                block[i - lo] = counts
+        if block is not None:
+            report.costs.append((lo, block))
         return report
 
 
-def check_sample(source, pre, i: int, report: ChunkReport) -> None:
-    """Decode sample ``i`` as training does; count what it changes, or record why it cannot train."""
+def check_sample(source, pre, i: int, report: ChunkReport) -> tuple[int, int] | None:
+    """Decode sample ``i`` as training does; count what it changes, or record why it cannot train.
+    Returns its ``(real tokens, image tokens)`` (``DROPPED``: its image tokens pass --seq-length;
+    None: it could not be encoded), what a cost file holds (``data.cost_file``)."""
+    from mimo_sft.data.cost_file import DROPPED
     from mimo_sft.data.images import image_where, open_sample_image
     from mimo_sft.data.preprocess import TruncatedImageError
 
@@ -91,7 +107,7 @@ def check_sample(source, pre, i: int, report: ChunkReport) -> None:
         report.problems.append(SampleProblem(i, None, f"its image tokens end at token {err.needed} but "
                                                       f"--seq-length is {err.seq_length}; training drops it "
                                                       f"(--on-truncation drop) or stops (error)"))
-        return
+        return DROPPED, 0
     except BadSampleError as err:
         report.flag("bad_samples", i)
         report.problems.append(SampleProblem(i, err.path, err.reason))
@@ -113,6 +129,8 @@ def check_sample(source, pre, i: int, report: ChunkReport) -> None:
         report.flag("truncated_answers", i)
     if sample["answer_empty"]:
         report.flag("empty_answers", i)
+    ids = sample["input_ids"]
+    return len(ids), int((ids == pre.image_token_id).sum())
 
 
 def _identity(x):
@@ -125,25 +143,35 @@ def _worker_init(_worker_id: int) -> None:
     torch.set_num_threads(1)
 
 
-def check_dataset(data_cfg, *, model_dir, workers: int, chunk: int = 256) -> dict:
-    """Every sample of ``data_cfg``'s dataset checked; a JSON-ready dict of counts and problems."""
+def check_dataset(data_cfg, *, model_dir, workers: int, chunk: int = 256, write_costs: bool = False) -> dict:
+    """Every sample of ``data_cfg``'s dataset checked; a JSON-ready dict of counts and problems.
+    ``write_costs``: also write each source's reordering counts to ``--cost-dir`` (``data.cost_file``)."""
+    import numpy as np
     import torch
+
+    from mimo_sft.data.cost_file import UNKNOWN, cost_dir, write_cost_files
 
     from mimo_sft.data.loader import build_preprocessor
     from mimo_sft.data.sources import load_sft_dataset
 
     source = load_sft_dataset(data_cfg, check_files=False)  # missing files are listed below, every one
     pre = build_preprocessor(data_cfg, model_dir)
-    ds = _CheckDataset(source, pre, len(source), chunk)
+    ds = _CheckDataset(source, pre, len(source), chunk, costs=write_costs)
     if workers <= 0:
         items = (ds[k] for k in range(len(ds)))
     else:
         items = iter(torch.utils.data.DataLoader(ds, batch_size=None, collate_fn=_identity, num_workers=workers,
                                                  worker_init_fn=_worker_init))
     total = ChunkReport()
+    counts = np.full((len(source), 2), UNKNOWN, dtype=np.int32) if write_costs else None
     for item in items:
+        for lo, block in item.costs:  # into place as chunks arrive: memory is the two columns
+            counts[lo:lo + len(block)] = block
+        item.costs = []
         total.add(item)
+    files = write_cost_files(source, pre, counts[:, 0], counts[:, 1], cost_dir(data_cfg)) if write_costs else []
     return {
+        "cost_files": files,
         "ok": not total.problems,
         "dataset": str(data_cfg.dataset_path),
         "seq_length": pre.seq_length,

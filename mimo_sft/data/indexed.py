@@ -131,20 +131,35 @@ class ShardCostDataset(MicroBatchDataset):
     ``loads`` (text path only: headers and tokens, no pixel). Bad samples met here are not reported:
     the owner of each sample meets them again when it reads the sample, and reports them once."""
 
-    def __init__(self, source, pre, *, cost_fn: CostFn, load_fn: CostFn | None = None, **kw):
+    def __init__(self, source, pre, *, cost_fn: CostFn, load_fn: CostFn | None = None, counts=None,
+                 count_costs=None, **kw):
         super().__init__(source, pre, need_pixels=False, **kw)
         self.cost_fn, self.load_fn = cost_fn, load_fn
+        #: a cost file's per-row counts (``data.cost_file.SourceCounts``) and the formula that turns
+        #: ``(tokens, image tokens)`` into ``(costs, loads)``; rows without a count are encoded
+        self.counts, self.count_costs = counts, count_costs
 
     def __getitem__(self, indices) -> dict:
         self._bad = []
-        try:
-            texts = [self.encode(i, need_pixels=False) for i in indices]
-        except UserError as err:
-            return {ERROR_KEY: str(err)}
-        fields = collate(texts, pad_id=self.pre.pad_id, need_pixels=False, pixel_dim=self.pre.pixel_dim,
-                         seq_length=self.pre.seq_length if self.pad_to_seq_length else None)
-        costs = [float(c) for c in self.cost_fn(fields)]
-        loads = [float(c) for c in self.load_fn(fields)] if self.load_fn else costs
+        n = len(indices)
+        known = [self.counts.counts(i) for i in indices] if self.counts else [None] * n
+        costs, loads = [0.0] * n, [0.0] * n
+        todo = [k for k, c in enumerate(known) if c is None]
+        if todo:
+            try:
+                texts = [self.encode(indices[k], need_pixels=False) for k in todo]
+            except UserError as err:
+                return {ERROR_KEY: str(err)}
+            fields = collate(texts, pad_id=self.pre.pad_id, need_pixels=False, pixel_dim=self.pre.pixel_dim,
+                             seq_length=self.pre.seq_length if self.pad_to_seq_length else None)
+            got = [float(c) for c in self.cost_fn(fields)]
+            for k, c, ld in zip(todo, got, [float(c) for c in self.load_fn(fields)] if self.load_fn else got):
+                costs[k], loads[k] = c, ld
+        have = [k for k, c in enumerate(known) if c is not None]
+        if have:
+            got, got_loads = self.count_costs([known[k][0] for k in have], [known[k][1] for k in have])
+            for k, c, ld in zip(have, got, got_loads if self.load_fn else got):
+                costs[k], loads[k] = c, ld
         return {"indices": [int(i) for i in indices], "costs": costs, "loads": loads}
 
 
@@ -270,11 +285,14 @@ class IndexedIterator(MicroBatchIterator):
 def build_index_iterator(source, pre, *, sampler_kw: dict, group: Any, dp_rank: int, dp_size: int,
                          n_groups: int, cost_fn: CostFn, load_fn: CostFn | None = None,
                          stats_dp_sizes: Mapping[str, int] | None = None, workers: int, seed: int,
-                         pin_memory: bool = False, **common) -> MicroBatchIterator:
+                         pin_memory: bool = False, cost_folder=None, count_costs=None,
+                         **common) -> MicroBatchIterator:
     """This rank's index-mode iterator. ``sampler_kw``: this rank's :class:`CanonicalSampler`
     arguments; ``group``: the gloo DP group for the cost gather (None, or a DP-1 module: the
     whole-read path); ``workers``: the sample loader's workers, the cost loader gets half of them (at
-    least one when there are any); ``common``: the :class:`MicroBatchDataset` options."""
+    least one when there are any); ``common``: the :class:`MicroBatchDataset` options;
+    ``cost_folder``/``count_costs``: where ``check-data --write-costs`` put the sources' counts, and
+    their cost formula (``data.cost_file``: a source with a file is planned without reading rows)."""
     if n_groups % dp_size:
         raise ValueError(f"DP size {dp_size} does not divide the canonical grid {n_groups}")
     plan_kw = dict(n_groups=n_groups, cost_fn=cost_fn, load_fn=load_fn, stats_dp_sizes=stats_dp_sizes)
@@ -286,11 +304,19 @@ def build_index_iterator(source, pre, *, sampler_kw: dict, group: Any, dp_rank: 
         return MicroBatchIterator(loader, sampler, dataset)
     cost_workers = max(1, workers // 2) if workers > 0 else 0
     cost_common = {k: v for k, v in common.items() if k != "need_pixels"}
-    costs = ShardCostDataset(source, pre, cost_fn=cost_fn, load_fn=load_fn, **cost_common)
+    counts = None
+    if cost_folder is not None and count_costs is not None:
+        from mimo_sft.data.cost_file import SourceCounts, load_cost_tables
+
+        counts = SourceCounts(source, load_cost_tables(source, pre, cost_folder)) or None
+    costs = ShardCostDataset(source, pre, cost_fn=cost_fn, load_fn=load_fn, counts=counts, count_costs=count_costs,
+                             **cost_common)
     cost_loader = data_loader(costs, sampler, workers=cost_workers, seed=seed)
     planner = IndexPlanner(iter(cost_loader), group=group, dp_rank=dp_rank, dp_size=dp_size, n_groups=n_groups,
                            per=sampler.mbs // dp_size, stats_dp_sizes=stats_dp_sizes, threaded=cost_workers > 0)
     owned = OwnedSamplesDataset(source, pre, **common)
     plans = PlanSampler(planner)
     loader = data_loader(owned, plans, workers=workers, seed=seed, pin_memory=pin_memory)
-    return IndexedIterator(loader, sampler, owned, planner)
+    it = IndexedIterator(loader, sampler, owned, planner)
+    it.cost_files = [t.path for t in counts.tables if t is not None] if counts else []  # said in the banner
+    return it

@@ -120,6 +120,7 @@ class SamplePreprocessor:
         from mimo_sft.data.processor import _pil_kwargs
 
         processor = load_processor(model_dir)
+        self.model_dir = str(model_dir)  # what a cost file's key hashes (data.cost_file)
         self.tokenizer = processor.tokenizer
         self.chat_template = processor.chat_template
         ip = processor.image_processor

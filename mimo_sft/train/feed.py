@@ -69,14 +69,16 @@ class Feed:
         self.counters = StepCounters()
         #: the training mixture (``data.mixture.MixtureSource``; None: one dataset), set by build_feed
         self.mixture = None
-        #: the training source and what places a stream position in it (``stream_position``), set by build_feed
-        self.source, self.position_args = None, {}
+        #: the training data source and what places a stream position in it (``stream_position``), set by build_feed
+        self.train_source, self.position_args = None, {}
 
     def stream_position(self, consumed_samples: int) -> dict:
         """Where each streamed source stands after ``consumed_samples`` (meta.json's ``streams``; empty: none)."""
         from mimo_sft.data.streamed import stream_position
 
-        return stream_position(self.source, consumed_samples, **self.position_args) if self.source is not None else {}
+        if self.train_source is None:
+            return {}
+        return stream_position(self.train_source, consumed_samples, **self.position_args)
 
     # ---- schedule side ----------------------------------------------------------------------
     def __iter__(self) -> "Feed":
@@ -163,7 +165,7 @@ def build_feed(cfg, layout, pstate, info, *, consumed_samples: int, train_source
     source = train_source if train_source is not None else checked_source(cfg, pstate)
     feed = _build_feed(cfg, layout, pstate, info, consumed_samples=consumed_samples, source=source)
     feed.mixture = source if isinstance(source, MixtureSource) else None
-    feed.source = source
+    feed.train_source = source
     feed.position_args = dict(seed=cfg.train.seed, micro_batch_size=cfg.train.micro_batch_size,
                               drop_last=cfg.data.drop_last)
     return feed
@@ -211,7 +213,13 @@ def _build_feed(cfg, layout, pstate, info, *, consumed_samples: int, source) -> 
     index = None
     if r.enabled and r.mode == "index":
         # the shard costs' all-gather runs on the reorder thread's own gloo DP group (data.indexed)
+        from mimo_sft.data.cost_file import cost_dir
+        from mimo_sft.data.reorder.cost_model import make_count_cost_fn
+
+        count_costs = make_count_cost_fn(encoder_cost_weight=r.encoder_cost_weight,
+                                         language_cost_weight=r.language_cost_weight, merge_size=info.spatial_merge_size)
         index = dict(n_groups=layout.canonical_grid, cost_fn=cost_fn, load_fn=load_fn, stats_dp_sizes=stats_dp,
+                     cost_folder=cost_dir(cfg.data), count_costs=count_costs,
                      group=pstate.modules[module].reorder_side_gloo)
     it = build_microbatch_iterator(cfg.data, dp_size=spec.dp, dp_rank=coord.dp, need_pixels=module != LANGUAGE,
                                    index_reorder=index, **common)

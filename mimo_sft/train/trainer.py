@@ -226,6 +226,8 @@ class Trainer:
               f"mimo-sft: {self._checkpoint_plan()}", flush=True)
         if self.feed.mixture is not None:
             print(f"mimo-sft: data mixture: {self.feed.mixture.rows_text()}", flush=True)
+        for path in getattr(self.feed.source, "cost_files", ()):  # check-data --write-costs: no row read to plan
+            print(f"mimo-sft: reordering costs from {path}", flush=True)
 
     def _checkpoint_plan(self) -> str:
         """Where the weights go and how often, said before step 0 (a run must never end without

@@ -127,3 +127,21 @@ def make_patch_count_fn(
         return [float(c) for c in patch_counts(ids, image_token_id=image_token_id, merge_size=merge_size).tolist()]
 
     return load_fn
+
+
+def make_count_cost_fn(
+    *, encoder_cost_weight: float = 1.0, language_cost_weight: float = 0.0, merge_size: int
+) -> Callable[[Sequence[int], Sequence[int]], tuple[list[float], list[float]]]:
+    """``fn(real tokens, image tokens) -> (costs, loads)``: what :func:`make_cost_fn` and
+    :func:`make_patch_count_fn` give for samples with these counts, from the counts alone (a cost
+    file's, ``data.cost_file``): patches ``image tokens * merge^2``, then :func:`weighted_costs`."""
+    _check_weights(encoder_cost_weight, language_cost_weight)
+
+    def fn(tokens: Sequence[int], image_tokens: Sequence[int]) -> tuple[list[float], list[float]]:
+        patches = torch.as_tensor(list(image_tokens), dtype=torch.int64) * (merge_size * merge_size)
+        real = torch.as_tensor(list(tokens), dtype=torch.float64) if language_cost_weight else None
+        costs = weighted_costs(patches, real, encoder_cost_weight=encoder_cost_weight,
+                               language_cost_weight=language_cost_weight)
+        return costs, [float(p) for p in patches.tolist()]
+
+    return fn

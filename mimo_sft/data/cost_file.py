@@ -1,0 +1,142 @@
+"""Per-row reordering counts written once by ``check-data --write-costs``: index mode then plans a
+micro-batch without reading any of its rows.
+
+Why: index-mode reordering (``data.indexed``) needs every sample's cost -- its real tokens and its
+image tokens -- before anyone reads the sample. Without this file each rank runs the text path of its
+canonical share (the row's text, its image headers, the tokenizer), which for a streamed source
+means reading the row groups its share falls in, image bytes included, once for the costs and once
+more by the owner. ``check-data`` already runs that text path on every row, so it can keep the two
+counts per row (8 bytes) and write them: with the file, a rank's cost work per micro-batch is an
+array lookup.
+
+Exactness: a cost is :func:`reorder.cost_model.weighted_costs` of ``(image tokens * merge^2, real
+tokens)``, the counts ``batch_costs`` reads from ``input_ids`` and ``attention_mask``; the file holds
+those same counts of the same encode, so plans and losses equal the computed ones bit for bit
+(tests/test_cost_file.py). A row whose image tokens pass ``--seq-length`` is marked :data:`DROPPED`
+and replaced by the next row of its source, as ``MicroBatchDataset.encode`` does; a row that could
+not be encoded (a bad image, a broken message) is :data:`UNKNOWN` and computed at run time.
+
+Staleness: the file is named by a key over what the counts depend on -- the rows (datasets'
+fingerprint, or the shards' paths, sizes and modification times), the columns and image folder, the
+checkpoint's tokenizer, chat template and processor files, ``--seq-length`` and the pixel bounds --
+so a changed input finds no file and the costs are computed as before, never read stale.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+
+#: bump when the text path's counts change for the same inputs
+COST_FORMAT = 1
+DROPPED, UNKNOWN = -1, -2
+#: the checkpoint files that decide how a row is tokenised and how many image tokens it gets
+MODEL_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt",
+               "special_tokens_map.json", "added_tokens.json", "chat_template.json", "chat_template.jinja",
+               "preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json")
+
+
+def cost_dir(data_cfg) -> Path:
+    """``--cost-dir``, else ``cost_files`` in datasets' cache folder."""
+    if getattr(data_cfg, "cost_dir", None):
+        return Path(data_cfg.cost_dir).expanduser()
+    import datasets
+
+    return Path(datasets.config.HF_DATASETS_CACHE) / "mimo_sft_costs"
+
+
+def cost_key(source, pre) -> str:
+    """What names one source's counts (module docstring)."""
+    h = hashlib.sha256()
+    for part in (COST_FORMAT, source.content_key(), source.image_root, source.base_dir, len(source), source.schema,
+                 source.text_column, source.images_column, pre.seq_length, pre.min_pixels, pre.max_pixels,
+                 pre.max_image_pixels):
+        h.update(f"{part}\0".encode())
+    for name in MODEL_FILES:
+        f = Path(pre.model_dir) / name
+        if f.is_file():
+            h.update(name.encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()[:32]
+
+
+@dataclass
+class CostTable:
+    """One source's counts per row (int32 columns of one ``[rows, 2]`` ``.npy``; :data:`DROPPED` /
+    :data:`UNKNOWN` where no count)."""
+
+    tokens: np.ndarray
+    image_tokens: np.ndarray
+    path: str
+
+    def counts(self, row: int, rows: int) -> Optional[tuple[int, int]]:
+        """``(real tokens, image tokens)`` of the sample that row ``row`` gives (a dropped row: the
+        next row of the source that fits); None where it must be computed."""
+        for _ in range(rows):
+            t = int(self.tokens[row])
+            if t == UNKNOWN:
+                return None
+            if t != DROPPED:
+                return t, int(self.image_tokens[row])
+            row = (row + 1) % rows
+        return None  # no row fits: the encode path raises the user error
+
+
+def parts_of(source) -> list:
+    """A mixture's sources, or the one source."""
+    return list(getattr(source, "parts", None) or [source])
+
+
+def write_cost_files(source, pre, tokens: np.ndarray, image_tokens: np.ndarray, folder: Path) -> list[str]:
+    """The counts of ``source``'s rows (a mixture: in its global index order), one file per source,
+    each written atomically; returns the paths."""
+    folder.mkdir(parents=True, exist_ok=True)
+    paths, start = [], 0
+    for part in parts_of(source):
+        n = len(part)
+        path = folder / f"{cost_key(part, pre)}.npy"
+        tmp = path.with_name(f".{path.stem}.{os.getpid()}.npy")
+        with open(tmp, "wb") as f:
+            np.save(f, np.stack([tokens[start:start + n], image_tokens[start:start + n]], axis=1).astype(np.int32))
+        os.replace(tmp, path)
+        paths.append(str(path))
+        start += n
+    return paths
+
+
+def load_cost_tables(source, pre, folder: Path) -> list[Optional[CostTable]]:
+    """Each source's table where a file with its key exists (None: computed at run time)."""
+    out: list[Optional[CostTable]] = []
+    for part in parts_of(source):
+        path = folder / f"{cost_key(part, pre)}.npy"
+        table = None
+        if path.is_file():
+            try:  # memory-mapped: the node's ranks and workers share one copy in the page cache
+                both = np.load(path, mmap_mode="r")
+                if both.shape == (len(part), 2):
+                    table = CostTable(both[:, 0], both[:, 1], str(path))
+            except (OSError, ValueError):
+                table = None  # unreadable: computed instead
+        out.append(table)
+    return out
+
+
+class SourceCounts:
+    """Global index of ``source`` -> the table's counts (a mixture's index names a source and a row)."""
+
+    def __init__(self, source, tables: list[Optional[CostTable]]):
+        self.source, self.tables = source, tables
+        self.mixture = getattr(source, "parts", None) is not None
+        self.sizes = [len(p) for p in parts_of(source)]
+
+    def __bool__(self) -> bool:
+        return any(t is not None for t in self.tables)
+
+    def counts(self, idx: int) -> Optional[tuple[int, int]]:
+        s, row = self.source.locate(idx) if self.mixture else (0, int(idx))
+        table = self.tables[s]
+        return None if table is None else table.counts(row, self.sizes[s])
