@@ -95,3 +95,23 @@ def test_a_resumed_mixture_continues_the_same_global_order():
     refused = finetune("mixture_refused", 4, other, components=NON_COLOCATED_4, data=_sources()[0], check=False)
     assert refused.proc.returncode != 0 and "the dataset mixture differs from the checkpoint's" in \
         refused.proc.stdout + refused.proc.stderr
+
+
+def test_evaluate_reports_each_sources_validation_loss():
+    """``mimo-sft evaluate`` on the last checkpoint with a validation set per source gives what the
+    run's own evaluation after step 4 logged, per source too."""
+    from train_helpers import tiny_model, torchrun
+
+    run = _continuous()
+    docs, _chat, docs_valid, chat_valid = _sources()
+    (logged,) = _rows(run.out)[1]
+    proc = torchrun(4, [os.path.join(run.out, "checkpoints", "iter_0000004"), "--hf-model", tiny_model(),
+                        "--dataset-path", docs, "--dataset-path", _sources()[1], "--dataset-weights", "0.7,0.3",
+                        "--valid-dataset-path", docs_valid, "--valid-dataset-path", chat_valid, *FLAGS, "--json",
+                        *[x for c in NON_COLOCATED_4 for x in ("--component", c)]], command="evaluate")
+    (line,) = [x for x in proc.stdout.splitlines() if x.startswith("{")]
+    got = json.loads(line)
+    assert math.isclose(got["loss"], logged["valid_loss"], rel_tol=1e-6)
+    for name in ("docs", "chat"):
+        assert math.isclose(got["sources"][name]["loss"], logged[f"valid_loss/{name}"], rel_tol=1e-6), name
+        assert got["sources"][name]["tokens"] == logged[f"valid_tokens/{name}"]

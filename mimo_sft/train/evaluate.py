@@ -212,14 +212,21 @@ def _evaluate(cfg, layout, as_json: bool) -> int:
     if ctx.is_metrics_rank:
         what = {"checkpoint": ckpt, "hf_model": cfg.model.hf_model,
                 "dataset": cfg.data.valid_dataset_path or cfg.data.dataset_path}
+        per_source = {name: {"loss": result.valid_sources.get(f"valid_loss/{name}"),
+                             "tokens": result.valid_sources.get(f"valid_tokens/{name}")}
+                      for name in getattr(source, "names", None) or []}
         if as_json:
             print(json.dumps({**what, "loss": result.valid_loss, "perplexity": result.valid_ppl,
                               "tokens": result.valid_tokens, "samples": result.valid_samples,
-                              "time_s": result.valid_time_s}), flush=True)
+                              "time_s": result.valid_time_s, **({"sources": per_source} if per_source else {})}),
+                  flush=True)
         else:
             print(f"mimo-sft evaluate: {ckpt or cfg.model.hf_model} on {what['dataset']}: loss {result.valid_loss:.6f} | "
                   f"perplexity {result.valid_ppl:.4f} | {result.valid_tokens:.0f} tokens in {result.valid_samples} "
                   f"samples | {result.valid_time_s:.1f} s", flush=True)
+            for name, one in per_source.items():  # a validation set per source: each one's loss
+                loss = "no supervised tokens" if one["loss"] is None else f"loss {one['loss']:.6f}"
+                print(f"mimo-sft evaluate:   source {name}: {loss} | {one['tokens'] or 0:.0f} tokens", flush=True)
     sys.stdout.flush()
     dist.barrier()
     dist.destroy_process_group()
