@@ -174,3 +174,19 @@ def test_bad_shards_get_one_line(data, tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(UserError, match="no .parquet or .tar shards found"):
         load_sft_dataset(_cfg(tmp_path / "empty", streaming=True))
+
+
+def test_validate_refuses_random_access_on_a_streamed_source_before_any_process(data):
+    from typer.testing import CliRunner
+
+    from mimo_sft.cli import app
+
+    res = CliRunner().invoke(app, ["validate", "--dataset-path", str(data / "pq"), "--streaming",
+                                   "--dataloader-type", "cyclic", "--valid-split", "0.1"])
+    assert res.exit_code == 2, res.output
+    assert f"[17] --dataset-path {data / 'pq'} is streamed (shards read in order): --dataloader-type cyclic" in res.output
+    assert "or drop --streaming to load it through datasets" in res.output
+    assert "--valid-split holds out random rows of it" in res.output and "Traceback" not in res.output
+    res = CliRunner().invoke(app, ["validate", "--dataset-path", str(data / "wds"), "--dataloader-type", "cyclic"])
+    assert res.exit_code == 2 and "is streamed (shards read in order)" in res.output
+    assert "drop --streaming" not in res.output  # tars are streamed without the flag

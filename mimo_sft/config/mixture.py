@@ -184,10 +184,11 @@ def path_exists(path: str) -> bool:
 def random_access_problems(data_cfg, label: str) -> list[str]:
     """One line per setting that a streamed source (``label``) cannot serve without random access."""
     out = []
+    tars = not getattr(data_cfg, "streaming", False)  # streamed for being WebDataset tars, not for the flag
     if getattr(data_cfg, "dataloader_type", "single") == "cyclic":
         out.append(f"{label} is streamed (shards read in order): --dataloader-type cyclic reshuffles every row "
                    "of it each epoch, which needs random access; use --dataloader-type single (shuffle the rows "
-                   "once when writing the shards), or drop --streaming to load it through datasets")
+                   "once when writing the shards)" + ("" if tars else ", or drop --streaming to load it through datasets"))
     if getattr(data_cfg, "valid_split", None) not in (None, "", "0"):
         out.append(f"{label} is streamed: --valid-split holds out random rows of it, which needs random access; "
                    "give its validation set with --valid-dataset-path instead")
