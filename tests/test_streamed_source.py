@@ -9,6 +9,7 @@ import os
 import tarfile
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from mimo_sft.config.schema import DataConfig
@@ -80,15 +81,17 @@ def test_tar_index_is_cached_and_rebuilt_when_a_shard_changes(data, tmp_path, mo
     shard = tmp_path / "one.tar"
     shard.write_bytes((data / "wds" / "shard-000000.tar").read_bytes())
     first = shards.cached_tar_index(str(shard))
-    (cached,) = list((tmp_path / "c" / "mimo_sft_tar_index").glob("*.npz"))
+    cached = sorted((tmp_path / "c" / "mimo_sft_tar_index").glob("*.npy"))
+    assert len(cached) == 2  # samples and images
     again = shards.cached_tar_index(str(shard))
-    assert all((first[k] == again[k]).all() for k in first)
+    assert isinstance(again["samples"], np.memmap)  # read from the cache, shared through the page cache
+    assert all((np.asarray(first[k]) == np.asarray(again[k])).all() for k in first)
     rows = demo_rows(4, seed=9)
     write_shards(rows, tmp_path / "new", shards=1, kind="webdataset")
     shard.write_bytes((tmp_path / "new" / "shard-000000.tar").read_bytes())
     os.utime(shard, ns=(1, 1))
-    assert len(shards.cached_tar_index(str(shard))["json_off"]) == 4
-    assert cached.exists() and len(list(cached.parent.glob("*.npz"))) == 2
+    assert len(shards.cached_tar_index(str(shard))["samples"]) == 4 + 1
+    assert all(c.exists() for c in cached) and len(list(cached[0].parent.glob("*.npy"))) == 4
 
 
 def test_a_mixture_with_a_streamed_source(data):

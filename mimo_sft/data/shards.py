@@ -15,10 +15,10 @@ reordering and the resume from ``consumed_samples`` work unchanged, in the same 
 DP size. What is read:
 
 * **tar**: a sample's members, each one ``pread`` of its own bytes. Only plain ``.tar`` shards can be
-  read in place (a compressed tar has no member offsets; it is refused). The index (three integer
-  arrays per shard, from the headers only) is cached in ``datasets``' cache folder, keyed by the
-  shard's path, size and modification time, so the node's other ranks and a resumed run read it
-  instead of the headers.
+  read in place (a compressed tar has no member offsets; it is refused). The index (two integer
+  arrays per shard, from the headers only: 24 bytes a sample, 16 an image) is cached in ``datasets``'
+  cache folder, keyed by the shard's path, size and modification time, and memory-mapped from there,
+  so the node's other ranks and a resumed run read it instead of the headers and share one copy.
 * **parquet**: a row is read with its row group (parquet's unit of reading), only the columns the
   source uses; a process keeps its last :data:`CACHED_GROUPS` row groups, so the consecutive rows of
   a rank's share of a micro-batch cost one read. Every data rank reads the row groups its own samples
@@ -255,9 +255,9 @@ def _tar_index(path: str) -> dict:
     except tarfile.ReadError as err:
         raise UserError(f"--dataset-path: shard {path} is not a readable tar ({err}); WebDataset shards are plain "
                         ".tar files") from None
-    arr = lambda xs: np.asarray(xs, dtype=np.int64)  # noqa: E731
-    return {"json_off": arr(json_off), "json_size": arr(json_size), "img_off": arr(img_off),
-            "img_size": arr(img_size), "img_start": arr(img_start)}
+    samples = np.asarray([json_off, json_size, img_start[:-1]], dtype=np.int64).T.reshape(-1, 3)
+    samples = np.concatenate([samples, [[0, 0, len(img_off)]]]).astype(np.int64)
+    return {"samples": samples, "images": np.asarray([img_off, img_size], dtype=np.int64).T.reshape(-1, 2)}
 
 
 def _index_cache_dir() -> Path:
@@ -270,22 +270,27 @@ def _index_cache_dir() -> Path:
 
 
 def cached_tar_index(path: str) -> dict:
-    """:func:`_tar_index`, read from (or written atomically to) the index cache."""
+    """:func:`_tar_index`: ``samples`` (per sample the ``.json`` member's offset and size and its first
+    image's number, plus one closing row) and ``images`` (offset, size), read memory-mapped from the
+    index cache (the node's ranks and workers share one copy in the page cache) or built and written
+    there atomically."""
     st = os.stat(path)
     key = hashlib.sha256(f"{os.path.abspath(path)}\0{st.st_size}\0{st.st_mtime_ns}".encode()).hexdigest()[:32]
-    cache = _index_cache_dir() / f"{key}.npz"
-    if cache.is_file():
+    folder = _index_cache_dir()
+    files = {name: folder / f"{key}.{name}.npy" for name in ("samples", "images")}
+    if all(f.is_file() for f in files.values()):
         try:
-            with np.load(cache) as z:
-                return {k: z[k] for k in z.files}
+            return {name: np.load(f, mmap_mode="r") for name, f in files.items()}
         except (OSError, ValueError):
             pass
     index = _tar_index(path)
     try:
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cache.with_name(f".{cache.stem}.{os.getpid()}.npz")
-        np.savez(tmp, **index)
-        os.replace(tmp, cache)
+        folder.mkdir(parents=True, exist_ok=True)
+        for name in ("images", "samples"):  # samples last: a reader that finds it finds both
+            tmp = folder / f".{key}.{name}.{os.getpid()}.npy"
+            with open(tmp, "wb") as fh:
+                np.save(fh, index[name])
+            os.replace(tmp, files[name])
     except OSError:
         pass  # a read-only cache: the index is rebuilt next time
     return index
@@ -298,7 +303,7 @@ class TarShards(_Rows):
 
     def __init__(self, files: list[Path]):
         self.index = [cached_tar_index(str(f)) for f in files]
-        super().__init__(files, [len(ix["json_off"]) for ix in self.index])
+        super().__init__(files, [len(ix["samples"]) - 1 for ix in self.index])
         self._open: dict = {}
         self._cache: OrderedDict = OrderedDict()
 
@@ -315,8 +320,8 @@ class TarShards(_Rows):
     def row(self, i: int) -> dict:
         """Row ``i``: its ``.json`` object."""
         s, r = self.locate(i)
-        ix = self.index[s]
-        text = self._read(s, ix["json_off"][r], ix["json_size"][r])
+        off, size, _ = self.index[s]["samples"][r]
+        text = self._read(s, off, size)
         try:
             row = json.loads(text)
         except ValueError as err:
@@ -329,9 +334,9 @@ class TarShards(_Rows):
     def images(self, i: int) -> list[bytes]:
         """Row ``i``'s image members' bytes, in field order."""
         s, r = self.locate(i)
-        ix = self.index[s]
-        a, b = int(ix["img_start"][r]), int(ix["img_start"][r + 1])
-        return [self._read(s, ix["img_off"][j], ix["img_size"][j]) for j in range(a, b)]
+        samples, images = self.index[s]["samples"], self.index[s]["images"]
+        a, b = int(samples[r][2]), int(samples[r + 1][2])
+        return [self._read(s, *images[j]) for j in range(a, b)]
 
     def first_row(self) -> dict:
         return self.row(0) if len(self) else {}
