@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from data_fixtures import tiny_ckpt  # noqa: F401  (session fixture)
 from mimo_sft.config.schema import DataConfig
 from mimo_sft.data.mixture import MixtureSource
 from mimo_sft.data.sources import load_sft_dataset
@@ -193,3 +194,27 @@ def test_validate_refuses_random_access_on_a_streamed_source_before_any_process(
     res = CliRunner().invoke(app, ["validate", "--dataset-path", str(data / "wds"), "--dataloader-type", "cyclic"])
     assert res.exit_code == 2 and "is streamed (shards read in order)" in res.output
     assert "drop --streaming" not in res.output  # tars are streamed without the flag
+
+
+def test_decoding_workers_read_a_streamed_mixture_as_the_loaded_one(data, tiny_ckpt):  # noqa: F811
+    """Two DataLoader workers per iterator over parquet shards and tars (their open files and row-group
+    caches forked into the workers) give the micro-batches of the loaded rows, pixels included."""
+    import torch
+
+    from mimo_sft.data.loader import build_microbatch_iterator, build_preprocessor
+
+    def batches(paths, streaming, workers):
+        cfg = dataclasses.replace(_cfg(None), seq_length=160, streaming=streaming, datasets=[
+            {"path": str(p), "name": n} for n, p in zip(("a", "b"), paths)])
+        it = build_microbatch_iterator(cfg, model_dir=tiny_ckpt, micro_batch_size=8, canonical_grid=2, dp_size=2,
+                                       dp_rank=1, need_pixels=True, seed=2, num_workers=workers,
+                                       preprocessor=build_preprocessor(cfg, tiny_ckpt))
+        out = [next(it) for _ in range(6)]
+        it.shutdown() if hasattr(it, "shutdown") else None
+        return out
+
+    loaded = batches([data / "full.parquet", data / "full.parquet"], False, 0)
+    streamed = batches([data / "pq", data / "wds"], True, 2)
+    for a, b in zip(loaded, streamed):
+        for key in ("input_ids", "labels", "sample_ids", "pixel_values", "image_grid_thw"):
+            assert torch.equal(a[key], b[key]), key
