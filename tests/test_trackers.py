@@ -4,6 +4,8 @@ resolved config once and every row it writes to metrics.jsonl; a missing package
 
 import json
 import os
+import signal
+import threading
 
 import pytest
 
@@ -11,7 +13,7 @@ from mimo_sft.config import trackers as tracker_cfg
 from mimo_sft.validate import check_config
 from mimo_sft.config.schema import ExperimentConfig, LoggingConfig
 from mimo_sft.train.metrics import MetricsLogger
-from mimo_sft.train.trackers import open_trackers
+from mimo_sft.train.trackers import WandbTracker, open_trackers
 from tracker_helpers import mlflow_runs, wandb_offline_run
 
 
@@ -34,6 +36,8 @@ def test_logger_sends_config_and_every_row_to_both_trackers(tmp_path, monkeypatc
     written = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
     assert [r["step"] for r in written] == [1, 2, 3]
 
+    # read at once, as a rank that exits right after close() leaves it: close() must not return before
+    # wandb-core has written the run's records (finish() alone returns while only the header is on disk)
     wb = wandb_offline_run(os.path.join(out, "wandb"))
     assert (wb["project"], wb["name"]) == ("proj", "exp1")
     assert wb["config"]["optimizer"]["lr"] == 1e-3, wb["config"]
@@ -45,6 +49,34 @@ def test_logger_sends_config_and_every_row_to_both_trackers(tmp_path, monkeypatc
     assert ml["params"]["optimizer.lr"] == "0.001"
     assert ml["metrics"]["loss"] == {1: 5.0, 2: 2.5, 3: 5.0 / 3}
     assert set(ml["metrics"]) == {"loss", "lr", "update_ok"}
+
+
+def test_wandb_run_file_is_complete_when_close_returns_even_if_wandb_core_lags(tmp_path, monkeypatch):
+    """wandb-core writes an offline run's records only when it handles finish()'s last message, which
+    finish() does not wait for; under load it handles it late. Pausing the service (SIGSTOP, 0.5 s) just
+    before that message makes the lag certain: with ``run.finish()`` alone only the file's header is there."""
+    import psutil
+    from wandb.sdk.lib.service import service_connection
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    inform_finish = service_connection.ServiceConnection.inform_finish
+
+    def lagging(self, run_id):
+        cores = [p for p in psutil.Process().children() if "wandb-core" in p.name()]
+        assert cores, "no wandb-core child process to pause"
+        for core in cores:
+            core.send_signal(signal.SIGSTOP)
+            threading.Timer(0.5, core.send_signal, (signal.SIGCONT,)).start()
+        inform_finish(self, run_id)
+
+    monkeypatch.setattr(service_connection.ServiceConnection, "inform_finish", lagging)
+    tracker = WandbTracker(project="proj", name="lag", save_dir=str(tmp_path), config={"seed": 7})
+    tracker.log_metrics({"step": 1, "loss": 2.0}, 1)
+    tracker.close()
+    wb = wandb_offline_run(str(tmp_path))
+    assert (wb["project"], wb["name"], wb["config"]["seed"]) == ("proj", "lag", 7), wb
+    assert [(h["_step"], h["loss"]) for h in wb["history"]] == [(1, 2.0)]
 
 
 def test_disabled_logger_opens_no_tracker_files(tmp_path):

@@ -52,7 +52,19 @@ class WandbTracker:
         self.run.log(numbers(row), step=step)
 
     def close(self) -> None:
+        """Finish the run, then stop wandb's service process, so that the run's ``.wandb`` file is complete
+        when this returns.
+
+        ``finish()`` returns once wandb-core has answered the exit record, but wandb-core keeps the file's
+        records in memory (only the header is on disk) until it closes the run's stream, on a message that
+        ``finish()`` sends without waiting for it. A rank that leaves right after (``launch._abort`` uses
+        ``os._exit``, which skips wandb's atexit teardown) leaves wandb-core to see its parent gone and stop
+        without writing them. ``wandb.teardown()`` waits for the service to exit, which it does only after
+        it has closed that stream; a later ``wandb.init`` starts a new one."""
+        import wandb
+
         self.run.finish()
+        wandb.teardown()
 
 
 class MLflowTracker:
