@@ -1,9 +1,11 @@
-"""Tiny Qwen2.5-VL checkpoints built in memory, and the per-rank bodies of the model parity tests.
+"""Tiny checkpoints built in memory, the per-rank bodies of the model parity tests, and the setup the
+one-process family tests share.
 
 Checkpoints are written with transformers' own ``save_pretrained`` (optionally re-sharded with an
 index, or renamed to the ``model.visual.*`` / ``model.language_model.*`` layout) so the loader sees
 exactly what users have on disk. Weights use a larger init range than HF's default so a layout bug
-moves the logits visibly.
+moves the logits visibly; :func:`perturbed_tiny_checkpoint` does the same for any family's tiny
+checkpoint, and :func:`hf_and_mimo` / :func:`trained_lora_model` build what its tests compare.
 """
 
 from __future__ import annotations
@@ -225,3 +227,71 @@ def worker_pp2_non_colocated(rank: int, world: int, hf_dir: str, ref_path: str):
         model.set_input_tensor(comm.recv_forward(tensor_shape=(S, B, info.hidden_size)))
         logits, _ = model(input_ids=batch["input_ids"], position_ids=ref["pos"], attention_mask=None)
     return compare(logits[..., : info.vocab_size], ref["logits"], batch["attention_mask"])
+
+
+def perturbed_tiny_checkpoint(tmp_path_factory, family: str, *, text_layers: int, norm_scale: float = 0.1,
+                              edit_config=None) -> str:
+    """A tiny ``family`` checkpoint (``testing.tiny_checkpoint``: 2 vision blocks, 2 KV heads, untied) with
+    every tensor moved away from its init, so a wrong layout or a missing tensor shows in the logits.
+
+    Routers and shared-expert gates move by 0.5 (routing far from uniform), norms (zero-centred ones are 0
+    at init), biases, ``A_log`` and ``dt_bias`` by ``norm_scale``, every other weight by 0.03 (seed 1).
+    ``edit_config`` changes the config.json dict before transformers reads the model back."""
+    import json
+
+    from mimo_sft.model.registry import get_family
+    from mimo_sft.testing.tiny_checkpoint import write_tiny_checkpoint
+
+    out = write_tiny_checkpoint(tmp_path_factory.mktemp(family) / "m", family=family, text_layers=text_layers,
+                                vision_depth=2, tie_embeddings=False, kv_heads=2)
+    if edit_config is not None:
+        cfg = json.loads((out / "config.json").read_text())
+        edit_config(cfg)
+        (out / "config.json").write_text(json.dumps(cfg))
+    model_class = get_family({"model_type": family}, hf_dir=str(out)).hf_model_class()
+    model = model_class.from_pretrained(str(out), dtype=torch.float32)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            moved = "norm" in name or name.endswith(("bias", "A_log", "dt_bias"))
+            scale = 0.5 if name.endswith(("mlp.gate.weight", "shared_expert_gate.weight")) else (
+                norm_scale if moved else 0.03)
+            p.add_(scale * torch.randn_like(p))
+    model.save_pretrained(str(out))
+    return str(out)
+
+
+def hf_eager(hf_dir: str):
+    """transformers' model of ``hf_dir`` as the comparisons run it: eager attention, fp32, eval mode."""
+    from transformers import AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText.from_pretrained(hf_dir, attn_implementation="eager",
+                                                       dtype=torch.float32).eval()
+
+
+def hf_and_mimo(hf_dir: str):
+    """(transformers' model, ours from ``build_single_process_model``, its ``ModelInfo``), both in eval mode."""
+    from mimo_sft.model.builder import build_single_process_model
+
+    hf = hf_eager(hf_dir)
+    ours, info = build_single_process_model(hf_dir)
+    return hf, ours.eval(), info
+
+
+def trained_lora_model(hf_dir: str):
+    """(our model of ``hf_dir`` with the default LoRA targets, every trainable tensor moved by 0.05 so B is
+    away from 0 and a mapping mistake shows; its info; the spec, rank 2 and alpha 6 so a wrong scaling shows),
+    in eval mode."""
+    from mimo_sft.config.lora import DEFAULT_TARGETS, LoraSpec, split_targets
+    from mimo_sft.model.builder import build_single_process_model
+    from mimo_sft.model.lora import apply_lora
+
+    model, info = build_single_process_model(hf_dir)
+    spec = LoraSpec(2, 6.0, 0.0, tuple(split_targets(DEFAULT_TARGETS)))
+    apply_lora(model, spec, seed=1)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.add_(0.05 * torch.randn(p.shape, generator=gen))
+    return model.eval(), info, spec

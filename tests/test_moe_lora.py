@@ -11,60 +11,34 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
-from mimo_sft.config.lora import DEFAULT_TARGETS, split_targets
+from model_helpers import hf_eager, perturbed_tiny_checkpoint, trained_lora_model
 
 TOL = 1e-5
 BATCH = dict(image_grids=[[(4, 6)], [(2, 2), (6, 4)]], text_only=1, text_len=30)
 PEFT_PREFIX = "base_model.model."
 
 
+def _middle_layer_dense(cfg: dict) -> None:
+    cfg["text_config"]["mlp_only_layers"] = [1]
+
+
 @pytest.fixture(scope="module")
 def moe_dir(tmp_path_factory):
-    from transformers import Qwen3VLMoeForConditionalGeneration
-
-    from mimo_sft.testing.tiny_checkpoint import write_tiny_checkpoint
-
-    out = write_tiny_checkpoint(tmp_path_factory.mktemp("moelora") / "m", family="qwen3_vl_moe", text_layers=3,
-                                tie_embeddings=False)
-    cfg = json.loads((out / "config.json").read_text())
-    cfg["text_config"]["mlp_only_layers"] = [1]
-    (out / "config.json").write_text(json.dumps(cfg))
-    model = Qwen3VLMoeForConditionalGeneration.from_pretrained(str(out), dtype=torch.float32)
-    torch.manual_seed(1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.add_(0.5 * torch.randn_like(p) if name.endswith("mlp.gate.weight") else 0.03 * torch.randn_like(p))
-    model.save_pretrained(str(out))
-    return str(out)
-
-
-def _hf(path: str):
-    from transformers import AutoModelForImageTextToText
-
-    return AutoModelForImageTextToText.from_pretrained(path, attn_implementation="eager", dtype=torch.float32).eval()
+    # routers moved by 0.5, every other tensor (norms included) by 0.03
+    return perturbed_tiny_checkpoint(tmp_path_factory, "qwen3_vl_moe", text_layers=3, norm_scale=0.03,
+                                     edit_config=_middle_layer_dense)
 
 
 def test_peft_adapter_gives_our_logits_and_experts_stay_frozen(moe_dir, tmp_path):
     from peft import PeftModel
 
-    from mimo_sft.config.lora import LoraSpec
     from mimo_sft.memory.dims import TextDims, language_stage_lora_params
-    from mimo_sft.model.builder import build_single_process_model
     from mimo_sft.model.check import compare, hf_forward, hf_position_ids, mimo_forward, random_batch
-    from mimo_sft.model.lora import apply_lora, lora_modules
+    from mimo_sft.model.lora import lora_modules
     from mimo_sft.model.lora_export import write_peft_adapter
 
-    model, info = build_single_process_model(moe_dir)
-    spec = LoraSpec(2, 6.0, 0.0, tuple(split_targets(DEFAULT_TARGETS)))
-    apply_lora(model, spec, seed=1)
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.requires_grad:
-                p.add_(0.05 * torch.randn(p.shape, generator=gen))
-    model.eval()
+    model, info, spec = trained_lora_model(moe_dir)
     adapted = sorted(n for n, _ in lora_modules(model))
     expected = sorted([f"language_model.decoder.layers.{i}.self_attention.{x}" for i in range(3)
                        for x in ("linear_qkv", "linear_proj")]
@@ -76,11 +50,11 @@ def test_peft_adapter_gives_our_logits_and_experts_stay_frozen(moe_dir, tmp_path
     assert sum(p.numel() for n, p in model.language_model.named_parameters() if p.requires_grad) == \
         language_stage_lora_params(d, spec, tp=1, pp=1, stage=0)
 
-    base = _hf(moe_dir)
+    base = hf_eager(moe_dir)
     batch = random_batch(base.config, seed=8, **BATCH)
     ours = mimo_forward(model, info, batch, hf_position_ids(base, batch))
     write_peft_adapter(model, info, spec, moe_dir, str(tmp_path / "adapter"))
-    peft = PeftModel.from_pretrained(_hf(moe_dir), str(tmp_path / "adapter")).eval()
+    peft = PeftModel.from_pretrained(hf_eager(moe_dir), str(tmp_path / "adapter")).eval()
     assert compare(hf_forward(peft, batch)[0], ours, batch["attention_mask"]) <= TOL
     assert compare(hf_forward(base, batch)[0], ours, batch["attention_mask"]) > 1e-3
     wrapped = {n[len(PEFT_PREFIX):] for n, m in peft.named_modules() if hasattr(m, "lora_A") and "lora_" not in n

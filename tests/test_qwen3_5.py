@@ -14,6 +14,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from model_helpers import hf_and_mimo, perturbed_tiny_checkpoint
+
 TOL = 1e-5
 
 #: per sample with images, the (h, w) grids in patches; text-only samples after them. 30 text tokens
@@ -28,31 +30,12 @@ BATCHES = {
 
 @pytest.fixture(scope="module")
 def q35_dir(tmp_path_factory):
-    from transformers import Qwen3_5ForConditionalGeneration
-
-    from mimo_sft.testing.tiny_checkpoint import write_tiny_checkpoint
-
-    out = write_tiny_checkpoint(tmp_path_factory.mktemp("q35") / "m", family="qwen3_5", text_layers=4,
-                                vision_depth=2, tie_embeddings=False, kv_heads=2)
-    model = Qwen3_5ForConditionalGeneration.from_pretrained(str(out), dtype=torch.float32)
-    torch.manual_seed(1)
-    with torch.no_grad():  # norms (zero-centred: 0 at init), A_log, dt_bias and biases moved; weights larger
-        for name, p in model.named_parameters():
-            moved = "norm" in name or name.endswith(("bias", "A_log", "dt_bias"))
-            p.add_(0.1 * torch.randn_like(p) if moved else 0.03 * torch.randn_like(p))
-    model.save_pretrained(str(out))
-    return str(out)
+    return perturbed_tiny_checkpoint(tmp_path_factory, "qwen3_5", text_layers=4)
 
 
 @pytest.fixture(scope="module")
 def models(q35_dir):
-    from transformers import AutoModelForImageTextToText
-
-    from mimo_sft.model.builder import build_single_process_model
-
-    hf = AutoModelForImageTextToText.from_pretrained(q35_dir, attn_implementation="eager", dtype=torch.float32)
-    ours, info = build_single_process_model(q35_dir)
-    return hf.eval(), ours.eval(), info
+    return hf_and_mimo(q35_dir)
 
 
 def _logits(models, batch):

@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mimo_sft.config.lora import DEFAULT_TARGETS, split_targets
+from model_helpers import hf_eager, perturbed_tiny_checkpoint, trained_lora_model
 
 TOL = 1e-5
 BATCH = dict(image_grids=[[(4, 6)], [(2, 2), (6, 4)], [(8, 10)]], text_only=1, text_len=40)
@@ -26,44 +26,13 @@ PEFT_PREFIX = "base_model.model."
 
 @pytest.fixture(scope="module")
 def q35_dir(tmp_path_factory):
-    from transformers import Qwen3_5ForConditionalGeneration
-
-    from mimo_sft.testing.tiny_checkpoint import write_tiny_checkpoint
-
-    out = write_tiny_checkpoint(tmp_path_factory.mktemp("q35lora") / "m", family="qwen3_5", text_layers=4,
-                                vision_depth=2, tie_embeddings=False, kv_heads=2)
-    model = Qwen3_5ForConditionalGeneration.from_pretrained(str(out), dtype=torch.float32)
-    torch.manual_seed(1)
-    with torch.no_grad():  # norms (zero-centred: 0 at init), A_log, dt_bias and biases moved; weights larger
-        for name, p in model.named_parameters():
-            moved = "norm" in name or name.endswith(("bias", "A_log", "dt_bias"))
-            p.add_(0.1 * torch.randn_like(p) if moved else 0.03 * torch.randn_like(p))
-    model.save_pretrained(str(out))
-    return str(out)
-
-
-def _hf(path: str):
-    from transformers import AutoModelForImageTextToText
-
-    return AutoModelForImageTextToText.from_pretrained(path, attn_implementation="eager", dtype=torch.float32).eval()
+    return perturbed_tiny_checkpoint(tmp_path_factory, "qwen3_5", text_layers=4)
 
 
 @pytest.fixture(scope="module")
 def lora(q35_dir):
     """(our model with the default adapters, "trained": every trainable tensor moved; info; spec)."""
-    from mimo_sft.config.lora import LoraSpec
-    from mimo_sft.model.builder import build_single_process_model
-    from mimo_sft.model.lora import apply_lora
-
-    model, info = build_single_process_model(q35_dir)
-    spec = LoraSpec(2, 6.0, 0.0, tuple(split_targets(DEFAULT_TARGETS)))  # alpha != rank: a wrong scaling shows
-    apply_lora(model, spec, seed=1)
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.requires_grad:
-                p.add_(0.05 * torch.randn(p.shape, generator=gen))
-    return model.eval(), info, spec
+    return trained_lora_model(q35_dir)
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +41,7 @@ def reference(q35_dir, lora):
     from mimo_sft.model.check import hf_forward, hf_position_ids, mimo_forward, random_batch
 
     model, info, _ = lora
-    base = _hf(q35_dir)
+    base = hf_eager(q35_dir)
     batch = random_batch(base.config, seed=8, **BATCH)
     pos = hf_position_ids(base, batch)
     return batch, pos, mimo_forward(model, info, batch, pos), hf_forward(base, batch)[0]
@@ -83,7 +52,7 @@ def _peft_logits(q35_dir, adapter_dir, batch):
 
     from mimo_sft.model.check import hf_forward
 
-    peft = PeftModel.from_pretrained(_hf(q35_dir), adapter_dir).eval()
+    peft = PeftModel.from_pretrained(hf_eager(q35_dir), adapter_dir).eval()
     return peft, hf_forward(peft, batch)[0]
 
 
@@ -142,7 +111,7 @@ def test_peft_adapter_gives_our_logits(q35_dir, lora, reference, tmp_path, monke
     assert diff <= TOL
     assert compare(base_logits, ours, batch["attention_mask"]) > 1e-3  # the adapters matter
     assert written["modules_to_save"] == ["model.visual"]  # the default: the tower trains beside the adapters
-    linears = {n for n, m in _hf(q35_dir).named_modules()
+    linears = {n for n, m in hf_eager(q35_dir).named_modules()
                if isinstance(m, torch.nn.Linear) and n.startswith("model.language_model.layers.")}
     wrapped = {n[len(PEFT_PREFIX):] for n, m in peft.named_modules() if hasattr(m, "lora_A") and "lora_" not in n
                and n.startswith(PEFT_PREFIX + "model.language_model.")}
@@ -187,7 +156,7 @@ def test_merged_export_loads_in_transformers_with_our_logits(q35_dir, lora, refe
     export_model(merged, q35_dir, str(tmp_path / "whole"))
     streamed, whole = HFCheckpoint(str(tmp_path / "streamed")).full_dict(), HFCheckpoint(str(tmp_path / "whole")).full_dict()
     assert sorted(streamed) == sorted(whole) and all(torch.equal(streamed[k], whole[k]) for k in whole)
-    logits, _ = hf_forward(_hf(str(tmp_path / "streamed")), batch)
+    logits, _ = hf_forward(hf_eager(str(tmp_path / "streamed")), batch)
     assert compare(logits, ours, batch["attention_mask"]) <= TOL
 
 

@@ -15,6 +15,7 @@ import os
 import pytest
 import torch
 
+from model_helpers import hf_and_mimo, perturbed_tiny_checkpoint
 from test_qwen3_vl_moe import _gradients
 
 TOL = 1e-5
@@ -27,32 +28,12 @@ BATCHES = {
 
 @pytest.fixture(scope="module")
 def moe_dir(tmp_path_factory):
-    from transformers import Qwen3_5MoeForConditionalGeneration
-
-    from mimo_sft.testing.tiny_checkpoint import write_tiny_checkpoint
-
-    out = write_tiny_checkpoint(tmp_path_factory.mktemp("q35moe") / "m", family="qwen3_5_moe", text_layers=4,
-                                vision_depth=2, tie_embeddings=False, kv_heads=2)
-    model = Qwen3_5MoeForConditionalGeneration.from_pretrained(str(out), dtype=torch.float32)
-    torch.manual_seed(1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            moved = "norm" in name or name.endswith(("bias", "A_log", "dt_bias"))
-            scale = 0.5 if name.endswith(("mlp.gate.weight", "shared_expert_gate.weight")) else (0.1 if moved else 0.03)
-            p.add_(scale * torch.randn_like(p))
-    model.save_pretrained(str(out))
-    return str(out)
+    return perturbed_tiny_checkpoint(tmp_path_factory, "qwen3_5_moe", text_layers=4)
 
 
 @pytest.fixture(scope="module")
 def models(moe_dir):
-    from transformers import AutoModelForImageTextToText
-
-    from mimo_sft.model.builder import build_single_process_model
-
-    hf = AutoModelForImageTextToText.from_pretrained(moe_dir, attn_implementation="eager", dtype=torch.float32)
-    ours, info = build_single_process_model(moe_dir)
-    return hf.eval(), ours.eval(), info
+    return hf_and_mimo(moe_dir)
 
 
 def test_the_tiny_model_is_hybrid_and_sparse_with_a_shared_expert(models):

@@ -16,6 +16,8 @@ import shutil
 import pytest
 import torch
 
+from model_helpers import hf_and_mimo, perturbed_tiny_checkpoint
+
 TOL = 1e-5
 
 BATCHES = {
@@ -27,31 +29,12 @@ BATCHES = {
 
 @pytest.fixture(scope="module")
 def moe_dir(tmp_path_factory):
-    from transformers import Qwen3VLMoeForConditionalGeneration
-
-    from mimo_sft.testing.tiny_checkpoint import write_tiny_checkpoint
-
-    out = write_tiny_checkpoint(tmp_path_factory.mktemp("moe") / "m", family="qwen3_vl_moe", text_layers=2,
-                                vision_depth=2, tie_embeddings=False, kv_heads=2)
-    model = Qwen3VLMoeForConditionalGeneration.from_pretrained(str(out), dtype=torch.float32)
-    torch.manual_seed(1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            scale = 0.1 if ("norm" in name or name.endswith("bias")) else (0.5 if name.endswith("mlp.gate.weight") else 0.03)
-            p.add_(scale * torch.randn_like(p))
-    model.save_pretrained(str(out))
-    return str(out)
+    return perturbed_tiny_checkpoint(tmp_path_factory, "qwen3_vl_moe", text_layers=2)
 
 
 @pytest.fixture(scope="module")
 def models(moe_dir):
-    from transformers import AutoModelForImageTextToText
-
-    from mimo_sft.model.builder import build_single_process_model
-
-    hf = AutoModelForImageTextToText.from_pretrained(moe_dir, attn_implementation="eager", dtype=torch.float32)
-    ours, info = build_single_process_model(moe_dir)
-    return hf.eval(), ours.eval(), info
+    return hf_and_mimo(moe_dir)
 
 
 def _logits(hf, ours, info, batch):

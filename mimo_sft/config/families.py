@@ -287,11 +287,15 @@ def sparse_layer_indexes(text: dict) -> frozenset:
     return frozenset(i for i in range(layers) if i not in dense and (i + 1) % step == 0)
 
 
-def _qwen_moe_language_dims(config: dict) -> LanguageDims:
-    """Qwen-VL MoE: the Qwen-VL sizes plus the routed experts and their FFN width."""
-    text = config.get("text_config", config)
-    return replace(_qwen_vl_language_dims(config), experts=routed_experts(text),
-                   expert_ffn=text.get("moe_intermediate_size"))
+def with_expert_dims(dense_dims: Callable[[dict], LanguageDims]) -> Callable[[dict], LanguageDims]:
+    """A mixture-of-experts family's ``language_dims``: its dense counterpart's sizes plus the routed experts
+    and their FFN width (what ``expert_findings`` divides by ep and etp)."""
+
+    def language_dims(config: dict) -> LanguageDims:
+        text = config.get("text_config", config)
+        return replace(dense_dims(config), experts=routed_experts(text), expert_ffn=text.get("moe_intermediate_size"))
+
+    return language_dims
 
 
 def _moe_findings(config: dict) -> Iterator[Finding]:
@@ -380,43 +384,28 @@ QWEN3_5 = register(FamilySpec(
     chat_template="qwen3_5",
 ))
 
-QWEN3_VL_MOE = register(FamilySpec(
-    name="qwen3_vl_moe",
-    model_types=("qwen3_vl_moe",),
-    # Qwen3-VL's tower (DeepStack included) before a mixture-of-experts decoder
-    encoders={IMAGES: EncoderLimits(tower="vision tower", implementation="Hugging Face Qwen3-VL-MoE")},
-    language_dims=_qwen_moe_language_dims,
-    config_rules=(_moe_findings,),
+def moe_family(dense: FamilySpec, *, name: str, implementation: str, adapter: str, rope_index: str) -> FamilySpec:
+    """``dense``'s descriptor with a mixture-of-experts decoder: the same tower (named ``implementation``),
+    limits, template and rules, plus the experts in its dims (:func:`with_expert_dims`), the router's config
+    rule and ``Architecture.moe``. ``name`` is also its one ``model_type``."""
+    return replace(dense, name=name, model_types=(name,),
+                   encoders={k: replace(v, implementation=implementation) for k, v in dense.encoders.items()},
+                   language_dims=with_expert_dims(dense.language_dims),
+                   config_rules=dense.config_rules + (_moe_findings,), adapter=adapter, rope_index=rope_index,
+                   architecture=replace(dense.architecture, moe=True))
+
+
+# Qwen3-VL's tower (DeepStack included) before a mixture-of-experts decoder
+QWEN3_VL_MOE = register(moe_family(
+    QWEN3_VL, name="qwen3_vl_moe", implementation="Hugging Face Qwen3-VL-MoE",
     adapter="mimo_sft.model.qwen3_vl_moe:Qwen3VLMoeAdapter",
-    rope_index="transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe:Qwen3VLMoeModel",
-    vision_flops="mimo_sft.model.vision_flops:qwen3_vl",
-    architecture=Architecture(qkv_bias=False, qk_norm=True, vision_layer_norm=True, vision_gated_mlp=False,
-                              vision_patch_bias=True, vision_pos_embed=True, deepstack=True, moe=True),
-    chat_template="qwen3_vl",
-))
+    rope_index="transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe:Qwen3VLMoeModel"))
 
-def _qwen3_5_moe_language_dims(config: dict) -> LanguageDims:
-    """Qwen3.5-MoE: Qwen3.5's sizes (GDN heads included) and the routed experts."""
-    text = config.get("text_config", config)
-    return replace(_qwen3_5_language_dims(config), experts=routed_experts(text),
-                   expert_ffn=text.get("moe_intermediate_size"))
-
-
-QWEN3_5_MOE = register(FamilySpec(
-    name="qwen3_5_moe",
-    model_types=("qwen3_5_moe",),
-    # Qwen3.5's tower before the hybrid decoder with sparse MLPs and a gated shared expert
-    encoders={IMAGES: EncoderLimits(tower="vision tower", implementation="Hugging Face Qwen3.5-MoE")},
-    language_dims=_qwen3_5_moe_language_dims,
-    config_rules=(_hybrid_layer_findings, _moe_findings),
+# Qwen3.5's tower before the hybrid decoder with sparse MLPs and a gated shared expert
+QWEN3_5_MOE = register(moe_family(
+    QWEN3_5, name="qwen3_5_moe", implementation="Hugging Face Qwen3.5-MoE",
     adapter="mimo_sft.model.qwen3_5_moe:Qwen35MoeAdapter",
-    rope_index="transformers.models.qwen3_5_moe.modeling_qwen3_5_moe:Qwen3_5MoeModel",
-    vision_flops="mimo_sft.model.vision_flops:qwen3_vl",
-    architecture=Architecture(qkv_bias=False, qk_norm=True, vision_layer_norm=True, vision_gated_mlp=False,
-                              vision_patch_bias=True, vision_pos_embed=True, deepstack=False, hybrid_gdn=True,
-                              moe=True),
-    chat_template="qwen3_5",
-))
+    rope_index="transformers.models.qwen3_5_moe.modeling_qwen3_5_moe:Qwen3_5MoeModel"))
 
 #: config.json ``model_type`` values of Qwen-VL generations mimo-sft knows of but cannot build yet, and why
 NOT_YET_SUPPORTED: dict[str, str] = {}

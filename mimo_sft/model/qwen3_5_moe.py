@@ -14,22 +14,21 @@ them per expert, as transformers' ``save_pretrained`` writes this family.
 
 from __future__ import annotations
 
-import torch
-
 from mimo_sft.config.families import QWEN3_5_MOE
-from mimo_sft.model import hybrid_weights as hw
 from mimo_sft.model.decoder_weights import DecoderShape
-from mimo_sft.model.moe_weights import ExpertSlice, expected_expert_shapes, export_experts, with_experts
 from mimo_sft.model.qwen3_5 import Qwen35Adapter
-from mimo_sft.model.qwen3_vl_moe import expert_shape_of, moe_block_spec, moe_layers_of, moe_transformer_settings
+from mimo_sft.model.qwen3_vl_moe import MoeAdapterMixin, moe_layers_of
 
 
-class Qwen35MoeAdapter(Qwen35Adapter):
-    """Qwen3.5-MoE: Qwen3.5's adapter whose layers' MLPs are megatron ``MoELayer``s with a gated shared expert."""
+class Qwen35MoeAdapter(MoeAdapterMixin, Qwen35Adapter):
+    """Qwen3.5-MoE: Qwen3.5's adapter whose layers' MLPs are megatron ``MoELayer``s with a gated shared expert
+    (``MoeAdapterMixin`` adds the experts to the hybrid decoder's weights; the shared expert comes with
+    ``expert_shape_of``'s ``shared_ffn``)."""
 
     spec = QWEN3_5_MOE
     hf_config_class = "Qwen3_5MoeConfig"
     display_name = "Qwen3.5-MoE"
+    fused_expert_export = False  # per expert, as transformers' save_pretrained writes this family
 
     def load_hf_config(self, hf_dir: str, raw: dict):
         cfg = super().load_hf_config(hf_dir, raw)
@@ -40,44 +39,13 @@ class Qwen35MoeAdapter(Qwen35Adapter):
         return cfg
 
     def _shape(self, hf_cfg, padded_vocab: int):
+        # no dense MLP: the width is always the experts' (the dense adapter's shape reads
+        # text_config.intermediate_size, which a Qwen3_5MoeConfig built in memory does not have)
         t = hf_cfg.text_config
         return DecoderShape(num_layers=t.num_hidden_layers, hidden=t.hidden_size, ffn=t.moe_intermediate_size,
                             heads=t.num_attention_heads, kv_heads=t.num_key_value_heads, head_dim=t.head_dim,
                             vocab=t.vocab_size, padded_vocab=padded_vocab, tied=bool(hf_cfg.tie_word_embeddings),
                             moe_layers=moe_layers_of(hf_cfg))
-
-    def language_transformer_config(self, hf_cfg, *, tp: int, pp: int, dtype: torch.dtype, random_init: bool,
-                                    cpu_init: bool, overrides: dict):
-        return super().language_transformer_config(
-            hf_cfg, tp=tp, pp=pp, dtype=dtype, random_init=random_init, cpu_init=cpu_init,
-            overrides={**moe_transformer_settings(hf_cfg), **overrides})
-
-    def block_spec(self, hf_cfg, num_local_layers: int, *, attention: str = "sdpa", layer_offset: int = 0):
-        dense = super().block_spec(hf_cfg, num_local_layers, attention=attention, layer_offset=layer_offset)
-        return moe_block_spec(dense, hf_cfg, layer_offset=layer_offset)
-
-    def check_weights(self, ckpt, hf_cfg) -> None:
-        super().check_weights(ckpt, hf_cfg)
-        prefix = self._decoder_prefix(ckpt.prefix_style)
-        for name, shape in expected_expert_shapes(ckpt, prefix, moe_layers_of(hf_cfg), expert_shape_of(hf_cfg)).items():
-            ckpt.expect_shape(name, shape)
-
-    def load_language(self, ckpt, hf_cfg, *, tp_rank, tp, layer_offset, num_local_layers, pre_process,
-                      post_process, padded_vocab, experts=None):
-        prefix = self._decoder_prefix(ckpt.prefix_style)
-        dense = hw.iter_hybrid_shard(ckpt, prefix, "lm_head.weight", self.hybrid_shape(hf_cfg, padded_vocab),
-                                     tp_rank=tp_rank, tp=tp, layer_offset=layer_offset,
-                                     num_local_layers=num_local_layers, pre_process=pre_process,
-                                     post_process=post_process)
-        where = experts or ExpertSlice(tp_rank=tp_rank, tp=tp)
-        return with_experts(dense, ckpt, prefix, layer_offset=layer_offset, moe_layers=moe_layers_of(hf_cfg),
-                            s=expert_shape_of(hf_cfg), where=where)
-
-    def export(self, language_sd, encoder_sd, hf_cfg, *, prefix_style: str) -> dict:
-        out = super().export(language_sd, encoder_sd, hf_cfg, prefix_style=prefix_style)
-        out.update(export_experts(language_sd, self._decoder_prefix(prefix_style), moe_layers_of(hf_cfg),
-                                  expert_shape_of(hf_cfg), fused=False))
-        return out
 
     # ---- fixtures (testing.tiny_checkpoint) -----------------------------------------------------
     def hf_model_class(self) -> type:

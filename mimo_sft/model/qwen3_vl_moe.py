@@ -29,7 +29,6 @@ from dataclasses import replace
 import torch
 
 from mimo_sft.config.families import QWEN3_VL_MOE
-from mimo_sft.model.decoder_weights import iter_decoder_shard
 from mimo_sft.model.moe_weights import (ExpertShape, ExpertSlice, expected_expert_shapes, export_experts,
                                         moe_layer_indexes, with_experts)
 from mimo_sft.model.qwen3_vl import Qwen3VLAdapter
@@ -78,12 +77,16 @@ def moe_block_spec(dense_block, hf_cfg, *, layer_offset: int):
     return replace(dense_block, layer_specs=layers)
 
 
-class Qwen3VLMoeAdapter(Qwen3VLAdapter):
-    """Qwen3-VL-MoE: Qwen3-VL's adapter whose sparse decoder layers are megatron ``MoELayer``s."""
+class MoeAdapterMixin:
+    """The MoE half of a mixture-of-experts family's adapter, over its dense one (``class X(MoeAdapterMixin,
+    DenseAdapter)``): the sparse layers' megatron settings and ``MoELayer`` spec, and their router and experts
+    added to the dense adapter's weight checks, loading and export. The dense adapter reads, loads and exports
+    everything else (its decoder layout -- plain or hybrid -- included), so a family differs only in
+    :attr:`fused_expert_export` and, where it has no dense MLP, its ``_shape``."""
 
-    spec = QWEN3_VL_MOE
-    hf_config_class = "Qwen3VLMoeConfig"
-    display_name = "Qwen3-VL-MoE"
+    #: export writes the experts fused (``gate_up_proj [E, 2I, H]``, as transformers' ``save_pretrained`` writes
+    #: Qwen3-VL-MoE) or one tensor per expert (Qwen3.5-MoE's ``save_pretrained`` layout)
+    fused_expert_export: bool = True
 
     def _shape(self, hf_cfg, padded_vocab: int):
         return replace(super()._shape(hf_cfg, padded_vocab), moe_layers=moe_layers_of(hf_cfg))
@@ -107,18 +110,28 @@ class Qwen3VLMoeAdapter(Qwen3VLAdapter):
 
     def load_language(self, ckpt, hf_cfg, *, tp_rank, tp, layer_offset, num_local_layers, pre_process,
                       post_process, padded_vocab, experts=None):
-        names = self._names(ckpt.prefix_style)
-        dense = iter_decoder_shard(ckpt, names, self._shape(hf_cfg, padded_vocab), tp_rank=tp_rank, tp=tp,
-                                   layer_offset=layer_offset, num_local_layers=num_local_layers,
-                                   pre_process=pre_process, post_process=post_process)
-        return with_experts(dense, ckpt, names.prefix, layer_offset=layer_offset, moe_layers=moe_layers_of(hf_cfg),
-                            s=expert_shape_of(hf_cfg), where=experts or ExpertSlice())
+        """The dense adapter's groups, each sparse layer's router and experts added to its layer's group. The
+        default slice splits a shared expert over tp (``ExpertSlice``); without one tp is not read."""
+        dense = super().load_language(ckpt, hf_cfg, tp_rank=tp_rank, tp=tp, layer_offset=layer_offset,
+                                      num_local_layers=num_local_layers, pre_process=pre_process,
+                                      post_process=post_process, padded_vocab=padded_vocab)
+        return with_experts(dense, ckpt, self._names(ckpt.prefix_style).prefix, layer_offset=layer_offset,
+                            moe_layers=moe_layers_of(hf_cfg), s=expert_shape_of(hf_cfg),
+                            where=experts or ExpertSlice(tp_rank=tp_rank, tp=tp))
 
     def export(self, language_sd, encoder_sd, hf_cfg, *, prefix_style: str) -> dict:
         out = super().export(language_sd, encoder_sd, hf_cfg, prefix_style=prefix_style)
         out.update(export_experts(language_sd, self._names(prefix_style).prefix, moe_layers_of(hf_cfg),
-                                  expert_shape_of(hf_cfg)))
+                                  expert_shape_of(hf_cfg), fused=self.fused_expert_export))
         return out
+
+
+class Qwen3VLMoeAdapter(MoeAdapterMixin, Qwen3VLAdapter):
+    """Qwen3-VL-MoE: Qwen3-VL's adapter whose sparse decoder layers are megatron ``MoELayer``s."""
+
+    spec = QWEN3_VL_MOE
+    hf_config_class = "Qwen3VLMoeConfig"
+    display_name = "Qwen3-VL-MoE"
 
     # ---- fixtures (testing.tiny_checkpoint) -----------------------------------------------------
     def hf_model_class(self) -> type:
