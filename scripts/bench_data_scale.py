@@ -4,6 +4,7 @@ image, exchange vs index bytes, index mode's data-path CPU per rank.
 
     python scripts/bench_data_scale.py startup [--rows 1000000 10000000] [--files 20000] [--ranks 4]
                                                [--valid-rows 2000] [--old 0e2b3fe]
+    python scripts/bench_data_scale.py streaming [--rows 1000000] [--shards 16] [--ranks 4] [--valid-rows 2000]
     python scripts/bench_data_scale.py bytes   [--dp 2 4 8] [--micro-batch-size 32] [--pages 64]
     python scripts/bench_data_scale.py index   [--micro-batch-sizes 16 32 64] [--per-rank 8] [--batches 4]
 
@@ -56,7 +57,8 @@ from types import SimpleNamespace
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def _write_rows(folder: str, rows: int, files: int) -> str:
+def _write_rows(folder: str, rows: int, files: int, shards: int = 0) -> str:
+    """``rows`` rows naming ``files`` image files; one parquet file, or (``shards``) a folder of that many."""
     import pyarrow as pa
     import pyarrow.parquet as pq
     from PIL import Image
@@ -67,14 +69,23 @@ def _write_rows(folder: str, rows: int, files: int) -> str:
         Image.new("RGB", (8, 8), (i % 256, 0, 0)).save(os.path.join(img, f"{i:06d}.png"))
     msg = [{"role": "user", "content": [{"type": "image", "text": None}, {"type": "text", "text": "Colour?"}]},
            {"role": "assistant", "content": [{"type": "text", "text": "Red."}]}]
-    path = os.path.join(folder, f"rows_{rows}.parquet")
-    writer = None
-    chunk = 100_000
-    for start in range(0, rows, chunk):
-        n = min(chunk, rows - start)
-        table = pa.table({"messages": [msg] * n, "images": [[f"img/{(start + i) % files:06d}.png"] for i in range(n)]})
-        writer = writer or pq.ParquetWriter(path, table.schema)
-        writer.write_table(table)
+    path = os.path.join(folder, f"rows_{rows}" + ("" if shards else ".parquet"))
+    writer, chunk = None, 100_000
+    per = -(-rows // shards) if shards else rows
+    if shards:
+        os.makedirs(path, exist_ok=True)
+    start = 0
+    while start < rows:
+        if shards and start % per == 0 and writer is not None:
+            writer.close()
+            writer = None
+        n = min(chunk, rows - start, per - start % per)
+        table = pa.table({"messages": [msg] * n, "images": [[f"../img/{(start + i) % files:06d}.png" if shards else
+                                                               f"img/{(start + i) % files:06d}.png"] for i in range(n)]})
+        target = os.path.join(path, f"train-{start // per:05d}.parquet") if shards else path
+        writer = writer or pq.ParquetWriter(target, table.schema, write_statistics=False)
+        writer.write_table(table, row_group_size=1024 if shards else None)
+        start += n
     writer.close()
     return path
 
@@ -118,15 +129,15 @@ def _startup_rank(rank: int, world: int, port: int, path: str, model: str, mode:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     group = dist.new_group(backend="gloo")  # the start-up group (parallel.groups: startup_gloo)
-    data = DataConfig(dataset_path=path, seq_length=256)
+    data = DataConfig(dataset_path=path, seq_length=256, streaming=mode == "streamed")
     pre = build_preprocessor(data, model) if n_valid else None
-    if mode != "now":
+    if mode not in ("now", "streamed"):
         old_sources = _old_module(mode, "mimo_sft/data/sources.py")
         old_check = _old_module(mode, "mimo_sft/data/file_check.py")
         old_valid = _old_module(mode, "mimo_sft/data/validation.py")
     dist.barrier(group)
     t0 = time.time()
-    if mode == "now":  # train.feed.checked_source: one conversion per node, the threaded check on rank 0
+    if mode in ("now", "streamed"):  # train.feed.checked_source: one conversion per node, the threaded check on rank 0
         source = checked_source(SimpleNamespace(data=data, logging=SimpleNamespace(output_dir=None)),
                                 SimpleNamespace(rank=rank, startup_gloo=group))
         t_open = t_check = time.time()  # one call: the followers open while rank 0 checks
@@ -138,7 +149,7 @@ def _startup_rank(rank: int, world: int, port: int, path: str, model: str, mode:
         assert verdict[0] is None, verdict
         t_check = time.time()
     if n_valid:  # the first n_valid rows as the validation set, evaluated whole (--eval-iters all)
-        if mode == "now":
+        if mode in ("now", "streamed"):
             checked_tokens(source, pre, n_valid, flag="--valid-split", group=group)
         else:
             old_valid.check_validation_set(source, pre, n_valid, flag="--valid-split")
@@ -190,6 +201,44 @@ def startup(args) -> None:
                           f"| {private:.0f} | {mapped:.0f} |", flush=True)
                     shutil.rmtree(os.environ.pop("HF_DATASETS_CACHE"), ignore_errors=True)
             os.remove(path)
+
+
+def streaming(args) -> None:
+    """A source of ``--rows`` rows in ``--shards`` parquet shards, opened before step 0 by ``--ranks``
+    ranks: loaded through datasets (one Arrow copy per node) vs streamed (read in place)."""
+    from mimo_sft.testing.tiny_checkpoint import write_tiny_checkpoint
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+    from dist_utils import free_port
+
+    for key in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "HF_DATASETS_DISABLE_PROGRESS_BARS"):
+        os.environ.setdefault(key, "1")
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory() as tmp:
+        model = str(write_tiny_checkpoint(os.path.join(tmp, "model"), seed=0)) if args.valid_rows else ""
+        print(f"{args.valid_rows:,} validation rows tokenised; image files checked; times are the slowest rank's\n")
+        print("| rows | shards | ranks | source | ready (s) | peak RSS per rank (MB) | at ready: private (MB) "
+              "| at ready: mapped files (MB) | written to the cache (MB) |\n|---:|---:|---:|---|---:|---:|---:|---:|---:|")
+        for rows in args.rows:
+            path = _write_rows(tmp, rows, args.files, shards=args.shards)
+            for ranks in args.ranks:
+                for mode in ("now", "streamed"):
+                    cache = os.environ["HF_DATASETS_CACHE"] = os.path.join(tmp, f"cache_{rows}_{ranks}_{mode}")
+                    q, port = ctx.Queue(), free_port()
+                    procs = [ctx.Process(target=_startup_rank, args=(r, ranks, port, path, model, mode,
+                                                                     args.valid_rows, q)) for r in range(ranks)]
+                    for p in procs:
+                        p.start()
+                    res = _results(q, procs)
+                    ready = max(r[2] for r in res)
+                    peak, private, mapped = (max(r[k] for r in res) / 2**20 for k in (3, 4, 5))
+                    copied = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(cache) for f in fs) \
+                        if os.path.isdir(cache) else 0
+                    label = "loaded (datasets)" if mode == "now" else "streamed (--streaming)"
+                    print(f"| {rows:,} | {args.shards} | {ranks} | {label} | {ready:.1f} | {peak:.0f} | {private:.0f} "
+                          f"| {mapped:.0f} | {copied / 2**20:.0f} |", flush=True)
+                    shutil.rmtree(os.environ.pop("HF_DATASETS_CACHE"), ignore_errors=True)
+            shutil.rmtree(path)
 
 
 def _page(w: int, h: int, seed: int):
@@ -382,6 +431,12 @@ def main(argv=None) -> int:
     s.add_argument("--valid-rows", type=int, default=2000, help="validation rows tokenised (0: none)")
     s.add_argument("--old", default="0e2b3fe", help="the 'before' rows: this commit's data/sources.py, "
                    "file_check.py and validation.py, run as its train.feed did ('none': skip them)")
+    st = sub.add_parser("streaming")
+    st.add_argument("--rows", type=int, nargs="+", default=[1_000_000])
+    st.add_argument("--shards", type=int, default=16)
+    st.add_argument("--files", type=int, default=20_000)
+    st.add_argument("--ranks", type=int, nargs="+", default=[4])
+    st.add_argument("--valid-rows", type=int, default=2000)
     b = sub.add_parser("bytes")
     b.add_argument("--dp", type=int, nargs="+", default=[2, 4, 8])
     b.add_argument("--micro-batch-size", type=int, default=32)
@@ -392,7 +447,7 @@ def main(argv=None) -> int:
     x.add_argument("--batches", type=int, default=4)
     x.add_argument("--rows", type=int, default=256)
     args = p.parse_args(argv)
-    {"startup": startup, "bytes": bytes_table, "index": index_table}[args.what](args)
+    {"startup": startup, "streaming": streaming, "bytes": bytes_table, "index": index_table}[args.what](args)
     return 0
 
 

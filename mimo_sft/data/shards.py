@@ -208,12 +208,13 @@ class ParquetShards(_Rows):
         g = int(np.searchsorted(self.groups[s], r, side="right")) - 1
         return self._group(s, g).column(column)[r - int(self.groups[s][g])].as_py()
 
-    def column_chunks(self, column: str) -> Iterator:
-        """``column`` row group by row group over every shard (one group in memory), as Arrow arrays."""
+    def column_chunks(self, column: str, rows: int = 65536) -> Iterator:
+        """``column`` over every shard in arrays of up to ``rows`` rows (one array in memory): the
+        start-up file check's slices, as large as a loaded dataset's (with one array per 1024-row
+        group, checking 1M paths took 1.8x as long as on the loaded rows; now about the same)."""
         for s in range(len(self.files)):
-            f = self._file(s)
-            for g in range(len(self.groups[s]) - 1):
-                yield from f.read_row_group(g, columns=[column]).column(column).chunks
+            for batch in self._file(s).iter_batches(batch_size=rows, columns=[column]):
+                yield batch.column(0)
 
 
 def _tar_index(path: str) -> dict:
