@@ -57,16 +57,6 @@ def _kind_of(path: Path) -> Optional[str]:
     return _KINDS.get(path.suffix.lower())
 
 
-def shard_kind(path_text: str) -> Optional[str]:
-    """'parquet', 'webdataset' or None (not shards) of a path, a folder or a glob, from names only."""
-    try:
-        files = _candidates(path_text, split="train")
-    except UserError:
-        return None
-    kinds = {_KINDS.get(f.suffix.lower()) for f in files} - {None}
-    return kinds.pop() if len(kinds) == 1 else None
-
-
 def _candidates(path_text: str, *, split: str) -> list[Path]:
     p = Path(path_text).expanduser()
     if any(ch in path_text for ch in "*?["):
@@ -145,7 +135,7 @@ class _Rows:
 
     def __getstate__(self) -> dict:  # open files and caches stay in their process (DataLoader workers)
         state = dict(self.__dict__)
-        state["_open"], state["_cache"] = {}, OrderedDict()
+        state["_open"], state["_cache"], state["_last"] = {}, OrderedDict(), None
         return state
 
 
@@ -307,6 +297,7 @@ class TarShards(_Rows):
         super().__init__(files, [len(ix["samples"]) - 1 for ix in self.index])
         self._open: dict = {}
         self._cache: OrderedDict = OrderedDict()
+        self._last: Optional[tuple[int, dict]] = None
 
     def _read(self, s: int, off: int, size: int) -> bytes:
         fd = self._open.get(s)
@@ -319,7 +310,10 @@ class TarShards(_Rows):
         return os.pread(fd, int(size), int(off))
 
     def row(self, i: int) -> dict:
-        """Row ``i``: its ``.json`` object."""
+        """Row ``i``: its ``.json`` object (the last one read is kept: a sample's text and, for a sample
+        without image members, its images column both come from it)."""
+        if self._last is not None and self._last[0] == int(i):
+            return self._last[1]
         s, r = self.locate(i)
         off, size, _ = self.index[s]["samples"][r]
         text = self._read(s, off, size)
@@ -330,6 +324,7 @@ class TarShards(_Rows):
         if not isinstance(row, dict):
             raise UserError(f"--dataset-path: shard {self.files[s]}: sample {r}'s .json member holds a "
                             f"{type(row).__name__}, not an object with the row's columns")
+        self._last = (int(i), row)
         return row
 
     def images(self, i: int) -> list[bytes]:
