@@ -18,6 +18,7 @@ from typing import Callable, Iterator, Optional
 
 from mimo_sft.data.colocated import ColocatedSplit, colocated_read_plan
 from mimo_sft.data.load_stats import VisionLoadStats
+from mimo_sft.data.mixture import MixtureSource
 from mimo_sft.data.reorder import ReorderingBuffer, make_cost_fn, make_patch_count_fn
 from mimo_sft.parallel.layout import LANGUAGE
 from mimo_sft.train.metrics import ModelFlopsCounter
@@ -67,10 +68,13 @@ class Feed:
         self.flops = flops
         self.packed = packed  # --in-batch-packing: the language model computes real tokens only
         self.counters = StepCounters()
-        #: the training mixture (``data.mixture.MixtureSource``; None: one dataset), set by build_feed
-        self.mixture = None
         #: the training data source and what places a stream position in it (``stream_position``), set by build_feed
         self.train_source, self.position_args = None, {}
+
+    @property
+    def mixture(self):
+        """The training mixture (``data.mixture.MixtureSource``; None: one dataset)."""
+        return self.train_source if isinstance(self.train_source, MixtureSource) else None
 
     def stream_position(self, consumed_samples: int) -> dict:
         """Where each streamed source stands after ``consumed_samples`` (meta.json's ``streams``; empty: none)."""
@@ -159,12 +163,9 @@ class Feed:
 
 
 def build_feed(cfg, layout, pstate, info, *, consumed_samples: int, train_source=None) -> Feed:
-    """This rank's feed (:func:`_build_feed`), knowing the training mixture if there is one."""
-    from mimo_sft.data.mixture import MixtureSource
-
+    """This rank's feed (:func:`_build_feed`), knowing its training source (a mixture's sources, streamed ones)."""
     source = train_source if train_source is not None else checked_source(cfg, pstate)
     feed = _build_feed(cfg, layout, pstate, info, consumed_samples=consumed_samples, source=source)
-    feed.mixture = source if isinstance(source, MixtureSource) else None
     feed.train_source = source
     feed.position_args = dict(seed=cfg.train.seed, micro_batch_size=cfg.train.micro_batch_size,
                               drop_last=cfg.data.drop_last)
