@@ -202,13 +202,15 @@ def checkpoint_info(
     folder: str = typer.Argument(..., help="a mimo-sft checkpoint folder (or its parent with 'latest')"),
     component: list[str] = typer.Option([], "--component", help="a layout to ask about, as for finetune: NAME=k=v,... (repeat)"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
+    verify: bool = typer.Option(False, "--verify", help="also check every file a load would read: each pickle through "
+                                "the restricted readers, each data file's size against the metadata (no tensor is loaded)"),
 ) -> None:
     """Step, layout, dtype, optimizer, sizes per module -- and whether it resumes on --component's layout. Reads no tensor."""
     from mimo_sft.parallel.components import parse_component
     from mimo_sft.train.checkpoint.info import describe, format_info
 
     try:
-        info = describe(folder, [parse_component(c) for c in component] or None)
+        info = describe(folder, [parse_component(c) for c in component] or None, verify=verify)
     except UserError as e:
         _fail(e)
     print(json.dumps(info) if as_json else format_info(info))

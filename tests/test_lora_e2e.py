@@ -266,3 +266,22 @@ def test_exports_reproduce_training_logits_in_transformers_and_peft(reference):
     assert compare(merged_logits, ours, mask) < 1e-5
     assert compare(peft_logits, ours, mask) < 1e-5
     assert compare(base_logits, ours, mask) > 1e-3  # the adapters matter: a dropped one would be seen
+
+
+@pytest.mark.parametrize("kind", ["model_metadata", "optimizer_metadata", "rank_file"])
+def test_a_planted_lora_checkpoint_is_refused_by_every_reader(reference, kind, tmp_path):
+    """A LoRA checkpoint (adapters only in model/) with a payload in one file a load reads: resume,
+    ``checkpoint info --verify`` and (model/'s metadata) the adapter export refuse it in one line, running
+    nothing (train.checkpoint.trusted; the full checkpoint's paths: test_checkpoint_trust.py)."""
+    from checkpoint_payloads import assert_refused, planted
+    from train_helpers import python_m
+
+    folder, marker, refused = planted(reference + "/checkpoints/iter_0000002", tmp_path, kind)
+    assert_refused(python_m(["checkpoint", "info", "--verify", folder]), refused, marker)
+    resume = ["finetune", "--hf-model", tiny_model(), "--dataset-path", demo_data(), "--output-dir",
+              new_dir(f"lora_planted_{kind}"), *BASE, "--train-iters", "4", "--component", "language=dp=1",
+              "--component", "images=dp=1", "--no-save", "--load-checkpoint", folder]
+    assert_refused(python_m(resume), refused, marker)
+    if kind == "model_metadata":
+        proc = python_m(["export", "--checkpoint", folder, "--out", str(tmp_path / "peft"), "--adapter-only"])
+        assert_refused(proc, refused, marker)

@@ -195,3 +195,22 @@ def test_export_of_an_ep2_checkpoint_holds_every_expert_where_transformers_reads
         fc2 = ckpt[f"language_model.decoder.layers.{layer}.mlp.experts.experts.linear_fc2.weight"]  # [8, h, I]
         p = f"model.language_model.layers.{layer}.mlp.experts."
         assert torch.equal(hf[p + "gate_up_proj"], fc1.float()) and torch.equal(hf[p + "down_proj"], fc2.float())
+
+
+@pytest.mark.parametrize("kind", ["model_metadata", "optimizer_metadata", "optimizer_object", "rank_file"])
+def test_a_planted_ep2_checkpoint_is_refused_by_every_reader(continuous, kind, tmp_path):
+    """The ep 2 checkpoint (experts split over two ranks, their optimizer state apart) with a payload in one
+    file a load reads: ``checkpoint info --verify``, a 3-rank resume and (model/'s metadata) the export
+    refuse it in one line, running nothing (train.checkpoint.trusted)."""
+    from checkpoint_payloads import assert_refused, planted
+    from train_helpers import python_m
+
+    folder, marker, refused = planted(continuous + "/checkpoints/iter_0000002", tmp_path, kind)
+    assert_refused(python_m(["checkpoint", "info", "--verify", folder]), refused, marker)
+    if kind in ("optimizer_metadata", "rank_file"):  # each rank reads both (its own rank file: rank 0's here)
+        proc = finetune(f"moe_planted_{kind}", 3, [*RESUME, "--no-save", "--load-checkpoint", folder],
+                        components=EP2, model=tiny_moe(), data=bridge_corner_data(), check=False).proc
+        assert_refused(proc, refused, marker, code=None)
+    if kind == "model_metadata":
+        proc = python_m(["export", "--checkpoint", folder, "--out", str(tmp_path / "hf")])
+        assert_refused(proc, refused, marker)

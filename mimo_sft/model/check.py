@@ -119,7 +119,7 @@ def check_model(hf_dir: str, *, tolerance: float = DEFAULT_TOLERANCE, seed: int 
 
     from mimo_sft.model.builder import build_single_process_model
     from mimo_sft.model.registry import get_family
-    from mimo_sft.model.hf_checkpoint import read_config_json
+    from mimo_sft.model.hf_checkpoint import HFCheckpoint, read_config_json
     from mimo_sft.parallel import runtime
     from mimo_sft.parallel.bootstrap import start_single_process
 
@@ -127,10 +127,12 @@ def check_model(hf_dir: str, *, tolerance: float = DEFAULT_TOLERANCE, seed: int 
     start_single_process()  # chooses the device and sets megatron up, as training does
     device = runtime.device()
     raw = read_config_json(hf_dir)
+    HFCheckpoint(hf_dir)  # safetensors only, refused in one line before transformers opens the folder
     hf_cfg = get_family(raw, hf_dir=hf_dir).load_hf_config(hf_dir, raw)
     batch = {k: v.to(device) for k, v in random_batch(hf_cfg, seed=seed, text_len=CHECK_TEXT_TOKENS).items()}
     # transformers first; keep only its outputs (on the host) before building ours
-    hf_model = AutoModelForImageTextToText.from_pretrained(hf_dir, attn_implementation="eager", dtype=torch.float32)
+    hf_model = AutoModelForImageTextToText.from_pretrained(hf_dir, attn_implementation="eager", dtype=torch.float32,
+                                                           use_safetensors=True)
     hf_model.to(device).eval()
     ref_logits, ref_loss = (t.cpu() for t in hf_forward(hf_model, batch))
     pos = hf_position_ids(hf_model, batch)

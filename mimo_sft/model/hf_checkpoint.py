@@ -25,6 +25,8 @@ from mimo_sft.errors import UserError
 
 SAFE_SINGLE = "model.safetensors"
 SAFE_INDEX = "model.safetensors.index.json"
+#: weights stored as pickles (``pytorch_model.bin`` and kin): never read, named in the refusal
+PICKLED_WEIGHTS = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
 
 def read_config_json(hf_dir: str) -> dict:
@@ -86,6 +88,12 @@ class HFCheckpoint:
         others = sorted(n for n in os.listdir(self.hf_dir) if n.endswith(".safetensors"))
         if others:
             return others
+        pickled = sorted(n for n in os.listdir(self.hf_dir) if n.endswith(PICKLED_WEIGHTS))
+        if pickled:
+            raise UserError(f"{self.hf_dir} holds its weights only as pickles ({', '.join(pickled[:3])}"
+                            f"{', ...' if len(pickled) > 3 else ''}), which mimo-sft does not read: loading a pickle "
+                            f"can run code from it. Convert them to safetensors where you trust the files (transformers: "
+                            f"model.save_pretrained(DIR, safe_serialization=True)) and point --hf-model at DIR")
         raise UserError(f"{self.hf_dir} holds no *.safetensors weights; add the checkpoint's weights (finetune can start without them: --allow-random-init)")
 
     def _scan(self) -> None:

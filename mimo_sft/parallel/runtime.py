@@ -160,7 +160,9 @@ def rng_state() -> dict[str, Any]:
     """Every RNG stream a step can draw from: Python, numpy, torch CPU, the device, megatron's tracker."""
     from megatron.core import tensor_parallel
 
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+    kind, key, pos, has_gauss, gauss = np.random.get_state()  # the key as a list: a rank file holds no numpy object
+    state = {"python": random.getstate(), "numpy": (kind, key.tolist(), pos, has_gauss, gauss),
+             "torch": torch.get_rng_state(),
              "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
     if on_gpu():
         state["cuda"] = torch.cuda.get_rng_state(device())

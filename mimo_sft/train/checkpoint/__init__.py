@@ -9,7 +9,8 @@
 - ``reshard``: ``--save-reshardable``'s form written and read by each DP rank's own shard (boxes), no gather.
 - ``spread``: a resume's weights read once per DP group (each rank a part, then broadcast).
 - ``lora``: which tensors a LoRA run saves, and which checkpoints a LoRA run may start from.
-- ``info``: ``mimo-sft checkpoint-info`` -- what a folder holds and whether it resumes on a layout (no torch).
+- ``trusted``: every pickle a load reads, through a restricted reader (a checkpoint runs none of its author's code).
+- ``info``: ``mimo-sft checkpoint info`` -- what a folder holds, whether it resumes on a layout, ``--verify``.
 
 Nothing is re-exported here: importing ``files`` or ``info`` must not import megatron.
 """

@@ -5,7 +5,9 @@ torch-dist ``.metadata`` (the index megatron's writer leaves next to the shards)
 tensor's global shape and dtype, summed here per module. No tensor is read, and neither megatron
 nor a process group is needed, so it answers in about a second for a checkpoint of any size.
 ``--component`` asks whether the checkpoint resumes on that layout (the rule of check 24,
-:func:`config.checks.checkpoint.reshard_problem`).
+:func:`config.checks.checkpoint.reshard_problem`). The metadata is read through
+:mod:`trusted`'s restricted unpickler; ``--verify`` also checks every stored object, rank file and data
+file size a load would read (:func:`trusted.verify_checkpoint`).
 """
 
 from __future__ import annotations
@@ -14,8 +16,7 @@ import os
 
 from mimo_sft.config.checks.checkpoint import reshard_problem
 from mimo_sft.train.checkpoint.files import read_meta, resolve_checkpoint
-
-PARTS = ("model", "optimizer")
+from mimo_sft.train.checkpoint.trusted import PARTS, trusted_part, verify_checkpoint
 
 
 def _module_of(key: str) -> str:
@@ -32,11 +33,10 @@ def _module_of(key: str) -> str:
 def part_sizes(folder: str) -> dict[str, int]:
     """Bytes of the tensors in one dist-checkpoint part, per module, from its ``.metadata`` index."""
     import torch
-    from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     sizes: dict[str, int] = {}
-    metadata = FileSystemReader(folder).read_metadata()
+    metadata = trusted_part(folder)
     for key, item in metadata.state_dict_metadata.items():
         if isinstance(item, TensorStorageMetadata):
             numel = 1
@@ -52,10 +52,12 @@ def _bytes_on_disk(folder: str) -> int:
     return sum(os.path.getsize(os.path.join(d, f)) for d, _dirs, files in os.walk(folder) for f in files)
 
 
-def describe(path: str, components=None) -> dict:
-    """The facts ``checkpoint info`` prints, as one JSON-able object."""
+def describe(path: str, components=None, *, verify: bool = False) -> dict:
+    """The facts ``checkpoint info`` prints, as one JSON-able object. ``verify``: every file a load would
+    read is checked first (:func:`trusted.verify_checkpoint`); a problem is the ``UserError`` it raises."""
     ckpt = resolve_checkpoint(path)
     meta = read_meta(ckpt)
+    verified = verify_checkpoint(ckpt) if verify else None
     distributed = bool(meta.get("use_distributed_optimizer"))
     fmt = meta.get("distributed_optimizer_format", "fully_reshardable") if distributed else None
     modules: dict[str, dict[str, int]] = {}
@@ -74,6 +76,8 @@ def describe(path: str, components=None) -> dict:
         "bytes_on_disk": {part: _bytes_on_disk(os.path.join(ckpt, part)) for part in PARTS
                           if os.path.isdir(os.path.join(ckpt, part))},
     }
+    if verified is not None:
+        info["verified"] = verified
     if components:
         problem = reshard_problem(meta, components)
         info["resumes_on"] = {"layout": [c.to_flag() for c in components], "ok": problem is None,
@@ -95,6 +99,10 @@ def format_info(info: dict) -> str:
         lines.append(f"  {name}: weights {sizes.get('model_bytes', 0) / gib:.3f} GiB, optimizer state "
                      f"{sizes.get('optimizer_bytes', 0) / gib:.3f} GiB")
     lines.append("on disk: " + ", ".join(f"{p} {n / gib:.3f} GiB" for p, n in info["bytes_on_disk"].items()))
+    if "verified" in info:
+        v = info["verified"]
+        lines.append(f"verified: {v['parts']} parts, {v['data_files']} data files (sizes), {v['objects']} stored "
+                     f"objects and {v['rank_files']} rank files read as plain data; nothing refused")
     if "resumes_on" in info:
         r = info["resumes_on"]
         lines.append(f"resume on {' '.join(r['layout'])}: " + ("yes" if r["ok"] else f"no: {r['reason']}"))

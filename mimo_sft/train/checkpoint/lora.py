@@ -58,9 +58,9 @@ def lora_load_entries(sd: dict, folder: str, *, pretrained: bool) -> tuple[dict,
     adapters of a LoRA checkpoint (whatever else it holds is loaded, the rest stays the base's), or
     the base weights of a full fine-tuning checkpoint (the adapters start fresh).
     """
-    from megatron.core import dist_checkpointing
+    from mimo_sft.train.checkpoint.trusted import stored_tensor_keys
 
-    present = set(dist_checkpointing.load_tensors_metadata(folder).keys())
+    present = stored_tensor_keys(folder)
     entries = {k: v for k, v in sd.items() if is_stored(v, present)}
     if not pretrained:
         return entries, [k for k, v in sd.items() if _trainable(v)]

@@ -135,8 +135,11 @@ def load_optimizer(folder: str, ctx, *, sharding: str | None) -> None:
     from megatron.core.models.mimo.optimizer import _iter_optimizer_sub_dicts
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
+    from mimo_sft.train.checkpoint.trusted import trusted_part
+
     for opt in distributed_optimizers(ctx.optimizer):
         _allocate_state(opt)
+    trusted_part(folder)  # megatron unpickles what it reads: only what passed the restricted readers
     state = dist_checkpointing.load(_optimizer_sharded_state_dict(ctx, is_loading=True, sharding=sharding), folder)
     param_states = []
     for name in list(state):

@@ -97,12 +97,15 @@ def read_model_part(part: dict, folder: str) -> dict:
     import torch.distributed.checkpoint as dcp
     from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory, apply_factory_merges
 
+    from mimo_sft.train.checkpoint.trusted import trusted_part, trusted_reader
+
     built = {k: (v.build() if isinstance(v, ShardedTensorFactory) else v) for k, v in part.items()}
     tensors: list = []
     _leaves(built, tensors)
+    trusted_part(folder)  # a refusal is its own one line, not wrapped in torch's CheckpointException
     try:
         regions = _regions(tensors)
-        dcp.load({}, storage_reader=dcp.FileSystemReader(folder), planner=_region_planner(regions), no_dist=True)
+        dcp.load({}, storage_reader=trusted_reader(folder), planner=_region_planner(regions), no_dist=True)
     except (KeyError, OSError, RuntimeError, ValueError) as err:  # torch wraps a missing key or a bad file in CheckpointException
         first = str(err).strip().splitlines()[-1][:200] if str(err).strip() else ""
         raise UserError(f"checkpoint {os.path.dirname(folder)}: weights {sorted(part)[:2]} cannot be read "

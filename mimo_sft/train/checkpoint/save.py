@@ -12,7 +12,8 @@ Layout of ``SAVE_DIR`` (folder rules, fsync order and pruning: :mod:`files`)::
         optimizer/         megatron dist-checkpoint of MimoOptimizer.sharded_state_dict (layout-free):
                            Adam moments and step, param groups, the fp32 main weights of a bf16 run
                            (:mod:`optimizer`)
-        rank_00000.pt      this rank's RNG streams (Python, numpy, torch, device, megatron's tracker)
+        rank_00000.pt      this rank's RNG streams (Python, numpy, torch, device, megatron's tracker): tensors,
+                           numbers and lists only, read weights-only (:mod:`trusted`, as every pickle a load reads)
     iter_0000020.v2/       a re-save of step 20 (a resumed run reached it again); replaces iter_0000020
     iter_0000030.tmp/      a save in progress: never read, removed by the next save of that step
 
@@ -55,6 +56,7 @@ from mimo_sft.train.checkpoint.write import PendingSaves, one_request, part_requ
 from mimo_sft.train.checkpoint.lora import check_lora_compatible, has_lora, is_stored, lora_load_entries, lora_meta
 from mimo_sft.train.checkpoint.model import (encoder_replica_rank, layout_signature, mark_encoder_replicas,
                                              model_sharded_state_dict, unwrapped)
+from mimo_sft.train.checkpoint.trusted import load_rank_file, stored_tensor_keys, trusted_part, verify_checkpoint
 
 
 def save_checkpoint(root: str, *, step: int, consumed_samples: int, ctx, extra_meta: dict | None = None,
@@ -188,6 +190,7 @@ def load_model_weights(model, ckpt: str, *, pretrained: bool = False, replicated
             sd, required = lora_load_entries(sd, folder, pretrained=pretrained)
         sd, shares = plan_spread(sd, spread_groups or {})
         try:
+            trusted_part(folder)  # megatron unpickles what it reads: only what passed the restricted readers
             state = dist_checkpointing.load(sd, folder)
             missing, _unexpected = bare.load_state_dict(state, strict=False)
         except Exception:
@@ -241,12 +244,10 @@ def model_weight_reader(ckpt: str):
 def stored_state_keys(ckpt: str):
     """``stored(model) -> set``: the ``state_dict`` keys of ``model`` whose tensors the checkpoint's
     ``model/`` holds (a LoRA checkpoint holds only what trained), from its metadata alone."""
-    from megatron.core import dist_checkpointing
-
     folder = os.path.join(ckpt, "model")
 
     def stored(model) -> set:
-        present = set(dist_checkpointing.load_tensors_metadata(folder).keys())
+        present = stored_tensor_keys(folder)
         with unwrapped(model) as bare:
             sharded = bare.sharded_state_dict()
         return {k for k, v in sharded.items() if is_stored(v, present)}
@@ -267,6 +268,7 @@ def restore(cfg, ctx) -> tuple[int, int]:
     if cfg.model.pretrained_checkpoint:
         ckpt = resolve_checkpoint(cfg.model.pretrained_checkpoint)
         check_lora_compatible(read_meta(ckpt), cfg.model, flag="--pretrained-checkpoint", path=ckpt, resume=False)
+        trusted_part(os.path.join(ckpt, "model"))  # refused in one line before anything is read
         load_model_weights(ctx.model, ckpt, pretrained=True, replicated_encoder_rank=encoder_replica_rank(ctx),
                            spread_groups=dp_groups(ctx))
         ctx.optimizer.reload_model_params()
@@ -306,12 +308,13 @@ def load_checkpoint(path: str, ctx) -> tuple[int, int]:
     rank_file = os.path.join(ckpt, f"rank_{dist.get_rank():05d}.pt")
     if same_layout and not os.path.isfile(rank_file):
         raise UserError(f"--load-checkpoint {ckpt}: {os.path.basename(rank_file)} is missing; the checkpoint is incomplete")
+    # every pickle this rank will read, through the restricted readers, before any of it is loaded
+    verify_checkpoint(ckpt, rank_files=os.path.basename(rank_file) if same_layout else None)
     load_model_weights(ctx.model, ckpt, replicated_encoder_rank=encoder_replica_rank(ctx), spread_groups=dp_groups(ctx))
     ctx.optimizer.reload_model_params()
     load_optimizer(os.path.join(ckpt, OPTIMIZER_DIR), ctx, sharding=saved_format(meta))
     if same_layout:
-        state = torch.load(rank_file, map_location="cpu", weights_only=False)
-        runtime.set_rng_state(state["rng"])
+        runtime.set_rng_state(load_rank_file(rank_file)["rng"])
     elif dist.get_rank() == 0:
         print(f"mimo-sft: resuming on another layout: RNG streams restart from the seed; weights, optimizer state, "
               f"step {meta['step']} and data position ({meta['consumed_samples']} samples) are restored "
