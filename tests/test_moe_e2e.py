@@ -208,7 +208,7 @@ def test_a_planted_ep2_checkpoint_is_refused_by_every_reader(continuous, kind, t
     folder, marker, refused = planted(continuous + "/checkpoints/iter_0000002", tmp_path, kind)
     assert_refused(python_m(["checkpoint", "info", "--verify", folder]), refused, marker)
     if kind in ("optimizer_metadata", "rank_file"):  # each rank reads both (its own rank file: rank 0's here)
-        proc = finetune(f"moe_planted_{kind}", 3, [*RESUME, "--no-save", "--load-checkpoint", folder],
+        proc = finetune(f"moe_planted_{kind}", 3, [*RESUME, "--load-checkpoint", folder],
                         components=EP2, model=tiny_moe(), data=bridge_corner_data(), check=False).proc
         assert_refused(proc, refused, marker, code=None)
     if kind == "model_metadata":

@@ -54,8 +54,45 @@ def test_streamed_rows_are_the_datasets_rows(data, kind):
 def test_parquet_glob_and_split_naming(data):
     glob_src = load_sft_dataset(_cfg(f"{data}/pq/train-0000[0-1]-*.parquet", streaming=True))
     assert len(glob_src) == N // 2
-    with pytest.raises(UserError, match="no 'valid' folder and no shard named 'valid-\\*'"):
+    with pytest.raises(UserError, match="'valid': .* has the split\\(s\\) train .*pick one of those"):
         load_sft_dataset(_cfg(data / "pq", streaming=True, split="valid"))
+
+
+#: folders as users lay them out: each split rule datasets applies to a folder (names relative to it)
+SPLIT_LAYOUTS = {
+    "prefix": ["train-00000.parquet", "valid-00000.parquet"],
+    "sharded": ["data/train-00000-of-00002.parquet", "data/train-00001-of-00002.parquet",
+                "data/validation-00000-of-00001.parquet"],
+    "folders": ["train/a.parquet", "train/b.parquet", "dev/c.parquet", "test/d.parquet"],
+    "infix": ["docs-train-0.parquet", "docs-test-0.parquet", "docs-val-0.parquet", "docs-train-1.parquet"],
+    "aliases": ["training/x.parquet", "evaluation/y.parquet", "validation/z.parquet"],
+    "no_split_names": ["a.parquet", "sub/b.parquet"],
+}
+
+
+@pytest.mark.parametrize("layout", sorted(SPLIT_LAYOUTS))
+def test_streamed_and_loaded_folders_read_the_same_files_for_every_split(data, layout, tmp_path):
+    """Issue 42: a streamed folder picks, for every split, exactly the files ``datasets`` loads for it (its
+    own folder resolution is the reference), so --streaming never trains on a folder's validation shards."""
+    import shutil
+
+    import datasets
+
+    from mimo_sft.data.shards import find_shards
+
+    shards = sorted((data / "pq").glob("*.parquet"))
+    folder = tmp_path / layout
+    for i, name in enumerate(SPLIT_LAYOUTS[layout]):
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(shards[i % len(shards)], folder / name)
+    expected = datasets.load_dataset_builder(str(folder)).config.data_files
+    assert set(expected) >= {"train"}
+    for split, files in expected.items():
+        assert [str(f) for f in find_shards(str(folder), split=str(split))[1]] == sorted(files), (layout, split)
+        streamed = load_sft_dataset(_cfg(folder, streaming=True, split=str(split)))
+        loaded = load_sft_dataset(_cfg(folder, split=str(split)))
+        assert len(streamed) == len(loaded), (layout, split)
+        assert [streamed[i] == loaded[i] for i in (0, len(loaded) - 1)] == [True, True], (layout, split)
 
 
 def test_no_arrow_copy_is_written(data, tmp_path, monkeypatch):

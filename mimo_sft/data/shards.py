@@ -65,16 +65,29 @@ def _candidates(path_text: str, *, split: str) -> list[Path]:
         return [p]
     if not p.is_dir():
         raise UserError(f"--dataset-path {path_text} does not exist; point it at a shard, a folder of shards or a glob")
-    if split != "train" and (p / split).is_dir():
-        p = p / split
-    files = sorted(f for f in p.iterdir() if f.is_file() and not f.name.startswith("."))
-    if split != "train" and not (p.name == split):
-        named = [f for f in files if f.name.startswith((f"{split}-", f"{split}.", f"{split}_"))]
-        if not named:
-            raise UserError(f"--dataset-split '{split}': {path_text} has no '{split}' folder and no shard named "
-                            f"'{split}-*'; point --dataset-path at the {split} shards")
-        files = named
-    return files
+    return split_files(p, split, path_text)
+
+
+def split_files(folder: Path, split: str, path_text: str) -> list[Path]:
+    """The files of ``split`` in ``folder``, chosen by ``datasets``' own rules for a folder (what
+    ``load_dataset(folder, split=...)`` reads when the folder is loaded instead): the split-name keywords and
+    their aliases in file and folder names (``train-*``, ``*-valid-*``, ``validation/``, ``dev``, ``test``...,
+    the ``data/{split}-NNNNN-of-NNNNN`` shards), and every file for ``train`` where no name says a split.
+    Calling datasets' resolver, not a copy of its rules, keeps streamed and loaded sources on the same files."""
+    from datasets.data_files import DataFilesDict, get_data_patterns
+    from datasets.exceptions import DataFilesNotFoundError
+
+    base = folder.expanduser().resolve().as_posix()
+    try:
+        by_split = DataFilesDict.from_patterns(get_data_patterns(base), base_path=base)
+    except (FileNotFoundError, DataFilesNotFoundError):
+        by_split = {}
+    if not by_split:
+        raise UserError(f"--dataset-path {path_text}: no .parquet or .tar shards found; point it at the shards")
+    if split not in by_split:
+        raise UserError(f"--dataset-split '{split}': {path_text} has the split(s) {', '.join(map(str, by_split))} "
+                        f"(named as datasets names a folder's files); pick one of those")
+    return sorted(Path(f) for f in by_split[split])
 
 
 def find_shards(path_text: str, *, split: str = "train") -> tuple[str, list[Path]]:
