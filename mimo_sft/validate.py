@@ -4,6 +4,10 @@
 ``config.checks.registry.check_config`` takes check 23's body as an argument because the forecast
 (``memory/``) reads the config schema (``config/``): an arrow from config/ to memory/ would close a circle.
 This module sits above both and is the one place that joins them. Pure like both: no torch, no megatron.
+
+``validate`` (not ``for_run``: the ranks open their sources at start-up anyway) also opens each streamed source
+as start-up does -- shard lists, footers and tar headers, no pixels (:func:`data.streamed.streamed_source_problems`,
+check 17) -- so that it refuses what ``finetune`` refuses.
 """
 
 from __future__ import annotations
@@ -18,7 +22,13 @@ __all__ = ["CheckResult", "check_config", "require_valid"]
 
 def check_config(cfg: ExperimentConfig, **kw) -> CheckResult:
     """Every numbered check (see ``config.checks.registry.check_config``), check 23 included."""
-    return registry.check_config(cfg, forecaster=forecast_check, **kw)
+    result = registry.check_config(cfg, forecaster=forecast_check, **kw)
+    if not kw.get("for_run"):
+        from mimo_sft.config.checks.context import Problem
+        from mimo_sft.data.streamed import streamed_source_problems
+
+        result.problems.extend(Problem(17, msg) for msg in streamed_source_problems(cfg.data))
+    return result
 
 
 def require_valid(cfg: ExperimentConfig, **kw) -> CheckResult:

@@ -168,8 +168,8 @@ def is_streamed(data_cfg) -> bool:
     path = str(getattr(data_cfg, "dataset_path", None) or "")
     if not path:
         return False
-    if path.lower().endswith(".tar"):
-        return True
+    if path.lower().endswith((".tar", ".tar.gz", ".tgz", ".tar.bz2", ".tar.xz", ".tar.zst")):
+        return True  # a compressed tar too: the streamed reader names it and says to decompress it
     folder = os.path.expanduser(path)
     return os.path.isdir(folder) and any(n.lower().endswith(".tar") for n in os.listdir(folder))
 

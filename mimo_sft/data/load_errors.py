@@ -73,6 +73,8 @@ def load_failure(path: Path, err: BaseException) -> str:
             return f"invalid JSON at {problem}; fix or remove that row"
     cause = innermost_cause(err)
     text = str(cause).strip()
+    if "BatchSize must be greater than 0" in text:  # pyarrow's word for a source without a single row
+        return "it has no rows; give a source that holds samples"
     return f"{type(cause).__name__}: {text.splitlines()[0] if text else ''}".rstrip(": ")
 
 

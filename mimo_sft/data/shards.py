@@ -100,7 +100,8 @@ def find_shards(path_text: str, *, split: str = "train") -> tuple[str, list[Path
             by_kind.setdefault(kind, []).append(f)
         elif len(files) == 1:
             raise UserError(f"--dataset-path {f}: a streamed source is .parquet or WebDataset .tar shards, not "
-                            f"'{f.suffix}'; drop --streaming to load it through datasets")
+                            f"'{f.suffix}'; drop --streaming to load it through datasets (in a mixture, set "
+                            f"'streaming: true' only on the sources that are shards, in YAML data.datasets)")
     if not by_kind:
         raise UserError(f"--dataset-path {path_text}: no .parquet or .tar shards found; point it at the shards")
     if len(by_kind) > 1:

@@ -60,5 +60,6 @@ def c18_contents_note(ctx):
     m, d = ctx.cfg.model, ctx.cfg.data
     if not ctx.for_run and (m.hf_model or d.dataset_path):
         yield ("validate checks the layout, the flags, config.json and that the paths exist and output folders are "
-               "writable; it reads no weights, no rows and no images (run `mimo-sft check-data` with the same flags "
+               "writable, and opens streamed shards as start-up does (footers and tar headers); it reads no weights, no "
+               "loaded source's rows and no images (run `mimo-sft check-data` with the same flags "
                "to decode every sample now)", "note")
