@@ -33,3 +33,13 @@ class BadSampleError(UserError):
         self.index = index
         self.path = path
         self.reason = reason
+
+
+class BadRowError(BadSampleError):
+    """A row that cannot be trained on as written (a content part of an unsupported type such as video, a
+    message without a role, image parts that name no image, a tar sample whose images are missing, a remote
+    URL). It is known from the row alone, so every rank that reads the row agrees: with ``--max-bad-samples``
+    > 0 the row is skipped (the next row of its source stands in) and counted, like an unreadable image.
+    ``path`` names where the row is (the file, or the shard and its row)."""
+
+    stage = "row"

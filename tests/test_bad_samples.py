@@ -54,7 +54,7 @@ def test_stand_ins_keep_ranks_in_step(dataset, tiny_ckpt):
     grids = a["image_grid_thw"].prod(-1).tolist()
     rows = torch.split(a["pixel_values"], grids)
     assert float(rows[1].abs().sum()) == 0.0 and float(rows[0].abs().sum()) > 0 and float(rows[2].abs().sum()) > 0
-    assert sorted(pix.bad_samples) == [1, 2] and pix.bad_by_stage == {"header": 1, "pixels": 1}
+    assert sorted(pix.bad_samples) == [1, 2] and pix.bad_by_stage == {"header": 1, "pixels": 1, "row": 0}
     assert sorted(lang.bad_samples) == [1] and lang.images_decoded == 0  # language ranks never decode
     assert pix.images_decoded == 2  # a and b; the blank stand-in is not a decode
 

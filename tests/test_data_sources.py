@@ -140,8 +140,14 @@ def test_placeholder_count_mismatch(tmp_path, image_folder, tiny_ckpt):
     rows[1]["conversations"][0]["value"] = "no marker here"
     p = tmp_path / "s.json"
     p.write_text(json.dumps(rows))
+    refuse = _iter(DataConfig(dataset_path=str(p), image_root=str(image_folder), seq_length=128, max_bad_samples=0),
+                   tiny_ckpt)
+    _one_line_error(lambda: next(refuse), r"sample 1 \(.*s.json, row 1\): 0 image placeholder\(s\).*1 image\(s\)")
+    # a row problem is known from the row: with --max-bad-samples (default 10) it is skipped and counted
     it = _iter(DataConfig(dataset_path=str(p), image_root=str(image_folder), seq_length=128), tiny_ckpt)
-    _one_line_error(lambda: next(it), r"sample 1 .*0 image placeholder\(s\).*1 image\(s\)")
+    batch = next(it)
+    assert sorted(it.bad_samples) == [1] and it.bad_by_stage["row"] == 1
+    assert 1 not in batch["sample_ids"].tolist()
 
 
 def test_model_token_info(tiny_ckpt):

@@ -4,6 +4,7 @@ rows loaded through ``datasets``, no Arrow copy, positions for the checkpoint, a
 from __future__ import annotations
 
 import dataclasses
+import json
 import io
 import os
 import tarfile
@@ -255,3 +256,59 @@ def test_decoding_workers_read_a_streamed_mixture_as_the_loaded_one(data, tiny_c
     for a, b in zip(loaded, streamed):
         for key in ("input_ids", "labels", "sample_ids", "pixel_values", "image_grid_thw"):
             assert torch.equal(a[key], b[key]), key
+
+
+def _tar(path, samples: list[tuple[str, dict, list[bytes]]]) -> None:
+    """A WebDataset shard: per sample ``<key>.json`` and ``<key>.<i>.png`` image members."""
+    with tarfile.open(path, "w", format=tarfile.GNU_FORMAT) as tar:
+        for key, obj, images in samples:
+            members = [(f"{key}.json", json.dumps(obj).encode())] + [(f"{key}.{i}.png", b) for i, b in enumerate(images)]
+            for name, blob in members:
+                info = tarfile.TarInfo(name)
+                info.size = len(blob)
+                tar.addfile(info, io.BytesIO(blob))
+
+
+def test_bad_rows_are_skipped_counted_and_named_by_shard_and_row(tmp_path, tiny_ckpt):
+    """Issue 42 item 2: a video part, an image part without its member and a path that is not there are known
+    from the row; each is skipped (the next row stands in), counted against --max-bad-samples, and named by
+    shard and row in words that fit a tar; with --max-bad-samples 0 the first stops the run in one line."""
+    from PIL import Image
+
+    from mimo_sft.data.loader import build_microbatch_iterator
+
+    png = io.BytesIO()
+    Image.new("RGB", (56, 56), (200, 30, 30)).save(png, format="PNG")
+    png = png.getvalue()
+
+    def row(user, images=None):
+        obj = {"messages": [{"role": "user", "content": user}, {"role": "assistant", "content": "a red square"}]}
+        return {**obj, **({"images": images} if images else {})}
+
+    image_q = [{"type": "image"}, {"type": "text", "text": "what is it?"}]
+    _tar(tmp_path / "shard-00000.tar", [
+        ("k0", row(image_q), [png]),
+        ("k1", row(image_q), []),                                        # its image member is missing
+        ("k2", row([{"type": "video"}, {"type": "text", "text": "and this?"}]), []),  # a clip
+        ("k3", row(image_q, ["missing.png"]), []),                       # a path that is not there
+        ("k4", row("just text"), []), ("k5", row(image_q), [png]), ("k6", row("more text"), []),
+        ("k7", row(image_q), [png])])
+
+    def it(max_bad):
+        cfg = DataConfig(dataset_path=str(tmp_path / "shard-00000.tar"), seq_length=256, max_bad_samples=max_bad)
+        return build_microbatch_iterator(cfg, model_dir=tiny_ckpt, micro_batch_size=4, canonical_grid=1, dp_size=1,
+                                         dp_rank=0, need_pixels=True, seed=0, num_workers=0)
+
+    served = it(10)
+    batch = next(served)
+    assert sorted(served.bad_samples) == [1, 2, 3], served.bad_samples
+    assert served.bad_by_stage["row"] == 2 and served.bad_by_stage["header"] == 1
+    (where1, why1), (where2, why2), (where3, why3) = (served.bad_samples[i] for i in (1, 2, 3))
+    assert where1.endswith("shard-00000.tar, row 1") and "image member(s)" in why1 and "column" not in why1
+    assert where2.endswith("shard-00000.tar, row 2") and "content part type 'video'" in why2
+    assert where3.endswith("missing.png") and "image file not found" in why3 and "column" not in why3
+    # rows 1 and 2 stand in with the next row that reads (3, itself text-only: its file is not there)
+    assert batch["sample_ids"].tolist() == [0, 3, 3, 3], batch["sample_ids"]
+    with pytest.raises(UserError) as err:
+        next(it(0))
+    assert "\n" not in str(err.value) and "shard-00000.tar, row 1" in str(err.value)

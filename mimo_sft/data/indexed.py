@@ -109,14 +109,15 @@ class IndexReorderedDataset(MicroBatchDataset):
         return sample
 
     def __getitem__(self, indices) -> dict:
-        self._bad = []
+        self._bad, self.stood_in = [], {}
         try:
             texts = [self.encode(i, need_pixels=False) for i in indices]
             info = self.plan(texts)
             per = len(texts) // self.dp_size
             mine = [texts[k] for k in info["order"][self.dp_rank * per: (self.dp_rank + 1) * per]]
             owned = {s["sample_id"] for s in mine}
-            self._bad = [b for b in self._bad if b[0] in owned]  # every rank read them; count each once
+            # every rank read them; count each once (a bad row: where the row that stood in for it is owned)
+            self._bad = [b for b in self._bad if self.stand_in(b[0]) in owned]
             if self.need_pixels:
                 mine = [self.add_pixels(s) for s in mine]
         except UserError as err:  # crosses worker processes as data, re-raised as one line

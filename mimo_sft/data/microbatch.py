@@ -15,7 +15,7 @@ import torch
 from mimo_sft.data.preprocess import SamplePreprocessor, TruncatedImageError, collate
 from mimo_sft.data.sampler import CanonicalSampler
 from mimo_sft.data.sources import SFTSource
-from mimo_sft.errors import BadSampleError, UserError
+from mimo_sft.errors import BadRowError, BadSampleError, UserError
 
 log = logging.getLogger("mimo_sft.data")
 
@@ -46,6 +46,8 @@ class MicroBatchDataset(torch.utils.data.Dataset):
         #: decoded -- this rank's encoder slice; the batch's pixels are then that slice's only
         self.pixel_slice = pixel_slice
         self.dropped = 0
+        #: rows replaced by the next row of their source (a bad row), this item: first index -> stand-in
+        self.stood_in: dict[int, int] = {}
         self._bad: list[tuple[int, str | None, str, str]] = []  # (index, path, reason, stage)  # of the item being built
 
     def __len__(self) -> int:
@@ -58,7 +60,15 @@ class MicroBatchDataset(torch.utils.data.Dataset):
         j = int(idx)
         step = getattr(self.source, "next_index", None)  # a mixture: the next row of the same source
         for _ in range(n):
-            messages, refs = self.source[j]
+            try:
+                messages, refs = self.source[j]
+            except BadRowError as err:  # known from the row: every rank reading it skips it alike
+                if self.max_bad_samples <= 0:
+                    raise
+                self._bad.append((j, err.path, err.reason, "row"))
+                bad_j, j = j, (step(j) if step else (j + 1) % n)
+                self.stood_in[bad_j] = j
+                continue
             try:
                 return self._encode_or_stand_in(messages, refs, j, need)
             except TruncatedImageError as err:
@@ -89,6 +99,12 @@ class MicroBatchDataset(torch.utils.data.Dataset):
             sample["blank_images"] = len(sample["grids"])
             return sample
 
+    def stand_in(self, j: int) -> int:
+        """The sample that was read for index ``j`` in this item (``j`` itself unless it was a bad row)."""
+        while j in self.stood_in:
+            j = self.stood_in[j]
+        return j
+
     def collate(self, samples: list[dict], need_pixels: bool) -> dict:
         batch = collate(samples, pad_id=self.pre.pad_id, need_pixels=need_pixels, pixel_dim=self.pre.pixel_dim,
                         seq_length=self.pre.seq_length if self.pad_to_seq_length else None)
@@ -100,7 +116,7 @@ class MicroBatchDataset(torch.utils.data.Dataset):
         return batch
 
     def __getitem__(self, indices) -> dict:
-        self._bad = []
+        self._bad, self.stood_in = [], {}
         lo, hi = self.keep_slice if self.keep_slice is not None else (0, len(indices))
         p0, p1 = (lo + self.pixel_slice[0], lo + self.pixel_slice[1]) if self.pixel_slice else (lo, hi)
         try:  # positions outside the kept range are encoded too (non-scalable DP reads everything)
@@ -147,7 +163,8 @@ class MicroBatchIterator:
         self._it = iter(loader)
         self.images_decoded = 0
         self.bad_samples: dict[int, tuple[str | None, str]] = {}
-        self.bad_by_stage = {"header": 0, "pixels": 0}  # header: every rank sees it; pixels: decoding ranks only
+        # header and row: every rank that reads the sample sees it; pixels: decoding ranks only
+        self.bad_by_stage = {"header": 0, "pixels": 0, "row": 0}
         self.last_report: dict = {"bad_samples": [], "images_decoded": 0}
         self.last_stats: dict = {}  # index-mode reordering: the plan figures of the last micro-batch
 

@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import base64
 import os
+import re
 from pathlib import Path
 from typing import Any
 
 from mimo_sft.data.image_refs import image_list, part_ref
-from mimo_sft.errors import UserError
+from mimo_sft.errors import BadRowError, BadSampleError, UserError
 
 _ROLE_MAP = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "model": "assistant",
              "bot": "assistant", "system": "system"}
@@ -58,6 +59,21 @@ class SFTSource:
         return getattr(self.ds, "_fingerprint", "") or self.dataset_path
 
     def __getitem__(self, idx: int) -> tuple[list[dict], list[Any]]:
+        """``(messages, image refs)`` of row ``idx``; a row that cannot be read as a sample is a ``BadRowError``
+        naming where it is (:meth:`row_where`), for the loader to skip and count."""
+        try:
+            return self._sample(idx)
+        except BadSampleError:
+            raise
+        except UserError as err:
+            reason = re.sub(rf"^(--dataset-path[^:]*: )?sample {int(idx)}( of [^:]+)?: ", "", str(err))
+            raise BadRowError(int(idx), self.row_where(idx), reason) from None
+
+    def row_where(self, idx: int) -> str:
+        """Where row ``idx`` is, for a message: the source and its row."""
+        return f"{self.dataset_path}, row {int(idx)}"
+
+    def _sample(self, idx: int) -> tuple[list[dict], list[Any]]:
         text = self._text_value(idx)
         if self.schema == "messages":
             messages, inline = _canonical_messages(text, idx, self.text_column)

@@ -72,6 +72,21 @@ class StreamedSource(SFTSource):
         """``[shard, rows]`` of every shard (names relative to the source's folder)."""
         return self.shards.shard_list(str(self.base_dir) if self.base_dir else None)
 
+    def row_where(self, idx: int) -> str:
+        where = self.position(idx)
+        return f"{self.dataset_path}: shard {where['shard']}, row {where['row_in_shard']}"
+
+    def _check_count(self, messages, refs, idx, *, inline: bool) -> None:
+        """A tar sample's images are its image members (or the paths its .json names): say so, not a column."""
+        if self.shards.kind != "webdataset" or inline:
+            return super()._check_count(messages, refs, idx, inline=inline)
+        n_parts = sum(1 for m in messages for p in m["content"] if p["type"] == "image")
+        if n_parts != len(refs):
+            raise UserError(f"{n_parts} image placeholder(s) in its .json but {len(refs)} image(s): {len(refs)} image "
+                            f"member(s) (<key>.png, <key>.<i>.jpg, ...) and no paths under '{self.images_column}' in "
+                            f"its .json make up the difference; add the missing image members to the tar, or fix the "
+                            f"sample's text")
+
     def position(self, row: int) -> dict:
         """Where row ``row`` lies: its shard and its row in that shard."""
         s, r = self.shards.locate(row)
