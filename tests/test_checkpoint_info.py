@@ -157,6 +157,30 @@ def test_a_resume_that_changes_the_sample_order_is_refused(tmp_path):
     assert len(mine) == 1 and "--seed 1234 differs from the checkpoint's 7 (--valid-split holds out rows chosen" in mine[0]
 
 
+def test_a_resume_recognises_its_sources_by_resolved_path_and_position_not_spelling_or_name(tmp_path, monkeypatch):
+    """Issue 42 item 4: the same files given as ./data/a.jsonl or by absolute path, or renamed in YAML, are the
+    checkpoint's mixture; a changed share or another file is refused naming the source and what differs."""
+    data = tmp_path / "data"
+    data.mkdir()
+    for name in ("a", "b", "c"):
+        (data / f"{name}.jsonl").write_text("{}\n")
+    monkeypatch.chdir(tmp_path)
+    saved = [{"name": "a", "path": "./data/a.jsonl", "share": 0.75}, {"name": "b", "path": "data/b.jsonl", "share": 0.25}]
+    ckpt = _saved_order(tmp_path / "ck", sources=saved)
+    absolute = ["--dataset-path", str(data / "a.jsonl"), "--dataset-path", str(data / "b.jsonl"),
+                "--dataset-weights", "3,1"]
+    assert _order_problems(ckpt, *absolute) == ([], [])
+    renamed = tmp_path / "renamed.yaml"
+    renamed.write_text("data:\n  datasets:\n    - {path: ./data/a.jsonl, weight: 3, name: docs}\n"
+                       "    - {path: data/../data/b.jsonl, weight: 1, name: web}\n")
+    assert _order_problems(ckpt, "--config", str(renamed)) == ([], [])
+    mine, _ = _order_problems(ckpt, "--dataset-path", "data/a.jsonl", "--dataset-path", "data/c.jsonl",
+                              "--dataset-weights", "1,1")
+    assert len(mine) == 1, mine
+    assert f"source 2 (c) was data/b.jsonl, now {data / 'c.jsonl'}" in mine[0]
+    assert "source 1 (a) had share 0.75, now 0.5" in mine[0] and "source 2 (c) had share 0.25, now 0.5" in mine[0]
+
+
 def test_a_checkpoint_without_recorded_data_order_is_unknown_not_a_mismatch(tmp_path):
     old = _saved_order(tmp_path)  # meta.json as saved before data_order was recorded
     assert "data_order" not in json.load(open(os.path.join(old, "iter_0000004", "meta.json")))

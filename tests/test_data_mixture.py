@@ -98,6 +98,7 @@ def test_mixture_source_maps_global_indices_to_its_sources():
     assert mix.next_index(2) == 0 and mix.next_index(7) == 3  # a stand-in stays in its source
     assert mix.fingerprint() == {"names": ["x", "y"], "rows": [3, 5], "shares": [0.5, 0.5]}
     check_resumed_mixture(mix.fingerprint(), mix, checkpoint="ck")
+    check_resumed_mixture({**mix.fingerprint(), "names": ["docs", "web"]}, mix, checkpoint="ck")  # renamed: same data
     with pytest.raises(UserError, match=r"row counts differ"):
         check_resumed_mixture({**mix.fingerprint(), "rows": [3, 6]}, mix, checkpoint="ck")
     with pytest.raises(UserError, match=r"trained on one --dataset-path"):

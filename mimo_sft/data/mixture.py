@@ -222,7 +222,9 @@ def check_resumed_mixture(saved: Optional[dict], source, *, checkpoint: str) -> 
         was = "a mixture of " + ", ".join(saved["names"]) if saved else "one --dataset-path"
         raise UserError(f"--load-checkpoint {checkpoint} was trained on {was}; resume with the same sources, or "
                         f"start from its weights with --pretrained-checkpoint {checkpoint}")
-    for key, what in (("names", "source names"), ("rows", "row counts"), ("shares", "shares (--dataset-weights)")):
+    # by position: names are labels (a source renamed in YAML is the same source); rows and shares decide
+    # which sample a position names
+    for key, what in (("rows", "row counts"), ("shares", "shares (--dataset-weights)")):
         if list(saved.get(key, now[key])) != list(now[key]):
             raise UserError(f"--load-checkpoint {checkpoint}: the mixture's {what} differ from the checkpoint's "
                             f"({saved[key]} then, {now[key]} now); resume with the same sources and weights, or start "

@@ -237,7 +237,36 @@ def _sources(data_cfg) -> list | None:
 
     if not data_cfg.datasets or mixture_problems(data_cfg):
         return None
-    return [{"name": s.name, "path": s.data.dataset_path, "share": round(s.weight, 12)} for s in mixture_specs(data_cfg)]
+    return [{"name": s.name, "path": resolved_path(s.data.dataset_path), "share": round(s.weight, 12)}
+            for s in mixture_specs(data_cfg)]
+
+
+def resolved_path(path) -> str:
+    """A local path as one spelling (absolute, links resolved; a glob's folder resolved): ``./data/a.jsonl`` and
+    ``/abs/data/a.jsonl`` are the same source. A hub name or a path that does not exist is kept as given."""
+    text = os.path.expanduser(str(path))
+    if any(ch in text for ch in "*?["):
+        folder, pattern = os.path.split(text)
+        return os.path.join(os.path.realpath(folder or "."), pattern) if os.path.isdir(folder or ".") else str(path)
+    return os.path.realpath(text) if os.path.exists(text) else str(path)
+
+
+def _source_differences(saved: list | None, now: list | None) -> list[str]:
+    """What differs between a checkpoint's mixture and this run's, source by source (position, resolved path
+    and share: the interleave follows the positions and shares; names are labels and may change)."""
+    if not saved and not now:
+        return []
+    if not saved or not now:
+        return ["one dataset then" if not saved else "one dataset now"]
+    if len(saved) != len(now):
+        return [f"{len(saved)} sources then, {len(now)} now"]
+    out = []
+    for k, (was, is_) in enumerate(zip(saved, now), 1):
+        if resolved_path(was["path"]) != is_["path"]:
+            out.append(f"source {k} ({is_['name']}) was {was['path']}, now {is_['path']}")
+        if was["share"] != is_["share"]:
+            out.append(f"source {k} ({is_['name']}) had share {was['share']:.4g}, now {is_['share']:.4g}")
+    return out
 
 
 def data_order_problems(saved: dict, cfg, path: str):
@@ -264,12 +293,11 @@ def data_order_problems(saved: dict, cfg, path: str):
         yield (f"--dataloader-type {d.dataloader_type} differs from the checkpoint's {was} (another sample order): "
                f"resume with --dataloader-type {was}, {fix}")
     now = _sources(d)
-    if saved and (saved.get("sources") or now) and saved.get("sources") != now:
-        def said(sources):
-            return ", ".join(f"{x['name']}={x['path']} ({x['share']:.3g})" for x in sources) if sources else "one dataset"
-        yield (f"the dataset mixture differs from the checkpoint's ({said(now)} now, {said(saved.get('sources'))} then; "
-               f"its data position is a position of that mixture's interleave): resume with the same --dataset-path "
-               f"and --dataset-weights, {fix}")
+    differs = _source_differences(saved.get("sources"), now) if saved else []
+    if differs:
+        yield (f"the dataset mixture differs from the checkpoint's ({'; '.join(differs)}; its data position is a "
+               f"position of that mixture's interleave): resume with the same sources in the same order and the same "
+               f"--dataset-weights, {fix}")
     seeded = [why for why, on in (("--dataloader-type cyclic shuffles each epoch with it", d.dataloader_type == "cyclic"),
                                   ("a dataset mixture interleaves its sources with it", bool(now)),
                                   ("--valid-split holds out rows chosen with it", d.valid_split is not None)) if on]

@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 
 from mimo_sft.config.lora import distributed_optimizer_in_use
-from mimo_sft.config.checks.checkpoint import data_order_meta, reshard_problem
+from mimo_sft.config.checks.checkpoint import data_order_meta, reshard_problem, resolved_path
 from mimo_sft.errors import UserError
 from mimo_sft.parallel import runtime
 from mimo_sft.train.checkpoint.files import fsync_file, iter_dir, kill_point, publish, read_meta, resolve_checkpoint
@@ -89,7 +89,9 @@ def save_checkpoint(root: str, *, step: int, consumed_samples: int, ctx, extra_m
     parts = [part_request(model_sharded_state_dict(ctx.model, encoder_replica_rank(ctx)), os.path.join(tmp, "model")),
              optimizer_save_request(os.path.join(tmp, OPTIMIZER_DIR), ctx)]
     meta = {"step": step, "consumed_samples": consumed_samples, "world_size": dist.get_world_size(),
-            "layout": layout_signature(ctx.layout), "hf_model": ctx.cfg.model.hf_model, **_optimizer_kind(ctx),
+            "layout": layout_signature(ctx.layout),
+            # resolved, so that an export or evaluate started in another folder finds the base model
+            "hf_model": ctx.cfg.model.hf_model and resolved_path(ctx.cfg.model.hf_model), **_optimizer_kind(ctx),
             **({"distributed_optimizer_format": save_format(ctx.cfg)} if save_format(ctx.cfg) else {}),
             **bucket_meta(ctx), **lora_meta(ctx.cfg.model), **data_order_meta(ctx.cfg), **(extra_meta or {})}
     box = [None]
