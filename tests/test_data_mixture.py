@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from collections import Counter
 
+import numpy as np
 import pytest
 
 from mimo_sft.validate import check_config
@@ -55,15 +56,64 @@ def test_per_source_epochs_a_small_source_repeats_and_a_large_one_does_not_resta
     assert len(set(large)) == len(large)  # no repeat inside the large source's first epoch
 
 
-def test_the_interleave_depends_on_shares_and_seed_not_on_the_row_counts():
+def test_the_interleave_depends_on_shares_not_on_the_row_counts():
     a = MixtureOrder([10, 20], [0.6, 0.4], seed=1, shuffle=False)
     b = MixtureOrder([999, 5], [0.6, 0.4], seed=1, shuffle=False)
     assert [a.locate(p)[0] for p in range(3000)] == [b.locate(p)[0] for p in range(3000)]
+    # the deficit rule needs no seed (rows inside a source still shuffle with it: cyclic); the older shuffled
+    # chunks, which checkpoints written before it resume with, follow the seed
     c = MixtureOrder([10, 20], [0.6, 0.4], seed=2, shuffle=False)
-    assert [a.locate(p)[0] for p in range(3000)] != [c.locate(p)[0] for p in range(3000)]
+    assert [a.locate(p)[0] for p in range(3000)] == [c.locate(p)[0] for p in range(3000)]
+    old = [MixtureOrder([10, 20], [0.6, 0.4], seed=k, shuffle=False, interleave="shuffled") for k in (1, 2)]
+    assert [old[0].locate(p)[0] for p in range(3000)] != [old[1].locate(p)[0] for p in range(3000)]
+    assert [old[0].locate(p)[0] for p in range(3000)] != [a.locate(p)[0] for p in range(3000)]
     # draws served before a position: what a streaming source would resume at
     p = 2500
     assert a.draws_before(p) == [sum(1 for q in range(p) if a.locate(q)[0] == s) for s in range(2)]
+
+
+def _worst_prefix_error(order, shares, start: int, stop: int) -> float:
+    """max over prefixes [start, p) of |draws of s - share_s * (p - start)|, over sources."""
+    counts, worst = np.zeros(len(shares)), 0.0
+    for n, p in enumerate(range(start, stop), 1):
+        counts[order.locate(p)[0]] += 1
+        worst = max(worst, float(np.abs(counts - np.asarray(shares) * n).max()))
+    return worst
+
+
+def test_every_prefix_holds_each_source_within_one_sample_of_its_share():
+    """Issue 42 item 7: 0.75/0.25 drew 0.66/0.34 over its first 96 samples with the shuffled chunks; the deficit
+    rule keeps every prefix (from the start, or from a chunk boundary: a resume) within one sample, for two to
+    five sources with random weights, including shares too small for one draw per 1024."""
+    first = MixtureOrder([50, 50], [0.75, 0.25], seed=0, shuffle=False)
+    assert Counter(first.locate(p)[0] for p in range(96)) == {0: 72, 1: 24}
+    # shares that are small fractions are the chunk's quotas exactly: within one sample of the weights for good
+    for shares in ([0.9, 0.1], [0.4, 0.3, 0.15, 0.1, 0.05], [1 / 3, 1 / 3, 1 / 3]):
+        order = MixtureOrder([7] * len(shares), shares, seed=0, shuffle=False)
+        assert order.chunk <= 60 and _worst_prefix_error(order, shares, 0, 20_000) < 1.0, shares
+    rng = np.random.default_rng(0)
+    for _case in range(12):
+        k = int(rng.integers(2, 6))
+        weights = rng.random(k) ** 3 + 1e-4
+        shares = list(weights / weights.sum())
+        order = MixtureOrder([7] * k, shares, seed=0, shuffle=False)
+        # the rule's bound is on the quota shares (quota / chunk); they differ from the weights by < 1/chunk
+        quota_shares = [q / order.chunk for q in order.quota]
+        assert _worst_prefix_error(order, quota_shares, 0, 2 * order.chunk + 77) < 1.0, shares
+        assert _worst_prefix_error(order, quota_shares, order.chunk, order.chunk + 500) < 1.0, shares
+    old = MixtureOrder([50, 50], [0.75, 0.25], seed=0, shuffle=False, interleave="shuffled")
+    assert _worst_prefix_error(old, [0.75, 0.25], 0, 1024) > 3  # what the shuffled chunks allowed
+
+
+def test_a_checkpoint_written_before_the_deficit_rule_resumes_on_the_shuffled_chunks():
+    from mimo_sft.data.mixture import resumed_interleave
+
+    mix = MixtureSource([list("abc"), list("defgh")], ["x", "y"], [0.5, 0.5])
+    assert mix.fingerprint()["interleave"] == "deficit" and resumed_interleave(mix.fingerprint()) == "deficit"
+    old = {k: v for k, v in mix.fingerprint().items() if k != "interleave"}
+    assert resumed_interleave(old) == "shuffled" and resumed_interleave(None) is None
+    with pytest.raises(UserError, match="interleaved by 'zigzag'"):
+        resumed_interleave({**old, "interleave": "zigzag"})
 
 
 @pytest.mark.parametrize("shuffle", [False, True])
@@ -96,7 +146,7 @@ def test_mixture_source_maps_global_indices_to_its_sources():
 
     assert mix.source_of(torch.tensor([0, 2, 3, 7])).tolist() == [0, 0, 1, 1]
     assert mix.next_index(2) == 0 and mix.next_index(7) == 3  # a stand-in stays in its source
-    assert mix.fingerprint() == {"names": ["x", "y"], "rows": [3, 5], "shares": [0.5, 0.5]}
+    assert mix.fingerprint() == {"names": ["x", "y"], "rows": [3, 5], "shares": [0.5, 0.5], "interleave": "deficit"}
     check_resumed_mixture(mix.fingerprint(), mix, checkpoint="ck")
     check_resumed_mixture({**mix.fingerprint(), "names": ["docs", "web"]}, mix, checkpoint="ck")  # renamed: same data
     with pytest.raises(UserError, match=r"row counts differ"):

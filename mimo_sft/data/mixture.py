@@ -8,13 +8,19 @@ stream position ``p`` (0, 1, 2, ... over the whole run, no global epochs) to a g
 ``CanonicalSampler`` cuts that stream into micro-batches and canonical-grid shares as it cuts a
 single dataset's, so every module and every DP size reads the same global order.
 
-The interleave (which source position ``p`` draws from) is a pure function of the shares and the
-seed, never of the sources' sizes: positions come in chunks of ``C`` (1024, or the power of two that
-gives the smallest share at least one draw); every chunk holds exactly ``quota[s]`` draws of source
-``s`` (largest-remainder apportionment of ``C * share``), shuffled by a generator seeded with
-``(seed, chunk)``. So the draws of source ``s`` before position ``p`` are ``chunk * quota[s]`` plus
-its count inside the chunk -- resuming at ``consumed_samples`` needs no replay, and the shares are
-exact to ``1/(2C)`` at every chunk boundary.
+The interleave (which source position ``p`` draws from) is a pure function of the shares, never of the
+sources' sizes: positions come in chunks of ``C`` (1024, or the power of two that gives the smallest
+share at least one draw); every chunk holds exactly ``quota[s]`` draws of source ``s`` (largest-remainder
+apportionment of ``C * share``). Inside a chunk each position draws from the source furthest behind its
+share: its next draw is released and due first (:func:`deficit_pattern`, Tijdeman's chairman assignment;
+the simpler largest-deficit rule of Megatron's blended dataset drifts past one sample with five sources), so
+every prefix of the stream -- each global batch, a short run -- holds each source's count within one sample
+of its share (measured: ``scripts/bench_mixture_shares.py``). A chunk ends with every count at its quota, so every chunk repeats
+the same pattern, and the draws of source ``s`` before position ``p`` are ``chunk * quota[s]`` plus its
+count inside the chunk: resuming at ``consumed_samples`` needs no replay. Checkpoints written before this
+rule (``interleave`` absent from meta.json's ``mixture``) resume on the rule they were trained with,
+``"shuffled"``: each chunk's quotas shuffled by a generator seeded with ``(seed, chunk)``, whose shares
+held only at chunk boundaries (a 0.75/0.25 mixture drew 0.66/0.34 over its first 96 samples).
 
 Per-source epochs: the ``n``-th draw of source ``s`` reads row ``perm_s(e)[j]`` with
 ``(e, j) = divmod(n, rows_s)``: rows in order (``--dataloader-type single``) or a permutation seeded
@@ -37,7 +43,42 @@ from mimo_sft.errors import UserError
 #: smallest chunk of the interleave (positions with fixed per-source counts)
 MIN_CHUNK = 1024
 MAX_CHUNK = 1 << 24
+#: the deficit interleave's largest exact chunk, and its rounded chunk where the shares need more
+EXACT_CHUNK = 1 << 16
 _SEED_MASK = (1 << 63) - 1
+#: how positions are spread over sources inside a chunk: "deficit" (every prefix within one sample of the
+#: shares), "shuffled" (what checkpoints written before it were trained with)
+INTERLEAVES = ("deficit", "shuffled")
+
+
+def deficit_pattern(quota: list[int]) -> np.ndarray:
+    """The source of each position of a chunk of ``C = sum(quota)`` positions, so that at every prefix ``t``
+    each source's count stays within ``1 - 1/(2k - 2)`` of ``t * quota[s] / C`` (``k`` sources): Tijdeman's
+    chairman assignment, as an earliest-deadline rule. The ``n``-th draw of source ``s`` may come once
+    ``t >= (n + σ) / λ`` and is due by ``(n + 1 - σ) / λ`` (``λ = quota[s] / C``, ``σ = 1/(2k - 2)``); each
+    position takes the released draw due first (ties: the lower source). Computed in integers (times
+    ``2k - 2``), so every rank builds the same pattern. The chunk ends with every source at its quota."""
+    q = [int(x) for x in quota]
+    total, k = sum(q), len(q)
+    if k == 1:
+        return np.zeros(total, dtype=np.int64)
+    m = 2 * k - 2  # σ = 1 / m
+    counts = [0] * k
+    out = np.empty(total, dtype=np.int64)
+    for t in range(1, total + 1):
+        best = None  # (deadline numerator, its denominator q[s], s): deadline (n*m + m - 1) / (m * q[s]) * C
+        for s, qs in enumerate(q):
+            n = counts[s]
+            if n >= qs or (n * m + 1) * total > t * qs * m:  # its quota met, or its next draw not released yet
+                continue
+            due = n * m + m - 1
+            if best is None or due * best[1] < best[0] * qs:
+                best = (due, qs, s)
+        if best is None:  # nothing released (not reached for exact quotas): the source furthest behind
+            best = (0, 1, max((s for s in range(k) if counts[s] < q[s]), key=lambda s: q[s] * t - total * counts[s]))
+        out[t - 1] = best[2]
+        counts[best[2]] += 1
+    return out
 
 
 def apportion(total: int, shares: list[float]) -> list[int]:
@@ -52,9 +93,23 @@ def apportion(total: int, shares: list[float]) -> list[int]:
     return out
 
 
-def chunk_size(shares: list[float], names: Optional[list[str]] = None) -> int:
-    """The interleave's chunk: the smallest power of two >= MIN_CHUNK giving every positive share a draw."""
-    c = MIN_CHUNK
+def exact_chunk(shares: list[float]) -> Optional[int]:
+    """The smallest chunk whose quotas are the shares exactly (the shares' common denominator, as fractions
+    of at most :data:`EXACT_CHUNK`; "3,1" gives 4 and "0.5,0.3,0.2" gives 10), or None when the shares are not
+    such fractions (then the quotas round them: :func:`chunk_size`)."""
+    from fractions import Fraction
+    from math import lcm
+
+    fracs = [Fraction(s).limit_denominator(EXACT_CHUNK) for s in shares]
+    if sum(fracs) != 1 or any(abs(float(f) - s) > 1e-12 for f, s in zip(fracs, shares)):
+        return None
+    c = lcm(*(f.denominator for f in fracs))
+    return c if c <= EXACT_CHUNK else None
+
+
+def chunk_size(shares: list[float], names: Optional[list[str]] = None, *, start: int = MIN_CHUNK) -> int:
+    """The interleave's chunk: the smallest power of two >= ``start`` giving every positive share a draw."""
+    c = start
     while c <= MAX_CHUNK:
         q = apportion(c, shares)
         if all(qi > 0 for qi, s in zip(q, shares) if s > 0):
@@ -70,16 +125,22 @@ class MixtureOrder:
     """Stream position -> global index of a mixture (module docstring); pure in its arguments."""
 
     def __init__(self, sizes: list[int], shares: list[float], *, seed: int, shuffle: bool,
-                 names: Optional[list[str]] = None):
+                 names: Optional[list[str]] = None, interleave: str = "deficit"):
         assert len(sizes) == len(shares) and all(n > 0 for n, s in zip(sizes, shares) if s > 0)
+        assert interleave in INTERLEAVES, interleave
+        self.interleave = interleave
         self.sizes, self.shares = list(sizes), list(shares)
         self.offsets = [0]
         for n in sizes:
             self.offsets.append(self.offsets[-1] + n)
         self.seed, self.shuffle = int(seed) & _SEED_MASK, shuffle
-        self.chunk = chunk_size(self.shares, names)
+        # deficit: quotas exact where the shares are small fractions (every prefix then within one sample of
+        # the weights for the whole run), else rounded over 2^16 positions (a drift of one sample per 2^17)
+        self.chunk = (chunk_size(self.shares, names) if interleave == "shuffled" else
+                      exact_chunk(self.shares) or chunk_size(self.shares, names, start=EXACT_CHUNK))
         self.quota = np.array(apportion(self.chunk, self.shares), dtype=np.int64)
         self._chunk_cache: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._pattern: Optional[np.ndarray] = None
         self._epoch_cache: dict[tuple[int, int], np.ndarray] = {}
 
     def chunk_sources(self, c: int) -> tuple[np.ndarray, np.ndarray]:
@@ -87,8 +148,13 @@ class MixtureOrder:
         hit = self._chunk_cache.get(c)
         if hit is not None:
             return hit
-        base = np.repeat(np.arange(len(self.sizes), dtype=np.int64), self.quota)
-        src = base[np.random.default_rng([self.seed, 0, c]).permutation(self.chunk)]
+        if self.interleave == "deficit":
+            if self._pattern is None:  # the same in every chunk (each ends with every count at its quota)
+                self._pattern = deficit_pattern(self.quota.tolist())
+            src = self._pattern
+        else:
+            base = np.repeat(np.arange(len(self.sizes), dtype=np.int64), self.quota)
+            src = base[np.random.default_rng([self.seed, 0, c]).permutation(self.chunk)]
         draw = np.empty(self.chunk, dtype=np.int64)
         for s in range(len(self.sizes)):
             where = np.nonzero(src == s)[0]
@@ -140,6 +206,8 @@ class MixtureSource:
     def __init__(self, parts: list, names: list[str], shares: list[float]):
         assert len(parts) == len(names) == len(shares) and parts
         self.parts, self.names, self.shares = list(parts), list(names), list(shares)
+        #: the rule of :class:`MixtureOrder`; a resume takes its checkpoint's (:func:`check_resumed_mixture`)
+        self.interleave = "deficit"
         self.sizes = [len(p) for p in parts]
         self.offsets = [0]
         for n in self.sizes:
@@ -170,7 +238,8 @@ class MixtureSource:
         return torch.bucketize(ids.to(torch.int64), bounds, right=True)
 
     def order(self, *, seed: int, shuffle: bool) -> MixtureOrder:
-        return MixtureOrder(self.sizes, self.shares, seed=seed, shuffle=shuffle, names=self.names)
+        return MixtureOrder(self.sizes, self.shares, seed=seed, shuffle=shuffle, names=self.names,
+                            interleave=self.interleave)
 
     def image_paths(self) -> list[tuple[int, str]]:
         return [(off + row, path) for p, off in zip(self.parts, self.offsets) for row, path in p.image_paths()]
@@ -185,7 +254,8 @@ class MixtureSource:
 
     def fingerprint(self) -> dict:
         """What a checkpoint records so that a resume reads the same mixture (names, rows, shares)."""
-        return {"names": self.names, "rows": self.sizes, "shares": [round(s, 12) for s in self.shares]}
+        return {"names": self.names, "rows": self.sizes, "shares": [round(s, 12) for s in self.shares],
+                "interleave": self.interleave}
 
 
 class InterleavedView:
@@ -209,6 +279,18 @@ class InterleavedView:
     def source_of(self, ids: torch.Tensor) -> torch.Tensor:
         mapped = torch.tensor([self.map[int(i)] for i in ids.tolist()], dtype=torch.int64)
         return self.mixture.source_of(mapped)
+
+
+def resumed_interleave(saved: Optional[dict]) -> Optional[str]:
+    """The interleave a resumed mixture continues with: its checkpoint's (``saved``: meta.json's ``mixture``),
+    ``"shuffled"`` for one written before the rule was recorded; None when there is no saved mixture."""
+    if not saved:
+        return None
+    rule = saved.get("interleave", "shuffled")
+    if rule not in INTERLEAVES:
+        raise UserError(f"the checkpoint's mixture was interleaved by '{rule}', which this mimo-sft does not know "
+                        f"({', '.join(INTERLEAVES)}); resume it with the mimo-sft that wrote it")
+    return rule
 
 
 def check_resumed_mixture(saved: Optional[dict], source, *, checkpoint: str) -> None:

@@ -162,9 +162,13 @@ class Feed:
             self.reorder.shutdown()
 
 
-def build_feed(cfg, layout, pstate, info, *, consumed_samples: int, train_source=None) -> Feed:
-    """This rank's feed (:func:`_build_feed`), knowing its training source (a mixture's sources, streamed ones)."""
+def build_feed(cfg, layout, pstate, info, *, consumed_samples: int, train_source=None,
+               interleave: str | None = None) -> Feed:
+    """This rank's feed (:func:`_build_feed`), knowing its training source (a mixture's sources, streamed ones).
+    ``interleave``: a resumed mixture's rule (``data.mixture.resumed_interleave``; None: the current one)."""
     source = train_source if train_source is not None else checked_source(cfg, pstate)
+    if interleave is not None and isinstance(source, MixtureSource):
+        source.interleave = interleave
     feed = _build_feed(cfg, layout, pstate, info, consumed_samples=consumed_samples, source=source)
     feed.train_source = source
     feed.position_args = dict(seed=cfg.train.seed, micro_batch_size=cfg.train.micro_batch_size,

@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from mimo_sft.config.loader import config_to_dict, dump_config
 from mimo_sft.config.schema import ExperimentConfig
-from mimo_sft.data.mixture import check_resumed_mixture
+from mimo_sft.data.mixture import check_resumed_mixture, resumed_interleave
 from mimo_sft.data.streamed import check_resumed_streams
 from mimo_sft.data.validation import check_resumed_split, split_sources, valid_flag
 from mimo_sft.errors import UserError
@@ -165,11 +165,11 @@ class Trainer:
         train_source, valid_source = split_sources(cfg.data, seed=t.seed, global_batch_size=t.global_batch_size,
                                                    load_full=lambda: checked_source(cfg, self.pstate),
                                                    load_valid=lambda data_cfg: checked_source(cfg, self.pstate, data_cfg))
+        meta = read_meta(resolve_checkpoint(cfg.checkpoint.load_checkpoint)) if cfg.checkpoint.load_checkpoint else {}
         self.feed = build_feed(cfg, layout, self.pstate, self.ctx.info, consumed_samples=self.consumed,
-                               train_source=train_source)
+                               train_source=train_source, interleave=resumed_interleave(meta.get("mixture")))
         if cfg.checkpoint.load_checkpoint:  # a mixture resumes only on the same sources, rows and shares
             ckpt = resolve_checkpoint(cfg.checkpoint.load_checkpoint)
-            meta = read_meta(ckpt)
             check_resumed_mixture(meta.get("mixture"), self.feed.mixture, checkpoint=ckpt)
             check_resumed_streams(meta.get("streams"), self.feed.stream_position(self.consumed), checkpoint=ckpt)
         self.runner = StepRunner(model=self.ctx.model, modules=self.ctx.modules, pstate=self.pstate, layout=layout,
