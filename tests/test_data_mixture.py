@@ -303,3 +303,22 @@ def test_per_source_validation_losses_reach_tensorboard(tmp_path):
     tags = set(events.Tags()["scalars"])
     assert {"valid/loss", "valid/loss/docs", "valid/loss/chat", "valid/tokens/docs"} <= tags, tags
     assert events.Scalars("valid/loss/chat")[0].value == 3.0
+
+
+def test_source_names_are_readable_and_error_lines_stay_short(tmp_path):
+    """Issue 42 item 5: derived names keep letters of any script and name a glob by its folder; YAML names
+    win (made key-safe only); a mixture is named by its sources, never None; a huge weight list is not
+    echoed whole."""
+    from mimo_sft.config.mixture import _stem, dataset_label
+
+    assert [_stem(p) for p in ("shard-*.tar", "/data/web/shard-*.tar", "dócs 1.jsonl", "/a/train.parquet",
+                               "/a/folder/")] == ["shard", "web", "dócs_1", "train", "folder"]
+    y = tmp_path / "mix.yaml"
+    y.write_text("data:\n  datasets:\n    - {path: a.parquet, name: Dokumente 2024}\n    - {path: /w/shard-*.tar}\n")
+    cfg = load_config(["--config", str(y)])
+    assert [s.name for s in mixture_specs(cfg.data)] == ["Dokumente_2024", "w"]
+    assert dataset_label(cfg.data) == "Dokumente_2024=a.parquet, w=/w/shard-*.tar"
+    weights = ",".join(["1"] * 20_000)
+    line = _c17(["--dataset-path", str(tmp_path / "a.parquet"), "--dataset-path", str(tmp_path / "b.parquet"),
+                 "--dataset-weights", weights])
+    assert any("20000 weights for 2 sources" in p for p in line) and max(len(p) for p in line) < 600, line

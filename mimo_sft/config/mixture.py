@@ -43,9 +43,29 @@ class SourceSpec:
 
 
 def _stem(path: str) -> str:
+    """A readable name for a source from its path: a file's name without its data suffix (``docs.jsonl`` ->
+    ``docs``), a folder's name, a glob's folder (``/data/web/shard-*.tar`` -> ``web``) or, in the current folder,
+    its pattern without wildcards (``shard-*.tar`` -> ``shard``). Letters of any script are kept."""
     p = Path(str(path).rstrip("/"))
-    stem = p.stem if p.suffix.lower() in (".parquet", ".json", ".jsonl", ".arrow") else p.name
-    return re.sub(r"[^A-Za-z0-9_.-]+", "_", stem) or "source"
+    if any(ch in p.name for ch in "*?["):
+        parent = p.parent.name
+        stem = parent if parent not in ("", ".", "..") else re.sub(r"[*?\[\]]+", "", p.name.split(".")[0]).strip("-_.")
+    else:
+        stem = p.stem if p.suffix.lower() in (".parquet", ".json", ".jsonl", ".arrow", ".tar") else p.name
+    return metric_name(stem)
+
+
+def metric_name(text: str) -> str:
+    """``text`` as a stable, readable metric key part (``loss/<name>``): letters of any script, digits and
+    ``_.-`` kept, every other run of characters (spaces, ``/``) one ``_``."""
+    return re.sub(r"[^\w.-]+", "_", str(text)).strip("_") or "source"
+
+
+def echo(text, limit: int = 80) -> str:
+    """``text`` as an error line repeats it: whole when short, else its start and its length (a 20,000-entry
+    weight list must not make a 120 KB line)."""
+    text = str(text)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
 def parse_weights(text: Optional[str]) -> Optional[list[float]]:
@@ -57,7 +77,7 @@ def parse_weights(text: Optional[str]) -> Optional[list[float]]:
         try:
             out.append(float(word))
         except ValueError:
-            raise UserError(f"--dataset-weights {text}: '{word.strip()}' is not a number; give one weight per "
+            raise UserError(f"--dataset-weights {echo(text)}: '{echo(word.strip(), 40)}' is not a number; give one weight per "
                             "--dataset-path, e.g. 0.5,0.3,0.2") from None
     return out
 
@@ -82,7 +102,7 @@ def mixture_problems(data_cfg) -> list[str]:
         return [str(e)]
     if not entries:
         if flag_weights is not None and len(flag_weights) != 1:
-            problems.append(f"--dataset-weights {weights_text}: {len(flag_weights)} weights for 1 --dataset-path; "
+            problems.append(f"--dataset-weights {echo(weights_text)}: {len(flag_weights)} weights for 1 --dataset-path; "
                             "give one weight per --dataset-path (repeat --dataset-path for each source)")
         return problems
     if data_cfg.dataset_path:
@@ -105,8 +125,8 @@ def mixture_problems(data_cfg) -> list[str]:
         return problems
     if flag_weights is not None:
         if len(flag_weights) != len(entries):
-            return [f"--dataset-weights {weights_text}: {len(flag_weights)} weights for {len(entries)} sources "
-                    f"({', '.join(e['path'] for e in entries)}); give one weight per source"]
+            return [f"--dataset-weights {echo(weights_text)}: {len(flag_weights)} weights for {len(entries)} sources "
+                    f"({echo(', '.join(e['path'] for e in entries), 200)}); give one weight per source"]
         weights = flag_weights
     else:
         weights = []
@@ -140,7 +160,7 @@ def _specs(data_cfg) -> Optional[list[SourceSpec]]:
     total = sum(weights)
     names, seen = [], set()
     for e in entries:
-        base = re.sub(r"[^A-Za-z0-9_.-]+", "_", str(e["name"])) if e.get("name") else _stem(e["path"])
+        base = metric_name(e["name"]) if e.get("name") else _stem(e["path"])
         name, k = base, 2
         while name in seen:  # two files of the same stem: a/train.parquet, b/train.parquet
             name, k = f"{base}-{k}", k + 1
@@ -153,6 +173,17 @@ def _specs(data_cfg) -> Optional[list[SourceSpec]]:
                                    valid_dataset_path=e.get("valid_path"), **over)
         specs.append(SourceSpec(name, w / total, data))
     return specs
+
+
+def dataset_label(data_cfg) -> str:
+    """What names a run's training data in a line or a JSON field: ``--dataset-path``, or a mixture's sources
+    (``name=path, ...``), never ``None``."""
+    if getattr(data_cfg, "datasets", None):
+        try:
+            return ", ".join(f"{s.name}={s.data.dataset_path}" for s in mixture_specs(data_cfg))
+        except UserError:
+            return ", ".join(str(e.get("path")) for e in data_cfg.datasets)
+    return str(data_cfg.dataset_path)
 
 
 def per_source_validation(specs: list[SourceSpec]) -> bool:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import re
 from dataclasses import asdict, dataclass, field
 
+from mimo_sft.config.mixture import dataset_label
 from mimo_sft.errors import BadSampleError, UserError
 
 COUNT_KEYS = ("samples", "images", "text_only", "truncated_answers", "empty_answers", "images_over_max_pixels",
@@ -173,7 +174,7 @@ def check_dataset(data_cfg, *, model_dir, workers: int, chunk: int = 256, write_
     return {
         "cost_files": files,
         "ok": not total.problems,
-        "dataset": str(data_cfg.dataset_path),
+        "dataset": dataset_label(data_cfg),
         "seq_length": pre.seq_length,
         "min_pixels": pre.min_pixels,
         "max_pixels": pre.max_pixels,

@@ -9,6 +9,7 @@ stays cheap.
 
 from __future__ import annotations
 
+from mimo_sft.config.mixture import dataset_label
 from mimo_sft.errors import UserError
 from mimo_sft.parallel.layout import IMAGES, LANGUAGE
 from mimo_sft.plan.flags import PlanOptions
@@ -49,7 +50,7 @@ def build_plan(cfg, opts: PlanOptions) -> dict:
         "reorder": _reorder_figures(cfg, layout, mbs_list, main, patch_bytes),
         "note": None if cfg.reorder.enabled else ("reordering is OFF in this config; 'after' shows what "
                                                   "--intra-microbatch-reorder would do"),
-        "data": {"dataset_path": cfg.data.dataset_path, "dataloader_type": cfg.data.dataloader_type,
+        "data": {"dataset_path": dataset_label(cfg.data), "dataloader_type": cfg.data.dataloader_type,
                  "seed": cfg.train.seed, "seq_length": cfg.data.seq_length, **facts},
         "sample_ids": [mb.sample_ids for mb in mbs_list],
         "not_checked": (f"plan read the chat text and image headers of the first {opts.steps} micro-batches only; "

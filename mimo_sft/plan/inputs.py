@@ -12,6 +12,7 @@ refuses it under ``--on-truncation error``.
 
 from __future__ import annotations
 
+from mimo_sft.config.mixture import dataset_label
 from mimo_sft.data.loader import build_preprocessor, check_fits, sample_metadata
 from mimo_sft.data.mixture import MixtureSource
 from mimo_sft.data.sampler import CanonicalSampler
@@ -91,7 +92,7 @@ def load_micro_batches(cfg, layout, n_micro_batches: int) -> tuple[list[MicroBat
             tokens.append(float(min(m.n_tokens, seq)))  # attention_mask.sum() after truncation
         out.append(MicroBatchLoad(ids, patches, tokens, counts))
     if images == 0:
-        raise UserError(f"the {n_micro_batches} planned micro-batches of {cfg.data.dataset_path} hold no images: "
+        raise UserError(f"the {n_micro_batches} planned micro-batches of {dataset_label(cfg.data)} hold no images: "
                         "the vision encoder has no load to balance (reordering helps image data only)")
     facts = {"dataset_samples": n, "samples_read": len(cache.metas), "replaced_too_long": replaced,
              "images": images, "epoch_micro_batches": sampler.micro_batches_per_epoch, "patch_bytes": pre.pixel_dim}

@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.distributed as dist
 
+from mimo_sft.config.mixture import dataset_label
 from mimo_sft.data.loader import build_preprocessor, resolve_num_workers
 from mimo_sft.data.validation import ValidationReader, evaluated_samples, no_supervised_tokens, shard_tokens
 from mimo_sft.errors import UserError
@@ -211,7 +212,7 @@ def _evaluate(cfg, layout, as_json: bool) -> int:
     result = Evaluator(cfg, layout, pstate, ctx, runner, source, flag=flag).evaluate(0)
     if ctx.is_metrics_rank:
         what = {"checkpoint": ckpt, "hf_model": cfg.model.hf_model,
-                "dataset": cfg.data.valid_dataset_path or cfg.data.dataset_path}
+                "dataset": cfg.data.valid_dataset_path or dataset_label(cfg.data)}
         per_source = {name: {"loss": result.valid_sources.get(f"valid_loss/{name}"),
                              "tokens": result.valid_sources.get(f"valid_tokens/{name}")}
                       for name in getattr(source, "names", None) or []}
