@@ -6,7 +6,7 @@
 This module sits above both and is the one place that joins them. Pure like both: no torch, no megatron.
 
 ``validate`` (not ``for_run``: the ranks open their sources at start-up anyway) also opens each streamed source
-as start-up does -- shard lists, footers and tar headers, no pixels (:func:`data.streamed.streamed_source_problems`,
+as start-up does -- shard lists, footers and tar headers, no pixels (:func:`data.streamed.open_streamed_sources`,
 check 17) -- so that it refuses what ``finetune`` refuses.
 """
 
@@ -25,9 +25,12 @@ def check_config(cfg: ExperimentConfig, **kw) -> CheckResult:
     result = registry.check_config(cfg, forecaster=forecast_check, **kw)
     if not kw.get("for_run"):
         from mimo_sft.config.checks.context import Problem
-        from mimo_sft.data.streamed import streamed_source_problems
+        from mimo_sft.config.mixture import source_lines
+        from mimo_sft.data.streamed import open_streamed_sources
 
-        result.problems.extend(Problem(17, msg) for msg in streamed_source_problems(cfg.data))
+        problems, rows = open_streamed_sources(cfg.data)
+        result.problems.extend(Problem(17, msg) for msg in problems)
+        result.notes.extend(Problem(17, line, "note") for line in source_lines(cfg, rows))
     return result
 
 

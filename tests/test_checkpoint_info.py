@@ -195,3 +195,26 @@ def test_a_save_records_the_settings_check_35_compares():
                        "cyclic", "--no-drop-last"])
     assert data_order_meta(cfg) == {"data_order": {"micro_batch_size": 2, "global_batch_size": 6, "seed": 5,
                                                    "dataloader_type": "cyclic", "drop_last": False}}
+
+
+def test_checkpoint_info_shows_the_mixture_and_each_sources_position():
+    """Issue 42 item 6: the sources, shares, rows and samples drawn of each (the interleave's count at the
+    checkpoint's consumed samples), and the DP-only form's rule for an expert-parallel checkpoint."""
+    from mimo_sft.data.mixture import MixtureOrder
+    from mimo_sft.train.checkpoint.info import _resume_rule, _sources
+
+    meta = {"consumed_samples": 96, "mixture": {"names": ["docs", "web"], "rows": [4, 1000], "shares": [0.75, 0.25],
+                                                "interleave": "deficit"},
+            "data_order": {"seed": 3, "sources": [{"name": "docs", "path": "/d", "share": 0.75},
+                                                  {"name": "web", "path": "/w", "share": 0.25}]}}
+    got = _sources(meta)
+    assert [(s["name"], s["rows"], s["drawn"]) for s in got] == [("docs", 4, 72), ("web", 1000, 24)]
+    assert got[0]["epochs"] == 18.0
+    old = _sources({**meta, "mixture": {k: v for k, v in meta["mixture"].items() if k != "interleave"}})
+    shuffled = MixtureOrder([4, 1000], [0.75, 0.25], seed=3, shuffle=False, interleave="shuffled").draws_before(96)
+    assert [s["drawn"] for s in old] == shuffled
+    assert _sources({"consumed_samples": 8}) == []
+    ep2 = [{"name": "language", "tp": 1, "pp": 1, "ep": 2, "etp": 1}]
+    assert _resume_rule("dp_reshardable", ep2) == "any DP size; TP, PP, EP and expert TP as saved"
+    assert _resume_rule("dp_reshardable", SAVED) == "any DP size; TP and PP as saved"
+    assert _resume_rule("fully_reshardable_boxes", ep2) == "any layout"

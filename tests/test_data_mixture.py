@@ -322,3 +322,32 @@ def test_source_names_are_readable_and_error_lines_stay_short(tmp_path):
     line = _c17(["--dataset-path", str(tmp_path / "a.parquet"), "--dataset-path", str(tmp_path / "b.parquet"),
                  "--dataset-weights", weights])
     assert any("20000 weights for 2 sources" in p for p in line) and max(len(p) for p in line) < 600, line
+
+
+def test_validate_and_the_banner_say_how_often_each_source_is_read(tmp_path):
+    """Issue 42 item 6: a 4-row source at weight 0.9 is read 27 times in 30 steps of 4: validate says so per
+    source (share, streamed or loaded, rows where it opened them), and so do the banner and the metrics."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from mimo_sft.config.mixture import source_lines
+
+    (tmp_path / "shards").mkdir()
+    rows = [json.dumps([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}])] * 4
+    pq.write_table(pa.table({"messages": rows}), tmp_path / "shards" / "train-00000.parquet")
+    (tmp_path / "chat.jsonl").write_text("")
+    cfg = load_config(["--dataset-path", str(tmp_path / "shards"), "--dataset-path", str(tmp_path / "chat.jsonl"),
+                       "--dataset-weights", "0.9,0.1", "--train-iters", "30", "--global-batch-size", "4",
+                       "--micro-batch-size", "4"])
+    lines = source_lines(cfg, {"shards": 4})
+    assert lines[0] == (f"source 'shards' ({tmp_path / 'shards'}): 90.0% of the samples (~108 draws), loaded; 4 rows, "
+                        f"read 27.00 times over --train-iters 30")
+    assert lines[1].endswith("10.0% of the samples (~12 draws), loaded; rows not counted by validate (check-data "
+                             "counts them)")
+    notes = [str(n) for n in check_config(cfg).notes if n.check == 17]
+    assert len(notes) == 2 and "read" not in notes[0]  # a loaded source's rows are not read by validate
+    mix = MixtureSource([list("abcd"), list(range(48))], ["small", "big"], [0.9, 0.1])
+    assert mix.rows_text(120) == "small 4 rows (90.0%, read 27.00 times), big 48 rows (10.0%, read 0.25 times)"
+    order = mix.order(seed=0, shuffle=False)
+    assert mix.epochs(order, 12) == [d / r for d, r in zip(order.draws_before(12), [4, 48])]
+    assert sum(order.draws_before(12)) == 12

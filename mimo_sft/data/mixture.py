@@ -248,9 +248,17 @@ class MixtureSource:
         for p in self.parts:
             p.check_image_files()
 
-    def rows_text(self) -> str:
-        """``name rows (share)`` of every source, for the run's banner."""
-        return ", ".join(f"{n} {r} rows ({100 * s:.1f}%)" for n, r, s in zip(self.names, self.sizes, self.shares))
+    def rows_text(self, drawn: int | None = None) -> str:
+        """``name rows (share, streamed, times read)`` of every source, for the run's banner; ``drawn``: the
+        samples the run draws (``--train-iters`` x global batch), for how many times each source is read."""
+        return ", ".join(f"{n} {r} rows ({100 * s:.1f}%" + (", streamed" if getattr(p, "streaming", False) else "")
+                         + (f", read {s * drawn / r:.2f} times" if drawn else "") + ")"
+                         for n, r, s, p in zip(self.names, self.sizes, self.shares, self.parts))
+
+    def epochs(self, order: MixtureOrder, consumed_samples: int) -> list[float]:
+        """How many times each source has been read after ``consumed_samples`` stream positions (its draws over
+        its rows; ``order``: this mixture's :meth:`order`)."""
+        return [d / r for d, r in zip(order.draws_before(consumed_samples), self.sizes)]
 
     def fingerprint(self) -> dict:
         """What a checkpoint records so that a resume reads the same mixture (names, rows, shares)."""

@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from mimo_sft.config.loader import config_to_dict, dump_config
 from mimo_sft.config.schema import ExperimentConfig
-from mimo_sft.data.mixture import check_resumed_mixture, resumed_interleave
+from mimo_sft.data.mixture import MixtureOrder, check_resumed_mixture, resumed_interleave
 from mimo_sft.data.streamed import check_resumed_streams
 from mimo_sft.data.validation import check_resumed_split, split_sources, valid_flag
 from mimo_sft.errors import UserError
@@ -95,6 +95,7 @@ class Trainer:
     stop: StopPolicy
     profiler: StepProfiler  # --profile-steps (inactive without it)
     expert_load: Optional[ExpertLoad]  # a mixture-of-experts model's routing figures (None: dense)
+    mixture_order: Optional[MixtureOrder] = None  # a mixture's interleave, for its sources' epochs (built once)
 
     def __init__(self, cfg: ExperimentConfig, layout: Layout):
         self.cfg = cfg
@@ -225,7 +226,8 @@ class Trainer:
               f"{start}, output {self.output_dir}\n"
               f"mimo-sft: {self._checkpoint_plan()}", flush=True)
         if self.feed.mixture is not None:
-            print(f"mimo-sft: data mixture: {self.feed.mixture.rows_text()}", flush=True)
+            print(f"mimo-sft: data mixture: {self.feed.mixture.rows_text(t.train_iters * t.global_batch_size)}",
+                  flush=True)
         for path in getattr(self.feed.source, "cost_files", ()):  # check-data --write-costs: no row read to plan
             print(f"mimo-sft: reordering costs from {path}", flush=True)
 
@@ -346,15 +348,19 @@ class Trainer:
             truncated_samples=int(t[5]), empty_answers=int(t[6]), moe=moe, sources=self._source_figures(t[7:])))
 
     def _source_figures(self, t: torch.Tensor) -> dict:
-        """``loss/<name>``, ``tokens/<name>``, ``samples/<name>`` from the reduced per-source sums."""
-        names = self.feed.mixture.names if self.feed.mixture is not None else []
-        n = len(names)
-        out = {}
-        for i, name in enumerate(names):
+        """``loss/<name>``, ``tokens/<name>``, ``samples/<name>`` from the reduced per-source sums, and
+        ``epochs/<name>``: how many times the source has been read so far (from the interleave, no collective)."""
+        mixture = self.feed.mixture
+        if mixture is None:
+            return {}
+        if self.mixture_order is None:
+            self.mixture_order = mixture.order(seed=self.cfg.train.seed, shuffle=False)
+        names, n, out = mixture.names, len(mixture.names), {}
+        for i, (name, epochs) in enumerate(zip(names, mixture.epochs(self.mixture_order, self.consumed))):
             loss_sum, tokens, samples = float(t[i]), float(t[n + i]), int(t[2 * n + i])
             if tokens > 0:
                 out[f"loss/{name}"] = loss_sum / tokens
-            out[f"tokens/{name}"], out[f"samples/{name}"] = tokens, samples
+            out[f"tokens/{name}"], out[f"samples/{name}"], out[f"epochs/{name}"] = tokens, samples, round(epochs, 6)
         return out
 
     def maybe_evaluate(self) -> Optional[EvalResult]:

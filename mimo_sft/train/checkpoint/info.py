@@ -71,7 +71,8 @@ def describe(path: str, components=None, *, verify: bool = False) -> dict:
         "checkpoint": ckpt, "step": meta["step"], "consumed_samples": meta.get("consumed_samples"),
         "world_size": meta.get("world_size"), "layout": meta.get("layout", []), "dtype": meta.get("dtype"),
         "optimizer": "distributed" if distributed else "plain", "distributed_optimizer_format": fmt,
-        "reshardable": "any layout" if fmt != "dp_reshardable" else "any DP size; TP and PP as saved",
+        "reshardable": _resume_rule(fmt, meta.get("layout", [])),
+        "sources": _sources(meta),
         "lora": bool(meta.get("lora")), "hf_model": meta.get("hf_model"), "modules": modules,
         "bytes_on_disk": {part: _bytes_on_disk(os.path.join(ckpt, part)) for part in PARTS
                           if os.path.isdir(os.path.join(ckpt, part))},
@@ -83,6 +84,34 @@ def describe(path: str, components=None, *, verify: bool = False) -> dict:
         info["resumes_on"] = {"layout": [c.to_flag() for c in components], "ok": problem is None,
                               "reason": problem}
     return info
+
+
+def _resume_rule(fmt: str | None, layout: list[dict]) -> str:
+    """Which layouts the checkpoint resumes on, in words (the rule of :func:`reshard_problem`)."""
+    if fmt != "dp_reshardable":
+        return "any layout"
+    experts = any(m.get("ep", 1) > 1 for m in layout)
+    return "any DP size; TP, PP, EP and expert TP as saved" if experts else "any DP size; TP and PP as saved"
+
+
+def _sources(meta: dict) -> list[dict]:
+    """A mixture's sources: name, path, share, rows and how many samples of each the run had drawn (its
+    position), from meta.json's ``data_order.sources`` and ``mixture`` (empty: one dataset)."""
+    saved = (meta.get("data_order") or {}).get("sources") or []
+    mixture = meta.get("mixture") or {}
+    rows = mixture.get("rows") or []
+    if not saved:
+        return []
+    out = [dict(s) for s in saved]
+    if len(rows) == len(saved) and all(r > 0 for r in rows):
+        from mimo_sft.data.mixture import MixtureOrder, resumed_interleave
+
+        seed = int((meta.get("data_order") or {}).get("seed") or 0)  # (the shuffled rule's chunks follow it)
+        order = MixtureOrder(rows, [s["share"] for s in saved], seed=seed, shuffle=False,
+                             interleave=resumed_interleave(mixture) or "deficit")
+        for one, r, drawn in zip(out, rows, order.draws_before(int(meta.get("consumed_samples") or 0))):
+            one.update(rows=r, drawn=drawn, epochs=round(drawn / r, 4))
+    return out
 
 
 def format_info(info: dict) -> str:
@@ -99,6 +128,9 @@ def format_info(info: dict) -> str:
         lines.append(f"  {name}: weights {sizes.get('model_bytes', 0) / gib:.3f} GiB, optimizer state "
                      f"{sizes.get('optimizer_bytes', 0) / gib:.3f} GiB")
     lines.append("on disk: " + ", ".join(f"{p} {n / gib:.3f} GiB" for p, n in info["bytes_on_disk"].items()))
+    for s in info["sources"]:
+        where = (f", {s['rows']} rows, {s['drawn']} drawn ({s['epochs']:.2f} epochs)" if "rows" in s else "")
+        lines.append(f"  source {s['name']}: {s['path']}, share {100 * s['share']:.1f}%{where}")
     if "verified" in info:
         v = info["verified"]
         lines.append(f"verified: {v['parts']} parts, {v['data_files']} data files (sizes), {v['objects']} stored "
