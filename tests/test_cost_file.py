@@ -107,6 +107,12 @@ def test_a_changed_input_finds_no_file(setup, tiny_ckpt):  # noqa: F811
     other = dataclasses.replace(cfg, seq_length=SEQ + 64)
     source = load_sft_dataset(other)
     assert load_cost_tables(source, _pre(other, tiny_ckpt), Path(cfg.cost_dir)) == [None, None]
+    # each source is told why its file is not used (issue 42 item 6): made for another --seq-length
+    from mimo_sft.data.cost_file import other_settings
+
+    why = [other_settings(part, _pre(other, tiny_ckpt), Path(cfg.cost_dir)) for part in source.parts]
+    assert all(w and f"--seq-length {SEQ} (this run: {SEQ + 64})" in w and "computed from the rows" in w for w in why)
+    assert other_settings(source.parts[0], _pre(cfg, tiny_ckpt), Path(cfg.cost_dir)) is None  # its own settings
     write_shards(demo_rows(31, seed=12), root / "web", shards=2, kind="webdataset")  # the streamed source's rows change
     source = load_sft_dataset(cfg)
     tables = load_cost_tables(source, _pre(cfg, tiny_ckpt), Path(cfg.cost_dir))

@@ -19,12 +19,15 @@ not be encoded (a bad image, a broken message) is :data:`UNKNOWN` and computed a
 Staleness: the file is named by a key over what the counts depend on -- the rows (datasets'
 fingerprint, or the shards' paths, sizes and modification times), the columns and image folder, the
 checkpoint's tokenizer, chat template and processor files, ``--seq-length`` and the pixel bounds --
-so a changed input finds no file and the costs are computed as before, never read stale.
+so a changed input finds no file and the costs are computed as before, never read stale. Each file has a
+``.json`` beside it saying which rows and settings it was made for, so a run whose settings differ (another
+``--seq-length``, say) says in its banner which file it did not use and why (:func:`other_settings`).
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,17 +54,34 @@ def cost_dir(data_cfg) -> Path:
 
 
 def cost_key(source, pre) -> str:
-    """What names one source's counts (module docstring)."""
+    """What names one source's counts (module docstring): its rows (:func:`rows_key`) and the run's settings."""
+    h = hashlib.sha256(rows_key(source, pre).encode())
+    for value in settings_of(pre).values():
+        h.update(f"{value}\0".encode())
+    return h.hexdigest()[:32]
+
+
+def rows_key(source, pre) -> str:
+    """What names one source's rows as the text path reads them, whatever the run's settings: the rows, the
+    columns and image folder, the checkpoint's tokenizer, template and processor files."""
     h = hashlib.sha256()
     for part in (COST_FORMAT, source.content_key(), source.image_root, source.base_dir, len(source), source.schema,
-                 source.text_column, source.images_column, pre.seq_length, pre.min_pixels, pre.max_pixels,
-                 pre.max_image_pixels):
+                 source.text_column, source.images_column):
         h.update(f"{part}\0".encode())
     for name in MODEL_FILES:
         f = Path(pre.model_dir) / name
         if f.is_file():
             h.update(name.encode() + b"\0" + f.read_bytes())
     return h.hexdigest()[:32]
+
+
+#: the run's settings a row's counts depend on, as the flags that set them
+SETTING_FLAGS = {"seq_length": "--seq-length", "min_pixels": "--min-pixels", "max_pixels": "--max-pixels",
+                 "max_image_pixels": "--max-image-pixels"}
+
+
+def settings_of(pre) -> dict:
+    return {key: getattr(pre, key) for key in SETTING_FLAGS}
 
 
 @dataclass
@@ -102,10 +122,30 @@ def write_cost_files(source, pre, tokens: np.ndarray, image_tokens: np.ndarray, 
         tmp = path.with_name(f".{path.stem}.{os.getpid()}.npy")
         with open(tmp, "wb") as f:
             np.save(f, np.stack([tokens[start:start + n], image_tokens[start:start + n]], axis=1).astype(np.int32))
+        # beside it, what it was made for: a run with other settings is told why it is not used
+        about = path.with_suffix(".json")
+        about.write_text(json.dumps({"rows_key": rows_key(part, pre), "source": str(part.dataset_path),
+                                     **settings_of(pre)}))
         os.replace(tmp, path)
         paths.append(str(path))
         start += n
     return paths
+
+
+def other_settings(part, pre, folder: Path) -> Optional[str]:
+    """Why a source has no cost file for this run while it has one for other settings (one line), else None."""
+    mine, now = rows_key(part, pre), settings_of(pre)
+    for about in sorted(folder.glob("*.json")) if folder.is_dir() else []:
+        try:
+            made = json.loads(about.read_text())
+        except (OSError, ValueError):
+            continue
+        differ = [f"{SETTING_FLAGS[k]} {made.get(k)} (this run: {v})" for k, v in now.items() if made.get(k) != v]
+        if made.get("rows_key") == mine and differ:
+            return (f"the cost file of {part.dataset_path} ({about.with_suffix('.npy')}) was written for "
+                    f"{', '.join(differ)}: its costs are computed from the rows instead; run `mimo-sft check-data "
+                    f"--write-costs` with this run's flags to write one for them")
+    return None
 
 
 def load_cost_tables(source, pre, folder: Path) -> list[Optional[CostTable]]:

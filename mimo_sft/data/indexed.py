@@ -305,11 +305,14 @@ def build_index_iterator(source, pre, *, sampler_kw: dict, group: Any, dp_rank: 
         return MicroBatchIterator(loader, sampler, dataset)
     cost_workers = max(1, workers // 2) if workers > 0 else 0
     cost_common = {k: v for k, v in common.items() if k != "need_pixels"}
-    counts = None
+    counts, stale = None, []
     if cost_folder is not None and count_costs is not None:
-        from mimo_sft.data.cost_file import SourceCounts, load_cost_tables
+        from mimo_sft.data.cost_file import SourceCounts, load_cost_tables, other_settings, parts_of
 
-        counts = SourceCounts(source, load_cost_tables(source, pre, cost_folder)) or None
+        tables = load_cost_tables(source, pre, cost_folder)
+        stale = [why for part, t in zip(parts_of(source), tables) if t is None
+                 and (why := other_settings(part, pre, cost_folder))]
+        counts = SourceCounts(source, tables) or None
     costs = ShardCostDataset(source, pre, cost_fn=cost_fn, load_fn=load_fn, counts=counts, count_costs=count_costs,
                              **cost_common)
     cost_loader = data_loader(costs, sampler, workers=cost_workers, seed=seed)
@@ -320,4 +323,5 @@ def build_index_iterator(source, pre, *, sampler_kw: dict, group: Any, dp_rank: 
     loader = data_loader(owned, plans, workers=workers, seed=seed, pin_memory=pin_memory)
     it = IndexedIterator(loader, sampler, owned, planner)
     it.cost_files = [t.path for t in counts.tables if t is not None] if counts else []  # said in the banner
+    it.cost_notes = stale  # cost files made for other settings: said in the banner
     return it

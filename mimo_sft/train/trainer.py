@@ -230,6 +230,8 @@ class Trainer:
                   flush=True)
         for path in getattr(self.feed.source, "cost_files", ()):  # check-data --write-costs: no row read to plan
             print(f"mimo-sft: reordering costs from {path}", flush=True)
+        for why in getattr(self.feed.source, "cost_notes", ()):
+            print(f"mimo-sft: {why}", flush=True)
 
     def _checkpoint_plan(self) -> str:
         """Where the weights go and how often, said before step 0 (a run must never end without
