@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 
 from mimo_sft.errors import UserError
@@ -72,7 +73,9 @@ def run_check_data(args: list[str]) -> int:
         raise UserError(f"--hf-model {cfg.model.hf_model}: folder not found; point it at a Hugging Face Qwen-VL checkpoint folder")
     quiet_libraries()
     t0 = time.perf_counter()
-    report = check_dataset(cfg.data, model_dir=cfg.model.hf_model, workers=workers, write_costs=costs)
+    with Progress() as progress:
+        report = check_dataset(cfg.data, model_dir=cfg.model.hf_model, workers=workers, write_costs=costs,
+                               progress=progress.update)
     report["seconds"] = round(time.perf_counter() - t0, 3)
     report["workers"] = workers
     if as_json:
@@ -80,6 +83,45 @@ def run_check_data(args: list[str]) -> int:
     else:
         _print(report)
     return 0 if report["ok"] else 1
+
+
+class Progress:
+    """check-data's progress on stderr (stdout keeps the report and ``--json`` clean): a bar with the rate and
+    the time left on a terminal; off one (a log, a pipe), a line every :data:`LINE_EVERY_S` seconds."""
+
+    LINE_EVERY_S = 10.0
+
+    def __init__(self):
+        self.start = self.last = time.perf_counter()
+        self.bar = self.task = None
+
+    def __enter__(self) -> "Progress":
+        if sys.stderr.isatty():
+            from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeRemainingColumn
+            from rich.progress import Progress as Bar
+
+            from mimo_sft.console import make_console
+
+            self.bar = Bar(TextColumn("check-data"), BarColumn(), MofNCompleteColumn(), TextColumn("samples"),
+                           TimeRemainingColumn(), console=make_console(stderr=True), transient=True)
+            self.bar.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.bar is not None:
+            self.bar.__exit__(*exc)
+
+    def update(self, done: int, total: int) -> None:
+        now = time.perf_counter()
+        if self.bar is not None:
+            if self.task is None:
+                self.task = self.bar.add_task("check", total=total)
+            self.bar.update(self.task, completed=done)
+        elif now - self.last >= self.LINE_EVERY_S and done < total:
+            self.last = now
+            rate = done / max(now - self.start, 1e-9)
+            print(f"check-data: {done:,} of {total:,} samples ({rate:,.0f}/s, about {(total - done) / max(rate, 1e-9):,.0f} s "
+                  f"left)", file=sys.stderr, flush=True)
 
 
 def _print(report: dict) -> None:

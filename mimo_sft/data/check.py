@@ -144,9 +144,11 @@ def _worker_init(_worker_id: int) -> None:
     torch.set_num_threads(1)
 
 
-def check_dataset(data_cfg, *, model_dir, workers: int, chunk: int = 256, write_costs: bool = False) -> dict:
+def check_dataset(data_cfg, *, model_dir, workers: int, chunk: int = 256, write_costs: bool = False,
+                  progress=None) -> dict:
     """Every sample of ``data_cfg``'s dataset checked; a JSON-ready dict of counts and problems.
-    ``write_costs``: also write each source's reordering counts to ``--cost-dir`` (``data.cost_file``)."""
+    ``write_costs``: also write each source's reordering counts to ``--cost-dir`` (``data.cost_file``).
+    ``progress(done, total)``: called as each chunk of samples is checked."""
     import numpy as np
     import torch
 
@@ -170,6 +172,8 @@ def check_dataset(data_cfg, *, model_dir, workers: int, chunk: int = 256, write_
             counts[lo:lo + len(block)] = block
         item.costs = []
         total.add(item)
+        if progress is not None:
+            progress(total.counts["samples"], len(source))
     files = write_cost_files(source, pre, counts[:, 0], counts[:, 1], cost_dir(data_cfg)) if write_costs else []
     return {
         "cost_files": files,
