@@ -258,7 +258,7 @@ def test_decoding_workers_read_a_streamed_mixture_as_the_loaded_one(data, tiny_c
             assert torch.equal(a[key], b[key]), key
 
 
-def _tar(path, samples: list[tuple[str, dict, list[bytes]]]) -> None:
+def _tar_samples(path, samples: list[tuple[str, dict, list[bytes]]]) -> None:
     """A WebDataset shard: per sample ``<key>.json`` and ``<key>.<i>.png`` image members."""
     with tarfile.open(path, "w", format=tarfile.GNU_FORMAT) as tar:
         for key, obj, images in samples:
@@ -286,7 +286,7 @@ def test_bad_rows_are_skipped_counted_and_named_by_shard_and_row(tmp_path, tiny_
         return {**obj, **({"images": images} if images else {})}
 
     image_q = [{"type": "image"}, {"type": "text", "text": "what is it?"}]
-    _tar(tmp_path / "shard-00000.tar", [
+    _tar_samples(tmp_path / "shard-00000.tar", [
         ("k0", row(image_q), [png]),
         ("k1", row(image_q), []),                                        # its image member is missing
         ("k2", row([{"type": "video"}, {"type": "text", "text": "and this?"}]), []),  # a clip
