@@ -108,10 +108,11 @@ def _memory_json(memory: dict | None) -> dict:
 
 @app.command(context_settings=FLAG_COMMAND)
 def finetune(ctx: typer.Context) -> None:
-    """Fine-tune under torchrun: torchrun --nproc-per-node N -m mimo_sft finetune [flags]."""
+    """Fine-tune: mimo-sft finetune --nproc-per-node N [flags] (or torchrun --nproc-per-node N -m mimo_sft finetune)."""
     from mimo_sft.train import run
+    from mimo_sft.train.elastic import LAUNCH_HELP
 
-    _run_flag_command("finetune", ctx, lambda args: run.finetune(args))
+    _run_flag_command("finetune", ctx, lambda args: run.finetune(args), LAUNCH_HELP)
 
 
 def _run_flag_command(name: str, ctx: typer.Context, fn, extra_help: dict[str, str] | None = None) -> None:
@@ -130,10 +131,11 @@ def _run_flag_command(name: str, ctx: typer.Context, fn, extra_help: dict[str, s
 @app.command(context_settings=FLAG_COMMAND)
 def evaluate(ctx: typer.Context) -> None:
     """Validation loss of a checkpoint (or --hf-model alone) on a dataset, on any layout:
-    torchrun --nproc-per-node N -m mimo_sft evaluate [CHECKPOINT] [flags] [--json]."""
+    mimo-sft evaluate --nproc-per-node N [CHECKPOINT] [flags] [--json] (or under torchrun)."""
+    from mimo_sft.train.elastic import LAUNCH_HELP
     from mimo_sft.train.evaluate import EVALUATE_FLAGS, evaluate_command
 
-    _run_flag_command("evaluate", ctx, evaluate_command, EVALUATE_FLAGS)
+    _run_flag_command("evaluate", ctx, evaluate_command, {**EVALUATE_FLAGS, **LAUNCH_HELP})
 
 
 @app.command("check-model")

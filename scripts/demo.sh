@@ -17,17 +17,17 @@ echo
 echo "== plan: what reordering does to this data on this layout"
 $PY -m mimo_sft plan --config configs/demo.yaml --hf-model "$OUT/tiny-qwen2.5-vl" --dataset-path "$OUT/data" --steps 30 --out "$OUT/plan"
 echo
-echo "== finetune: torchrun --nproc-per-node 4 -m mimo_sft finetune --config configs/demo.yaml ..."
+echo "== finetune: mimo-sft finetune --nproc-per-node 4 --config configs/demo.yaml ..."
 rm -rf "$OUT/run"
 # The filter only hides library warnings; the fine-tune's own exit status decides the demo's.
 set +e
-.venv/bin/torchrun --nproc-per-node 4 -m mimo_sft finetune \
+.venv/bin/mimo-sft finetune --nproc-per-node 4 \
   --config configs/demo.yaml --hf-model "$OUT/tiny-qwen2.5-vl" --dataset-path "$OUT/data" \
   --output-dir "$OUT/run" --export-hf "$OUT/run/hf-export" 2>&1 | grep --line-buffered -v -E "Warning|warnings.warn|^\s*$|W1[0-9]{3} |\*{10}|OMP_NUM_THREADS|^  [a-z_ ]+ = |^  (class |super\(|return |model = )|^WARNING:"
 status=${PIPESTATUS[0]}
 set -e
 if [ "$status" -ne 0 ]; then
-  echo "demo: the fine-tune failed (torchrun exit status $status); see the errors above" >&2
+  echo "demo: the fine-tune failed (exit status $status); see the error above" >&2
   exit "$status"
 fi
 echo

@@ -44,7 +44,8 @@ def require_launcher(world_size: int) -> None:
     """A layout of more than one rank needs torchrun; one rank also runs without it."""
     if world_size != 1 and not launched_by_torchrun():
         raise UserError(f"this layout needs {world_size} ranks; start it with "
-                        f"torchrun --nproc-per-node {world_size} -m mimo_sft finetune ...")
+                        f"mimo-sft finetune --nproc-per-node {world_size} ... (or torchrun --nproc-per-node "
+                        f"{world_size} -m mimo_sft finetune ...)")
 
 
 def start_world(*, timeout_s: float = 600.0, prefer: str = "auto") -> tuple[int, int]:

@@ -165,19 +165,36 @@ def evaluate_command(args: list[str]) -> int:
     the weights and joins one evaluation; the metrics rank prints the result. A checkpoint's base
     model (``hf_model`` in its meta.json) is the default ``--hf-model``."""
     from mimo_sft.train.checkpoint.files import read_meta, resolve_checkpoint
-    from mimo_sft.train.launch import launch_checked
+    from mimo_sft.train.elastic import launch, split_launch_flags
+    from mimo_sft.train.launch import checked_config, launch_checked
 
+    opts, args = split_launch_flags(args)
+    worker_args = list(args)  # what each worker of mimo-sft's own launcher is given (it reads them as below)
     as_json = "--json" in args
     args = [a for a in args if a != "--json"]
     # the weights only, as --pretrained-checkpoint loads them: any layout (no optimizer state is read)
     if args and not args[0].startswith("-"):
         args = ["--pretrained-checkpoint", *args]
     args = ["--pretrained-checkpoint" if a in ("--checkpoint", "--load-checkpoint") else a for a in args]
-    if "--pretrained-checkpoint" in args and "--hf-model" not in args and "--config" not in args:
+    if "--pretrained-checkpoint" in args and "--hf-model" not in args and not _config_names_model(args):
         i = args.index("--pretrained-checkpoint") + 1
         base = read_meta(resolve_checkpoint(args[i])).get("hf_model") if i < len(args) else None
         args += ["--hf-model", base] if base else []
+    if opts is not None:  # mimo-sft's own launcher: check once, start the workers (train.elastic)
+        return launch("evaluate", opts, worker_args, check=lambda _args, world: checked_config(args, world))
     return launch_checked(args, lambda cfg, layout: _evaluate(cfg, layout, as_json))
+
+
+def _config_names_model(args: list[str]) -> bool:
+    """Whether ``--config``'s YAML names the model itself (then the checkpoint's base model does not override it)."""
+    from mimo_sft.config.loader import load_config
+
+    if "--config" not in args:
+        return False
+    try:
+        return bool(load_config(args).model.hf_model)
+    except UserError:
+        return False  # the run's own check says what is wrong
 
 
 def _evaluate(cfg, layout, as_json: bool) -> int:

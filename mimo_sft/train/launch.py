@@ -17,27 +17,40 @@ import traceback
 from mimo_sft.config.loader import load_config
 from mimo_sft.errors import UserError
 from mimo_sft.parallel.bootstrap import launch_rank_world, launched_by_torchrun, require_launcher
+from mimo_sft.train.elastic import failed_first_start, record_error
 from mimo_sft.validate import require_valid
+
+
+def checked_config(args: list[str], world: int | None, *, refuse_reused_output_dir: bool = False):
+    """``(cfg, check result)`` of ``args`` for a run of ``world`` ranks (None: one rank without a launcher), or the
+    ``UserError`` that lists every problem: what every rank checks, and what ``mimo-sft ... --nproc-per-node``
+    checks once before it starts them (``train.elastic``)."""
+    cfg = load_config(args)
+    if world is not None and cfg.parallel.world_size not in (None, world):
+        raise UserError(f"--world-size {cfg.parallel.world_size} but {world} processes were started; "
+                        f"drop --world-size or start {cfg.parallel.world_size} processes")
+    result = require_valid(cfg, world_size=world, for_run=True)
+    if world is None:
+        require_launcher(result.layout.world_size)
+    if refuse_reused_output_dir:
+        _refuse_reused_output_dir(cfg, cfg.logging.output_dir)
+    return cfg, result
 
 
 def launch_checked(args: list[str], body, *, refuse_reused_output_dir: bool = False) -> int:
     """Load and check the config on every rank, then ``body(cfg, layout)``; errors as described above
     (shared by ``finetune`` and ``evaluate``)."""
     rank, world = launch_rank_world()
-    torchrun = launched_by_torchrun()
     try:
-        cfg = load_config(args)
-        if torchrun and cfg.parallel.world_size not in (None, world):
-            raise UserError(f"--world-size {cfg.parallel.world_size} but torchrun started {world} processes; "
-                            f"drop --world-size or start {cfg.parallel.world_size} processes")
-        result = require_valid(cfg, world_size=world if torchrun else None, for_run=True)
-        require_launcher(result.layout.world_size)
-        if refuse_reused_output_dir:
-            _refuse_reused_output_dir(cfg, cfg.logging.output_dir)
+        if failed_first_start(rank):
+            raise UserError("the first start of the workers fails (test hook MIMO_SFT_TEST_FAIL_FIRST_START)")
+        cfg, result = checked_config(args, world if launched_by_torchrun() else None,
+                                     refuse_reused_output_dir=refuse_reused_output_dir)
     except UserError as e:
-        if rank == 0:
-            for p in e.problems:
-                print(f"error: {p}", file=sys.stderr)
+        lines = "".join(f"error: {p}\n" for p in e.problems)
+        if rank == 0 and not record_error(rank, lines, 2):
+            sys.stderr.write(lines)
+            sys.stderr.flush()
         return 2
     try:
         from mimo_sft.quiet import quiet_libraries
@@ -63,8 +76,13 @@ PEER_FAILURE_MARKERS = ("Connection closed by peer", "Connection reset by peer",
 
 def _abort(message: str, code: int):
     """Print one line and leave at once: a failed rank must not linger in teardown (process-group
-    destructors, loader workers), because torchrun stops the other ranks only when this one exits."""
-    print(message, file=sys.stderr, flush=True)
+    destructors, loader workers), because torchrun stops the other ranks only when this one exits. The line
+    is one write, so that two ranks' lines never run together; under mimo-sft's own launcher it goes to the
+    parent instead, which prints the first failing rank's (``train.elastic``)."""
+    rank, _ = launch_rank_world()
+    if not record_error(rank, message, code):
+        sys.stderr.write(message + "\n")
+        sys.stderr.flush()
     sys.stdout.flush()
     os._exit(code)
 

@@ -1,0 +1,190 @@
+"""``mimo-sft finetune --nproc-per-node N`` (and ``evaluate``): the run's workers started by mimo-sft itself, through
+torch's elastic launch API (``torch.distributed.launcher.api.elastic_launch``, the machinery ``torchrun`` uses),
+so that a refused start is one line and a failed run ends in its first failing rank's line, not torchrun's
+traceback.
+
+Why not only ``torchrun``: under torchrun every rank checks the config and prints its refusal, then torchrun's
+agent raises ``ChildFailedError`` and prints a 35-line traceback after it; and ranks that fail together write
+their lines over each other. Here the parent:
+
+1. loads the config and runs every check once (``require_valid`` for the world it is about to start), before
+   any worker exists: a bad config is its problems, one line each, exit 2;
+2. starts the workers (``python -u -m mimo_sft COMMAND ARGS``, each checking again as under torchrun) with the
+   rendezvous torchrun would use (``static`` at ``--master-addr:--master-port``, node ``--node-rank`` of
+   ``--nnodes``; a free local port on one node) and ``--max-restarts``;
+3. on failure, prints the line of the rank that failed first for a reason of its own (a rank that only saw
+   its peer die says so, and is passed over), once, and exits with that rank's code. Each worker writes its
+   last line to a file in a folder the parent names (``MIMO_SFT_ERROR_DIR``, :func:`record_error`) instead of
+   the console; the parent reads them.
+
+``torchrun ... -m mimo_sft finetune`` works exactly as before.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass
+
+from mimo_sft.errors import UserError
+
+#: set by the parent for its workers: where each writes its failure line (read by :func:`first_failure`)
+ERROR_DIR_ENV = "MIMO_SFT_ERROR_DIR"
+#: test hook: rank 0 refuses its first start (``TORCHELASTIC_RESTART_COUNT`` 0), so ``--max-restarts`` is seen to work
+FAIL_FIRST_START_ENV = "MIMO_SFT_TEST_FAIL_FIRST_START"
+
+
+def attempt() -> int:
+    """Which start of the workers this is (0: the first; torch's agent counts its restarts)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+
+
+def failed_first_start(rank: int) -> bool:
+    """The test hook of :data:`FAIL_FIRST_START_ENV`."""
+    return bool(os.environ.get(FAIL_FIRST_START_ENV)) and rank == 0 and attempt() == 0
+#: the launcher's flags (as torchrun spells them), each with a value
+FLAGS = {"--nproc-per-node": "nproc_per_node", "--nnodes": "nnodes", "--node-rank": "node_rank",
+         "--master-addr": "master_addr", "--master-port": "master_port", "--max-restarts": "max_restarts"}
+LAUNCH_HELP = {
+    "--nproc-per-node N": "start N worker processes on this node (mimo-sft's own launcher, torch's elastic launch "
+                          "API: the config is checked once first, a failure ends in its first rank's line)",
+    "--nnodes N / --node-rank R": "a run over N nodes; this is node R (run the same command on each)",
+    "--master-addr HOST / --master-port P": "node 0's address and a free port (default: this host, a free port)",
+    "--max-restarts N": "restart the workers up to N times after a failure (default 0)",
+}
+
+
+@dataclass
+class LaunchOptions:
+    nproc_per_node: int
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None
+    max_restarts: int = 0
+
+    @property
+    def world_size(self) -> int:
+        return self.nproc_per_node * self.nnodes
+
+
+def split_launch_flags(args: list[str]) -> tuple[LaunchOptions | None, list[str]]:
+    """``(launch options, the other args)``; None when ``--nproc-per-node`` is absent (a rank's own start)."""
+    found: dict[str, str] = {}
+    rest: list[str] = []
+    i = 0
+    while i < len(args):
+        flag, _, inline = args[i].partition("=")
+        if flag in FLAGS:
+            value = inline if inline else (args[i + 1] if i + 1 < len(args) else None)
+            if value is None or value.startswith("--"):
+                raise UserError(f"{flag} needs a value")
+            found[FLAGS[flag]] = value
+            i += 1 if inline else 2
+            continue
+        rest.append(args[i])
+        i += 1
+    if "nproc_per_node" not in found:
+        if found:
+            raise UserError(f"{', '.join('--' + k.replace('_', '-') for k in found)} without --nproc-per-node; give "
+                            f"--nproc-per-node N to start the workers with mimo-sft's launcher")
+        return None, rest
+    kw = {}
+    for key, value in found.items():
+        if key == "master_addr":
+            kw[key] = value
+            continue
+        try:
+            kw[key] = int(value)
+        except ValueError:
+            raise UserError(f"--{key.replace('_', '-')} {value}: give a whole number") from None
+    opts = LaunchOptions(**kw)
+    if opts.nproc_per_node < 1 or opts.nnodes < 1 or not 0 <= opts.node_rank < opts.nnodes or opts.max_restarts < 0:
+        raise UserError(f"--nproc-per-node {opts.nproc_per_node} --nnodes {opts.nnodes} --node-rank {opts.node_rank} "
+                        f"--max-restarts {opts.max_restarts}: give N >= 1 processes, nodes >= 1, a node rank below "
+                        f"--nnodes and restarts >= 0")
+    return opts, rest
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch_config(opts: LaunchOptions):
+    """torch's ``LaunchConfig`` for ``opts``: torchrun's own defaults for these flags (static rendezvous at the
+    master's address, this node's rank), no restarts unless asked."""
+    from torch.distributed.launcher.api import LaunchConfig
+
+    port = opts.master_port or (_free_port() if opts.nnodes == 1 else 29500)
+    return LaunchConfig(min_nodes=opts.nnodes, max_nodes=opts.nnodes, nproc_per_node=opts.nproc_per_node,
+                        run_id=f"mimo-sft-{uuid.uuid4().hex[:8]}", rdzv_backend="static",
+                        rdzv_endpoint=f"{opts.master_addr}:{port}", rdzv_configs={"rank": opts.node_rank},
+                        max_restarts=opts.max_restarts, monitor_interval=0.1, start_method="spawn")
+
+
+def record_error(rank: int, line: str, code: int) -> bool:
+    """Under mimo-sft's launcher, write this rank's failure line for the parent (True); else False (print it)."""
+    folder = os.environ.get(ERROR_DIR_ENV)
+    if not folder:
+        return False
+    path = os.path.join(folder, f"rank_{rank:05d}.json")
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as fh:
+        json.dump({"rank": rank, "line": line, "code": code, "time": time.time(), "attempt": attempt(),
+                   "peer": "another rank failed" in line}, fh)
+    os.replace(tmp, path)
+    return True
+
+
+def first_failure(folder: str) -> dict | None:
+    """The failure to report: of the last start of the workers (``--max-restarts``), the earliest of a rank's own
+    (not one that only saw a peer die), else the earliest."""
+    found = []
+    for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
+        if name.endswith(".json"):
+            try:
+                with open(os.path.join(folder, name)) as fh:
+                    found.append(json.load(fh))
+            except (OSError, ValueError):
+                continue
+    return min(found, key=lambda f: (-f.get("attempt", 0), f["peer"], f["time"], f["rank"])) if found else None
+
+
+def launch(command: str, opts: LaunchOptions, args: list[str], *, check) -> int:
+    """Check once (``check(args, world_size)`` raises ``UserError``), start the workers, report; the exit code."""
+    try:
+        check(args, opts.world_size)
+    except UserError as err:
+        sys.stderr.write("".join(f"error: {p}\n" for p in err.problems))
+        return 2
+    import logging
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import elastic_launch
+
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)  # the agent's own lines: ours says it
+    folder = tempfile.mkdtemp(prefix="mimo_sft_errors_")
+    os.environ[ERROR_DIR_ENV] = folder  # the workers inherit it
+    try:
+        elastic_launch(launch_config(opts), sys.executable)("-u", "-m", "mimo_sft", command, *args)
+        return 0
+    except ChildFailedError as err:
+        failure = first_failure(folder)
+        if failure is not None:
+            sys.stderr.write(failure["line"].rstrip("\n") + "\n")
+            return int(failure["code"])
+        rank, proc = min(err.failures.items(), key=lambda kv: kv[1].timestamp)
+        sys.stderr.write(f"error: [rank {rank}] exited with code {proc.exitcode} before it could say why "
+                         f"(killed, or out of memory?)\n")
+        return int(proc.exitcode) if proc.exitcode and proc.exitcode > 0 else 1
+    finally:
+        os.environ.pop(ERROR_DIR_ENV, None)
+        shutil.rmtree(folder, ignore_errors=True)

@@ -1,0 +1,113 @@
+"""``mimo-sft finetune --nproc-per-node N`` (issue 44 item 1, ``train.elastic``): the config checked once before any
+worker starts, workers started through torch's elastic launch API, a failure reported as its first rank's line
+once with that rank's exit code, no traceback; losses equal a torchrun launch's; ``--max-restarts`` restarts.
+
+Real processes (the launcher forks nothing from the test's preloaded parent): each launch starts 2 fresh workers."""
+
+import json
+import os
+
+import pytest
+
+from checkpoint_payloads import planted
+from e2e_runs import GROUP_STOP, never_stopped
+from train_helpers import demo_data, metrics, new_dir, python_m, tiny_model, torchrun
+
+from mimo_sft.errors import UserError
+from mimo_sft.train.elastic import LaunchOptions, first_failure, launch_config, split_launch_flags
+
+pytestmark = [pytest.mark.e2e, GROUP_STOP]
+
+TWO = ["--component", "language=dp=1", "--component", "images=dp=1,rank_offset=1"]
+FLAGS = ["--seq-length", "160", "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "2",
+         "--lr", "3e-3", "--lr-decay-style", "constant", "--dataloader-type", "cyclic", "--no-tensorboard", "--no-save"]
+
+
+def _launch(out: str, *extra: str, env: dict | None = None, components=TWO, nproc: int = 2):
+    args = ["finetune", "--nproc-per-node", str(nproc), "--hf-model", tiny_model(), "--dataset-path", demo_data(),
+            *components, *FLAGS, "--output-dir", out, *extra]
+    return python_m(args, real=True, env=None if env is None else {**os.environ, **env}, timeout=400)
+
+
+def _no_traceback(proc) -> list[str]:
+    """The error lines; asserts there is no traceback anywhere and no launcher chatter."""
+    text = proc.stdout + proc.stderr
+    assert "Traceback" not in text and "ChildFailedError" not in text, text[-3000:]
+    return [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+
+
+def test_launch_flags_and_config():
+    opts, rest = split_launch_flags(["--nproc-per-node", "4", "--x", "1", "--nnodes=2", "--node-rank", "1",
+                                     "--master-addr", "node0", "--master-port", "6000", "--max-restarts", "3"])
+    assert rest == ["--x", "1"] and opts == LaunchOptions(4, 2, 1, "node0", 6000, 3) and opts.world_size == 8
+    config = launch_config(opts)
+    assert (config.nproc_per_node, config.min_nodes, config.max_nodes, config.max_restarts) == (4, 2, 2, 3)
+    assert config.rdzv_backend == "static" and config.rdzv_endpoint == "node0:6000" and config.rdzv_configs["rank"] == 1
+    assert split_launch_flags(["--lr", "1"]) == (None, ["--lr", "1"])
+    for bad, says in ((["--nnodes", "2"], "without --nproc-per-node"), (["--nproc-per-node", "x"], "whole number"),
+                      (["--nproc-per-node", "2", "--node-rank", "2", "--nnodes", "2"], "a node rank below")):
+        with pytest.raises(UserError, match=says):
+            split_launch_flags(bad)
+
+
+def test_the_first_rank_to_fail_for_its_own_reason_is_reported(tmp_path):
+    def write(rank, line, t, attempt=0):
+        (tmp_path / f"rank_{rank:05d}.json").write_text(json.dumps(
+            {"rank": rank, "line": line, "code": 2, "time": t, "attempt": attempt,
+             "peer": "another rank failed" in line}))
+
+    write(0, "error: [rank 0] stopped because another rank failed (see its error above)", 1.0)
+    write(1, "error: [rank 1] the real reason", 2.0)
+    assert first_failure(str(tmp_path))["rank"] == 1
+    write(2, "error: [rank 2] a later start's reason", 0.5, attempt=1)
+    assert first_failure(str(tmp_path))["rank"] == 2
+
+
+def test_a_refused_config_is_its_lines_before_any_worker_starts(tmp_path):
+    proc = _launch(new_dir("launch_refused"), components=["--component", "language=dp=2",
+                                                          "--component", "images=dp=1,rank_offset=2"])  # 3 ranks
+    errors = _no_traceback(proc)
+    assert proc.returncode == 2 and errors and all(e.startswith("error: [") for e in errors), proc.stderr[-2000:]
+    assert "[rank" not in proc.stderr  # the parent's check, not a worker's
+
+
+def test_a_launch_trains_as_torchrun_does_and_a_failing_rank_is_one_line(tmp_path):
+    ours = new_dir("launch_ours")
+    proc = _launch(ours)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    _no_traceback(proc)
+    ref = new_dir("launch_torchrun")
+    torchrun(2, ["--hf-model", tiny_model(), "--dataset-path", demo_data(), *TWO, *FLAGS, "--output-dir", ref])
+    assert [(m["loss"], m["grad_norm"]) for m in metrics(ours)] == [(m["loss"], m["grad_norm"]) for m in metrics(ref)]
+    # a rank that fails at run time (a checkpoint whose rank file carries a payload): its line, once, exit 2
+    folder, marker, refused = planted(os.path.join(never_stopped(), "checkpoints", "iter_0000004"), tmp_path,
+                                      "model_metadata")
+    proc = _launch(new_dir("launch_failing"), "--load-checkpoint", folder, "--train-iters", "6", nproc=1,
+                   components=["--component", "language=dp=1", "--component", "images=dp=1"])
+    errors = _no_traceback(proc)
+    assert proc.returncode == 2 and len(errors) == 1 and refused in errors[0], proc.stderr[-3000:]
+    assert not os.path.exists(marker)
+
+
+def test_max_restarts_starts_the_workers_again(tmp_path):
+    hook = {"MIMO_SFT_TEST_FAIL_FIRST_START": "1"}
+    proc = _launch(new_dir("launch_no_restart"), env=hook)
+    errors = _no_traceback(proc)
+    assert proc.returncode == 2 and len(errors) == 1 and "first start of the workers fails" in errors[0], errors
+    out = new_dir("launch_restarted")
+    proc = _launch(out, "--max-restarts", "1", env=hook)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [m["step"] for m in metrics(out)] == [1, 2]
+
+
+def test_evaluate_with_a_config_takes_the_checkpoints_base_model(tmp_path):
+    """Issue 44 item 4: a --config that names no model leaves --hf-model to the checkpoint's base model (it was
+    refused: "no model folder given"); one that names a model keeps it."""
+    cfg = tmp_path / "eval.yaml"
+    cfg.write_text("data:\n  seq_length: 160\ntrain:\n  micro_batch_size: 2\n  global_batch_size: 4\n")
+    ckpt = os.path.join(never_stopped(), "checkpoints")
+    proc = python_m(["evaluate", ckpt, "--config", str(cfg), "--dataset-path", demo_data(), "--component",
+                     "language=dp=1", "--component", "images=dp=1", "--json"])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["hf_model"] == os.path.realpath(tiny_model()) and result["loss"] > 0
