@@ -31,6 +31,12 @@ def check_config(cfg: ExperimentConfig, **kw) -> CheckResult:
         problems, rows = open_streamed_sources(cfg.data)
         result.problems.extend(Problem(17, msg) for msg in problems)
         result.notes.extend(Problem(17, line, "note") for line in source_lines(cfg, rows))
+        if not result.problems:  # (the processor is read only for a config that is otherwise sound)
+            from mimo_sft.data.loader import fitted_pixels_note
+
+            fitted = fitted_pixels_note(cfg.data, cfg.model.hf_model)
+            if fitted:
+                result.notes.append(Problem(17, fitted, "note"))
     return result
 
 

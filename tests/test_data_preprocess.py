@@ -249,3 +249,42 @@ def test_text_only_micro_batch_on_an_encoder_rank(parts):
     # text-only positions are a plain arange on all three axes
     assert torch.equal(batch["position_ids"][:, 0], torch.arange(len(s["input_ids"])).expand(3, -1))
     assert pre.min_tokens_for_one_image() > pre.max_pixels // (pre.patch_size * pre.merge_size) ** 2
+
+
+def test_an_unset_max_pixels_is_lowered_to_fit_the_seq_length(tiny_ckpt, demo_data, tmp_path):  # noqa: F811
+    """Issue 44 item 2: a checkpoint whose processor allows 16.8 Mpx (Qwen3-VL, Qwen3.5) at --seq-length 2048 was
+    refused; with --max-pixels unset the limit becomes the largest that fits one image with the template's
+    tokens, said by validate and the banner and recorded in the checkpoint. An explicit one is still refused."""
+    import json
+    import shutil
+
+    from mimo_sft.config.loader import load_config
+    from mimo_sft.data.loader import check_fits, fitted_pixels_note
+    from mimo_sft.data.preprocess import SamplePreprocessor
+    from mimo_sft.data.sources import load_sft_dataset
+    from mimo_sft.validate import check_config
+
+    big = tmp_path / "big"
+    shutil.copytree(tiny_ckpt, big)
+    proc = json.loads((big / "processor_config.json").read_text())
+    proc["image_processor"]["size"]["longest_edge"] = 16_777_216
+    (big / "processor_config.json").write_text(json.dumps(proc))
+    pre = SamplePreprocessor(big, seq_length=2048)
+    factor = pre.patch_size * pre.merge_size
+    assert pre.processor_max_pixels == 16_777_216 and pre.max_pixels == pre.fitted_max_pixels < 16_777_216
+    assert pre.min_tokens_for_one_image() == 2048  # the largest that fits, to the merged patch
+    assert SamplePreprocessor(big, seq_length=2048, max_pixels=pre.max_pixels + factor ** 2).min_tokens_for_one_image() > 2048
+    # a page of 3000x4000 becomes a grid whose tokens fit
+    t, h, w = pre.grid_for_size(4000, 3000)
+    assert t * h * w // pre.merge_size ** 2 <= 2048 - 20
+    assert pre.fitted_note() == (f"images above {pre.max_pixels / 1e6:.3g} Mpx are downscaled to fit --seq-length 2048 "
+                                 f"(the checkpoint allows 16.8 Mpx); set --max-pixels to choose another limit")
+    source = load_sft_dataset(DataConfig(dataset_path=str(demo_data)))
+    check_fits(source, pre, micro_batch_size=2)
+    with pytest.raises(UserError, match="too short for one image at --max-pixels 16777216"):
+        check_fits(source, SamplePreprocessor(big, seq_length=2048, max_pixels=16_777_216), micro_batch_size=2)
+    cfg = load_config(["--hf-model", str(big), "--dataset-path", str(demo_data), "--seq-length", "2048",
+                       "--component", "language=dp=1", "--component", "images=dp=1"])
+    assert fitted_pixels_note(cfg.data, str(big)) == pre.fitted_note()
+    assert pre.fitted_note() in [n.message for n in check_config(cfg).notes]
+    assert SamplePreprocessor(tiny_ckpt, seq_length=2048).fitted_max_pixels is None  # its own limit fits

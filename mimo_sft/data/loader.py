@@ -58,6 +58,25 @@ def build_preprocessor(data_cfg, model_dir) -> SamplePreprocessor:
                               max_pixels=data_cfg.max_pixels, max_image_pixels=data_cfg.max_image_pixels)
 
 
+def fitted_pixels_note(data_cfg, model_dir) -> str | None:
+    """``validate``'s line when ``--max-pixels`` is unset and the checkpoint's limit lets one image pass
+    ``--seq-length`` (the preprocessor then lowers it: ``SamplePreprocessor.fitted_note``); None otherwise.
+    The processor is loaded only where config.json and preprocessor_config.json say it may matter."""
+    from mimo_sft.memory.check import processor_max_pixels
+
+    if data_cfg.max_pixels is not None or not model_dir or not os.path.isdir(model_dir):
+        return None
+    try:
+        info = model_token_info(model_dir)
+    except UserError:
+        return None  # check 16 says what is wrong with the folder
+    limit = processor_max_pixels(model_dir) or 0
+    factor = info["patch_size"] * info["spatial_merge_size"]
+    if int(limit) // (factor * factor) < data_cfg.seq_length - 64:  # fits with room for the template's tokens
+        return None
+    return build_preprocessor(data_cfg, model_dir).fitted_note()
+
+
 def check_fits(source: SFTSource, pre: SamplePreprocessor, *, micro_batch_size: int, global_batch_size: int | None = None):
     """User-facing size checks shared by the iterator and ``validate``."""
     n = len(source)

@@ -148,6 +148,31 @@ class SamplePreprocessor:
         self.max_image_pixels = max_image_pixels  # largest file accepted before resizing (None/0: any)
         self._rope = _RopeIndex(self.config)
         self._special = dict(self.tokenizer.special_tokens_map)
+        #: the checkpoint's own limit, and (``--max-pixels`` unset) the lower one chosen so that one image fits
+        #: ``--seq-length`` with the chat template's tokens around it (None: the checkpoint's fits already)
+        self.processor_max_pixels, self.fitted_max_pixels = self.max_pixels, None
+        if max_pixels is None:
+            fit = self.largest_fitting_pixels()
+            if kw["min_pixels"] <= fit < self.max_pixels:
+                self.max_pixels = self.fitted_max_pixels = fit
+                self.image_processor = Qwen2VLImageProcessorPil(**{**kw, "max_pixels": fit})
+
+    def largest_fitting_pixels(self) -> int:
+        """The largest ``max_pixels`` at which a conversation of one image and a one-token answer fits
+        ``--seq-length``: one merged patch (``(patch * merge)^2`` pixels) per placeholder token, after the
+        template's own tokens (those of the same conversation with one placeholder, less that one)."""
+        factor = self.patch_size * self.merge_size
+        msgs = [{"role": "user", "content": [{"type": "image"}]}, {"role": "assistant", "content": [{"type": "text", "text": "x"}]}]
+        ids, _ = self.tokens(msgs, [(1, self.merge_size, self.merge_size)], -1)
+        return max(0, self.seq_length - (len(ids) - 1)) * factor * factor
+
+    def fitted_note(self) -> str | None:
+        """The line that says ``--max-pixels`` was lowered to fit ``--seq-length`` (None: it was not)."""
+        if self.fitted_max_pixels is None:
+            return None
+        return (f"images above {self.fitted_max_pixels / 1e6:.3g} Mpx are downscaled to fit --seq-length "
+                f"{self.seq_length} (the checkpoint allows {self.processor_max_pixels / 1e6:.3g} Mpx); set "
+                f"--max-pixels to choose another limit")
 
     # ------------------------------------------------------------------ images
 

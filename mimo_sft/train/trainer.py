@@ -232,6 +232,13 @@ class Trainer:
             print(f"mimo-sft: reordering costs from {path}", flush=True)
         for why in getattr(self.feed.source, "cost_notes", ()):
             print(f"mimo-sft: {why}", flush=True)
+        fitted = self._preprocessor().fitted_note() if self._preprocessor() is not None else None
+        if fitted:  # --max-pixels unset and the checkpoint's limit lets one image pass --seq-length
+            print(f"mimo-sft: {fitted}", flush=True)
+
+    def _preprocessor(self):
+        """This rank's sample preprocessor (its pixel limits), where its feed reads samples."""
+        return getattr(getattr(self.feed.source, "dataset", None), "pre", None)
 
     def _checkpoint_plan(self) -> str:
         """Where the weights go and how often, said before step 0 (a run must never end without
@@ -397,7 +404,10 @@ class Trainer:
     def save(self, evaluation: Optional[EvalResult] = None, *, best: bool = False) -> None:
         """Save this step (``--async-save``: in the background, said when published). A new best is
         written before training goes on, so that ``checkpoints/best`` can name it at once."""
+        pre = self._preprocessor()
         extra = {"valid_split": self.cfg.data.valid_split,
+                 **({"max_pixels": pre.max_pixels, "max_pixels_fitted": pre.fitted_max_pixels is not None}
+                    if pre is not None else {}),
                  **({"mixture": self.feed.mixture.fingerprint()} if self.feed.mixture is not None else {}),
                  **({"streams": streams} if (streams := self.feed.stream_position(self.consumed)) else {}),
                  **({"valid_loss": evaluation.valid_loss} if evaluation is not None else {})}
