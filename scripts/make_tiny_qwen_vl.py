@@ -1,5 +1,7 @@
 #!/usr/bin/env python
-"""Write a tiny random Qwen2.5-VL, Qwen3-VL or Qwen3.5 checkpoint (config, safetensors, image-only processor).
+"""Write a tiny random Qwen-VL checkpoint of any family mimo-sft trains (Qwen2.5-VL, Qwen3-VL, Qwen3.5 and the
+mixture-of-experts Qwen3-VL-MoE and Qwen3.5-MoE: --family, listed below), or a released architecture (--preset):
+config, safetensors, image-only processor.
 
     python scripts/make_tiny_qwen_vl.py OUT_DIR [--seed N] [--text-hidden 64] ... [--config-only]
     python scripts/make_tiny_qwen_vl.py OUT_DIR --family qwen3_vl
@@ -46,13 +48,17 @@ def main(argv=None) -> int:
     p.add_argument("--max-pixels", type=int, default=None,
                    help="default: 64 merged tokens' worth (a --preset: the model's own)")
     p.add_argument("--tokenizer-vocab", type=int, default=1024)
-    p.add_argument("--preset", default=None, help="a released architecture instead of the tiny one: qwen2.5-vl-3b, "
-                   "qwen2.5-vl-7b, qwen2.5-vl-72b, qwen3-vl-8b, qwen3.5-0.8b, qwen3.5-27b")
+    from mimo_sft.config.families import family_names
+    from mimo_sft.testing.tiny_checkpoint import PRESETS
+
+    # both lists come from the registries, so a new family or preset shows up here by itself
+    p.add_argument("--preset", default=None, help="a released architecture instead of the tiny one: "
+                   + ", ".join(sorted(PRESETS)))
     p.add_argument("--family", default="qwen2_5_vl",
-                   help="the tiny model's family (--model-family name): qwen2_5_vl, qwen3_vl or qwen3_5")
+                   help="the tiny model's family (--model-family name): " + ", ".join(family_names()))
     p.add_argument("--config-only", action="store_true", help="write config and processor, no weights")
     a = p.parse_args(argv)
-    from mimo_sft.testing.tiny_checkpoint import PRESETS, write_preset_checkpoint, write_tiny_checkpoint
+    from mimo_sft.testing.tiny_checkpoint import write_preset_checkpoint, write_tiny_checkpoint
 
     if a.preset is not None:
         if a.preset not in PRESETS:

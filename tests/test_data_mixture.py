@@ -221,7 +221,8 @@ def test_missing_sources_and_count_mismatches_are_named(tmp_path):
                      "--valid-dataset-path", "x", "--valid-dataset-path", "y"])
     y = tmp_path / "c.yaml"
     y.write_text("data:\n  datasets:\n    - {path: a.parquet, wieght: 2}\n")
-    assert _c17(["--config", str(y)])[0] == ("[17] data.datasets[0]: unknown key 'wieght'; keys: path, weight, name, "
+    assert _c17(["--config", str(y)])[0] == ("[17] data.datasets[0]: unknown key 'wieght' (did you mean 'weight'?); "
+                                             "keys: path, weight, name, "
                                              "valid_path, split, schema, messages_column, images_column, "
                                              "conversations_column, image_root, valid_dataset_split, streaming")
 

@@ -167,3 +167,18 @@ def test_the_builder_asserts_exactly_what_check_config_refuses(tmp_path, compone
     except AssertionError:
         asserted = True
     assert asserted == (not res.ok), res.problems
+
+
+def test_make_tiny_qwen_vl_help_lists_every_family_and_preset():
+    """Issue 44 item 5: its --help hid the mixture-of-experts families and presets (hand-written lists)."""
+    import os
+    import subprocess
+    import sys
+
+    from mimo_sft.config.families import family_names
+    from mimo_sft.testing.tiny_checkpoint import PRESETS
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, os.path.join(root, "scripts", "make_tiny_qwen_vl.py"), "--help"],
+                         capture_output=True, text=True, check=True).stdout
+    assert all(name in out for name in family_names()) and all(preset in out for preset in PRESETS), out

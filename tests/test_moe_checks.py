@@ -48,10 +48,10 @@ def test_expert_layouts_pass(tmp_path, components, extra):
      "[12] language.ep=4 x etp=1 does not divide the 2 ranks of a language pipeline stage (tp*cp*dp = 1*1*2); "
      "choose ep and etp whose product divides it"),
     (QWEN3_VL_MOE, ("language=dp=2", "images=dp=2,ep=2,rank_offset=2"), (),
-     "[12] images.ep=2, etp=None: expert parallelism is for the language model's experts (the images encoder has "
+     "[12] images.ep=2: expert parallelism is for the language model's experts (the images encoder has "
      "none); set ep=1 and drop etp on images"),
     (QWEN3_VL, ("language=dp=2,ep=2", "images=dp=2,rank_offset=2"), (),
-     "[16] language.ep=2, etp=None: qwen3_vl is a dense model (no experts); set ep=1 and drop etp"),
+     "[16] language.ep=2: qwen3_vl is a dense model (no experts); set ep=1 and drop etp"),
     (QWEN3_VL_MOE, ("language=dp=2", "images=dp=2,rank_offset=2"), ("--moe-aux-loss-coeff", "-0.1"),
      "[01] --moe-aux-loss-coeff=-0.1 must be >= 0 (0: no load-balancing loss)"),
     (QWEN3_VL_MOE, ("language=tp=2,dp=2,ep=2", "images=dp=2,rank_offset=4"), (),

@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import os
 
+import pytest
+
 from train_helpers import metrics, new_dir, tiny_model, torchrun
 
 LONG = " ".join(f"word{i}" for i in range(300))  # far past --seq-length 128
@@ -55,3 +57,30 @@ def test_no_save_keeps_nothing_and_says_so(tmp_path):
     proc = torchrun(1, _args(tmp_path, out, "--no-save", "--train-iters", "1"))
     assert "--no-save: no checkpoint will be written" in proc.stdout
     assert not os.path.exists(os.path.join(out, "checkpoints")) and os.path.isfile(os.path.join(out, "metrics.jsonl"))
+
+
+def test_the_eta_follows_the_steps_pace_not_a_save_between_them(tmp_path, monkeypatch):
+    """Issue 44 item 5: the ETA jumped after every checkpoint save (3 s to 27 s at 0.06 s/step): it was the wall
+    time per step so far. It is now the median of the steps' own times (the first's warm-up left out)."""
+    from types import SimpleNamespace
+
+    from mimo_sft.train import metrics as metrics_module
+    from mimo_sft.train.metrics import MetricsLogger
+
+    clock = [0.0]
+    monkeypatch.setattr(metrics_module.time, "perf_counter", lambda: clock[0])
+    logger = MetricsLogger(str(tmp_path), enabled=True, total_steps=100, tensorboard=False)
+
+    def step(n, seconds):
+        clock[0] += seconds
+        logger.log(SimpleNamespace(step=n, step_time_s=seconds, to_json=lambda: {"step": n}, loss=1.0, lr=1e-3,
+                                   grad_norm=1.0, tokens_per_s=1.0, mfu=None, moe={},
+                                   vision_load_max_over_mean_before=None, vision_load_max_over_mean_after=None))
+
+    step(1, 2.0)  # warm-up
+    for n in range(2, 11):
+        step(n, 0.06)
+    before = logger.eta_s(10)
+    clock[0] += 3.0  # a checkpoint save
+    step(11, 0.06)
+    assert before == pytest.approx(0.06 * 90) and logger.eta_s(11) == pytest.approx(0.06 * 89)

@@ -188,8 +188,8 @@ def expert_findings(spec: FamilySpec, language: ComponentSpec, d: LanguageDims) 
     s = language
     if not d.experts:
         if s.ep > 1 or s.etp is not None and s.etp > 1:
-            yield (f"language.ep={s.ep}, etp={s.etp}: {spec.name} is a dense model (no experts); "
-                   f"set ep=1 and drop etp")
+            given = f"language.ep={s.ep}" + (f", etp={s.etp}" if s.etp is not None else "")
+            yield f"{given}: {spec.name} is a dense model (no experts); set ep=1 and drop etp"
         return
     if s.ep >= 1 and d.experts % s.ep:
         yield (f"language.ep={s.ep} does not divide the model's {d.experts} experts (text_config.num_experts); "

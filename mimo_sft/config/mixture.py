@@ -17,6 +17,7 @@ folder stem; names are kept to letters, digits, ``._-``.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import glob
 import os
 import re
@@ -117,7 +118,9 @@ def mixture_problems(data_cfg) -> list[str]:
             continue
         unknown = [k for k in e if k not in KEYS]
         if unknown:
-            problems.append(f"{where}: unknown key '{unknown[0]}'; keys: {', '.join(KEYS)}")
+            close = difflib.get_close_matches(str(unknown[0]), KEYS, n=1, cutoff=0.6)
+            hint = f" (did you mean '{close[0]}'?)" if close else ""
+            problems.append(f"{where}: unknown key '{unknown[0]}'{hint}; keys: {', '.join(KEYS)}")
         if not e.get("path") or not isinstance(e.get("path"), str):
             problems.append(f"{where}: 'path' is missing; give the source's file or folder")
         labels.append(f"source '{e.get('name') or _stem(e.get('path') or where)}' ({e.get('path')})")

@@ -226,6 +226,7 @@ class MetricsLogger:
         self._fh = None
         self._t0 = time.perf_counter()
         self._steps_timed = 0
+        self._step_times: list[float] = []  # each step's own time after the first (its warm-up): the ETA's pace
         if not enabled:
             return
         os.makedirs(output_dir, exist_ok=True)
@@ -244,10 +245,11 @@ class MetricsLogger:
             return
         self.write_row(record.to_json(), record.step)
         self._steps_timed += 1
+        if self._steps_timed > 1:
+            self._step_times.append(record.step_time_s)
         step = record.step
         if step % self.log_interval == 0 or step == self.total_steps:
-            elapsed = time.perf_counter() - self._t0
-            eta = elapsed / self._steps_timed * max(0, self.total_steps - step)
+            eta = self.eta_s(step)
             before, after = record.vision_load_max_over_mean_before, record.vision_load_max_over_mean_after
             load = ""
             if before is not None:
@@ -260,6 +262,16 @@ class MetricsLogger:
                 f"grad norm {record.grad_norm:.3f} | {record.step_time_s:.2f} s/step | "
                 f"{record.tokens_per_s:.0f} tok/s{mfu}{load} | ETA {eta:.0f} s"
             )
+
+    def eta_s(self, step: int) -> float:
+        """Seconds left at the pace of the training steps (the median of their own times, the first's warm-up
+        left out): a checkpoint save or an evaluation between steps does not make it jump. Before a second step,
+        the wall time so far."""
+        left = max(0, self.total_steps - step)
+        if not self._step_times:
+            return (time.perf_counter() - self._t0) / max(self._steps_timed, 1) * left
+        recent = sorted(self._step_times[-50:])
+        return recent[len(recent) // 2] * left
 
     def write_row(self, row: dict, step: int, *, tb_section: str = "train") -> None:
         """One row for machines: a ``metrics.jsonl`` line, TensorBoard scalars under ``tb_section/``,

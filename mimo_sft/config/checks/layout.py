@@ -170,5 +170,6 @@ def c12_language_partition(ctx):
                f"product divides it")
     for s in ctx.specs:
         if s.name != LANGUAGE and (s.ep > 1 or (s.etp or 1) > 1):
-            yield (f"{s.name}.ep={s.ep}, etp={s.etp}: expert parallelism is for the language model's experts "
+            given = f"{s.name}.ep={s.ep}" + (f", etp={s.etp}" if s.etp is not None else "")
+            yield (f"{given}: expert parallelism is for the language model's experts "
                    f"(the {s.name} encoder has none); set ep=1 and drop etp on {s.name}")
