@@ -53,9 +53,15 @@ def _rows(run_dir):
 
 def test_per_source_losses_weighted_by_tokens_sum_to_the_logged_loss():
     run = _continuous()
-    assert "mimo-sft: data mixture: docs 48 rows (70.0%), chat 6 rows (30.0%)" in run.proc.stdout
+    # 4 steps of 8: docs is read 0.7 * 32 / 48 times, chat 0.3 * 32 / 6 (issue 42 item 6)
+    assert ("mimo-sft: data mixture: docs 48 rows (70.0%, read 0.47 times), chat 6 rows (30.0%, read 1.60 times)"
+            in run.proc.stdout)
     train, valid = _rows(run.out)
     assert [m["step"] for m in train] == [1, 2, 3, 4]
+    from mimo_sft.data.mixture import MixtureOrder
+
+    drawn = MixtureOrder([48, 6], [0.7, 0.3], seed=7, shuffle=True).draws_before(32)
+    assert [train[-1]["epochs/docs"], train[-1]["epochs/chat"]] == [round(drawn[0] / 48, 6), round(drawn[1] / 6, 6)]
     for m in train:
         tokens = [m["tokens/docs"], m["tokens/chat"]]
         assert sum(tokens) == m["supervised_tokens"]
