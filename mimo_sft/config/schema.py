@@ -119,6 +119,7 @@ class TrainConfig:
     train_iters: int = opt(10, "--train-iters", "optimizer steps")
     seed: int = opt(1234, "--seed", "seed for init, data order and dropout")
     dist_timeout_s: int = opt(600, "--dist-timeout", "seconds a collective may wait for a silent peer before the run fails")
+    hang_timeout_s: Optional[int] = opt(None, "--hang-timeout", "seconds without progress before the watchdog dumps every rank's stack to OUTPUT_DIR/hang/, names the stuck rank and exits 75 (default: the larger of 10 min and 20x the median step, a minute under --dist-timeout; 0: off)")
     exit_signal_handler: bool = opt(False, "--exit-signal-handler", "on SIGTERM or SIGUSR1 (any rank), finish the step, save a checkpoint and exit 0")
     exit_interval: Optional[int] = opt(None, "--exit-interval", "save and exit 0 after the first step divisible by N")
     exit_duration_in_mins: Optional[float] = opt(None, "--exit-duration-in-mins", "save and exit 0 before M minutes of wall time have passed")

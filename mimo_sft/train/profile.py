@@ -40,6 +40,7 @@ import torch
 from torch.autograd.profiler import record_function
 
 from mimo_sft.config.checks.overlap import parse_profile_ranks, parse_profile_steps, profile_folder
+from mimo_sft.train.watchdog import PROGRESS
 
 
 class _OpenRange:
@@ -51,6 +52,7 @@ class _OpenRange:
 
     def open(self, name: str) -> None:
         self.close()
+        PROGRESS.enter(name)
         self._current = record_function(name)
         self._current.__enter__()
 
@@ -64,11 +66,24 @@ class _OpenRange:
 _OPEN = _OpenRange()
 
 
-def phase(name: str):
+class phase:
     """A named range for a phase that has its own end (``with phase("optimizer"): ...``); it first
-    closes a module backward range still open, which ended where this phase begins."""
-    _OPEN.close()
-    return record_function(name)
+    closes a module backward range still open, which ended where this phase begins. Entering and leaving it
+    are the progress the hang watchdog watches (``train.watchdog.PROGRESS``)."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self._range = None
+
+    def __enter__(self):
+        _OPEN.close()
+        PROGRESS.enter(self.name)
+        self._range = record_function(self.name)
+        return self._range.__enter__()
+
+    def __exit__(self, *exc):
+        PROGRESS.leave(self.name)
+        return self._range.__exit__(*exc)
 
 
 def _tensors(value):

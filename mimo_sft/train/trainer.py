@@ -56,6 +56,7 @@ from mimo_sft.train.lr import apply_schedule, lr_at
 from mimo_sft.train.expert_load import ExpertLoad, expert_load_for
 from mimo_sft.train.metrics import AnswerTally, MetricsLogger, StepMetrics, peak_memory_by_module, step_model_flops, throughput
 from mimo_sft.train.profile import StepProfiler, phase
+from mimo_sft.train.watchdog import PROGRESS, start_watchdog
 from mimo_sft.train.setup import TrainContext, build_model_and_optimizer, build_state
 from mimo_sft.train.step import StepOutput, StepRunner
 from mimo_sft.train.stopping import REASONS, StopPolicy, agree, resume_command
@@ -154,6 +155,7 @@ class Trainer:
         self.stop = StopPolicy(signal_handler=t.exit_signal_handler, exit_interval=t.exit_interval,
                                exit_duration_mins=t.exit_duration_in_mins)
         self.rank, _ = start_world(timeout_s=cfg.train.dist_timeout_s)
+        self.watchdog = start_watchdog(cfg, self.output_dir, self.rank)
         if self.rank == 0:
             os.makedirs(self.output_dir, exist_ok=True)
             with open(os.path.join(self.output_dir, "config.yaml"), "w") as fh:
@@ -257,9 +259,11 @@ class Trainer:
         if self.evaluator is not None and self.cfg.train.eval_at_start:
             self.logger.log_validation(self.evaluator.evaluate(self.step))
         while self.step < self.cfg.train.train_iters:
+            PROGRESS.begin_step(self.step + 1)
             self.profiler.begin_step(self.step + 1)
             result = self.train_step()
             self.profiler.end_step(self.step)
+            self.watchdog.step_done(result.step_time_s)
             self.log_step(result)
             saved = self.maybe_save(self.maybe_evaluate())
             if self.step < self.cfg.train.train_iters and self.stopping(result.step_time_s):
@@ -378,7 +382,8 @@ class Trainer:
             return None
         interval = self.cfg.train.eval_interval
         if (interval and self.step % interval == 0) or self.step == self.cfg.train.train_iters:
-            evaluation = self.evaluator.evaluate(self.step)
+            with phase("evaluation"):
+                evaluation = self.evaluator.evaluate(self.step)
             self.logger.log_validation(evaluation)
             return evaluation
         return None
@@ -397,7 +402,8 @@ class Trainer:
         best = (ck.save_best and evaluation is not None
                 and (self.best_loss is None or evaluation.valid_loss < self.best_loss))
         if (interval and self.step % interval == 0) or final or best:
-            self.save(evaluation, best=best)
+            with phase("checkpoint save"):
+                self.save(evaluation, best=best)
             return True
         return False
 
@@ -440,6 +446,8 @@ class Trainer:
     def close(self) -> None:
         """Stop the feed's reorder thread and close the metrics files (also after an error); a
         profile of steps the run did not reach is written with what it has."""
+        if getattr(self, "watchdog", None) is not None:
+            self.watchdog.close()
         if getattr(self, "profiler", None) is not None:
             self.profiler.finish()
         if getattr(self, "feed", None) is not None:

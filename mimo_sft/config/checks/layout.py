@@ -23,6 +23,13 @@ def c01_positive_sizes(ctx):
             yield f"{name}={val} must be >= 1"
     if t.dist_timeout_s < 1:
         yield f"--dist-timeout={t.dist_timeout_s} must be >= 1 (seconds)"
+    hang = t.hang_timeout_s
+    if hang is not None and hang < 0:
+        yield f"--hang-timeout={hang} must be >= 1 seconds (or 0: no watchdog)"
+    elif hang and hang > t.dist_timeout_s - 30:
+        yield (f"--hang-timeout {hang} is not shorter than --dist-timeout {t.dist_timeout_s} by 30 s: the collective "
+               f"would time out first and the watchdog could not say which rank hung; lower --hang-timeout or raise "
+               f"--dist-timeout")
     if t.exit_interval is not None and t.exit_interval < 1:
         yield f"--exit-interval={t.exit_interval} must be >= 1"
     if t.exit_duration_in_mins is not None and t.exit_duration_in_mins <= 0:

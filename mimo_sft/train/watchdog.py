@@ -1,0 +1,266 @@
+"""The hang watchdog (``--hang-timeout``): a run that stops making progress says which rank stopped, where, and
+exits with a code a scheduler can requeue on, before ``--dist-timeout`` fails every rank without a word.
+
+How progress is seen: the training thread enters named phases (``train.profile.phase``: data wait, reorder wait,
+bridge, schedule, gradient finalize, optimizer, evaluation, checkpoint save, and the module phases while a profile
+runs); each entry is progress. A thread on every rank publishes this rank's step, phase and the time of its last
+progress to the run's store (torchrun's TCP store; the world group's) every few seconds. When a rank has made no
+progress for the timeout:
+
+1. it writes ``OUTPUT_DIR/hang/rank_<r>.txt``: its step and micro-batch, its phase and since when, the phase
+   history of the step, and every thread's Python stack (the training thread's shows the stuck frame);
+2. the lowest rank whose heartbeat is fresh reads every rank's heartbeat and prints one line naming the ranks
+   that are behind the others (an earlier step or phase: they never reached the collective the others wait in),
+   or whose heartbeat stopped (a frozen or dead process);
+3. every rank exits with :data:`HANG_EXIT_CODE` (75, ``EX_TEMPFAIL``: requeue it), the last checkpoint untouched.
+
+The timeout: ``--hang-timeout`` seconds, or by default the larger of 10 minutes and 20 times the median step
+(after 5 steps), never closer than a minute to ``--dist-timeout`` (check 1 refuses an explicit one that is not
+shorter by 30 s). The watchdog is armed from step 1 (start-up has ``--dist-timeout`` alone), and the first step
+(warm-up) is allowed the default's 10 minutes at least.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import statistics
+import sys
+import threading
+import time
+import traceback
+
+from mimo_sft.train.elastic import record_error
+
+#: the exit code of a run the watchdog ended (EX_TEMPFAIL): schedulers requeue on it (docs/troubleshooting.md)
+HANG_EXIT_CODE = 75
+#: the default timeout's floor, and how much shorter than ``--dist-timeout`` it stays
+DEFAULT_HANG_S = 600.0
+DIST_MARGIN_S = 60.0
+#: test hook: ``RANK:STEP`` -- that rank stops in its data wait of that step (sleeps), as a stuck rank would
+HANG_AT_ENV = "MIMO_SFT_TEST_HANG_AT"
+_KEY = "mimo_sft/hb/"
+
+
+class Progress:
+    """What the training thread last did; written by it (cheap attribute stores), read by the watchdog thread."""
+
+    def __init__(self):
+        self.step, self.microbatch, self.phase, self.entries = 0, 0, "start-up", 0
+        self.last = time.monotonic()
+        self.history: list[tuple[float, str]] = []  # this step's phases (time, name)
+        self.rank = 0
+        self._hang_at: tuple[int, int] | None = None  # the test hook, read when the watchdog starts
+    def begin_step(self, step: int) -> None:
+        self.step, self.microbatch, self.history, self.entries = step, 0, [], 0
+        self.enter("step start")
+
+    def leave(self, name: str) -> None:
+        """A phase with an end of its own ended: the thread computes until the next one (progress too)."""
+        self.phase, self.last = f"compute after {name}", time.monotonic()
+
+    def enter(self, name: str) -> None:
+        now = time.monotonic()
+        self.phase, self.last = name, now
+        self.entries += 1
+        if len(self.history) < 200:
+            self.history.append((now, name))
+        if name == "data wait":
+            self.microbatch += 1
+            if self._hang_at == (self.rank, self.step):  # the fault the tests inject
+                while True:
+                    time.sleep(3600)
+
+
+#: the process's progress (``train.profile.phase`` enters it)
+PROGRESS = Progress()
+
+
+def hang_timeout_s(setting: int, step_times: list[float], dist_timeout_s: float) -> float:
+    """The timeout in force: ``setting`` when > 0, else the default (module docstring); ``inf`` when 0 (off)."""
+    if setting == 0:
+        return float("inf")
+    if setting > 0:
+        chosen = float(setting)
+    else:
+        median = statistics.median(step_times) if len(step_times) >= 5 else 0.0
+        chosen = max(DEFAULT_HANG_S, 20 * median)
+        chosen = min(chosen, max(dist_timeout_s - DIST_MARGIN_S, 1.0))
+    if not step_times:  # the first step compiles, reads caches, fills loader workers
+        chosen = max(chosen, min(DEFAULT_HANG_S, max(dist_timeout_s - DIST_MARGIN_S, 1.0)))
+    return chosen
+
+
+#: phases in which a rank waits on nobody: a rank stopped inside one of them holds the others up
+LOCAL_PHASES = ("step start", "data wait", "optimizer", "checkpoint save", "evaluation")
+
+
+def _suspicion(phase: str) -> int:
+    """2: inside a phase that waits on nobody; 1: computing after a phase (perhaps in a collective no phase
+    names, such as a parameter gather); 0: in a communicating phase (bridge, gradient finalize, reorder wait)."""
+    if phase in LOCAL_PHASES:
+        return 2
+    return 1 if phase.startswith("compute after") else 0
+
+
+def behind(beats: dict[int, dict], now: float, timeout: float) -> tuple[list[int], list[int], dict | None]:
+    """``(stuck ranks, silent ranks, a rank that waits for them)``. Silent ranks published nothing for the timeout
+    (frozen or dead). Of the others, a rank at an earlier step than the rest is stuck; in the same step, the ranks
+    of the most suspicious kind of phase (:func:`_suspicion`: inside their own data wait, optimizer or save, then
+    computing, then communicating) are, when not every rank is of that kind: the rest wait for them. (Micro-batch
+    counts are not compared: a language rank receives the encoder's output before it pulls its micro-batch.)
+    Pure, tested without processes; each rank's dump is the ground truth."""
+    silent = sorted(r for r, b in beats.items() if now - b["published"] > timeout)
+    alive = {r: b for r, b in beats.items() if r not in silent}
+    if not alive:
+        return [], silent, None
+    last = max(b["step"] for b in alive.values())
+    stuck = [r for r, b in alive.items() if b["step"] < last]
+    if not stuck:
+        worst = max(_suspicion(b["phase"]) for b in alive.values())
+        local = [r for r, b in alive.items() if _suspicion(b["phase"]) == worst]
+        stuck = local if worst > 0 and len(local) < len(alive) else []
+    waiting = [b for r, b in sorted(alive.items()) if r not in stuck]
+    return sorted(stuck), silent, (waiting[0] if waiting and (stuck or silent) else None)
+
+
+class Watchdog:
+    """One rank's watchdog thread (module docstring). ``store``: the world group's store (None: single process)."""
+
+    def __init__(self, *, output_dir: str, rank: int, world_size: int, store, setting: int, dist_timeout_s: float,
+                 poll_s: float | None = None):
+        self.output_dir, self.rank, self.world_size, self.store = output_dir, rank, world_size, store
+        self.setting, self.dist_timeout_s = setting, dist_timeout_s
+        self.step_times: list[float] = []
+        self.host = socket.gethostname()
+        PROGRESS.rank = rank
+        hook = os.environ.get(HANG_AT_ENV)
+        if hook:
+            r, s = hook.split(":")
+            PROGRESS._hang_at = (int(r), int(s))
+        self._stop = threading.Event()
+        self.poll_s = poll_s or 2.0
+        self._thread = None
+        if setting != 0:
+            self._thread = threading.Thread(target=self._loop, name="mimo-sft-watchdog", daemon=True)
+            self._thread.start()
+
+    def step_done(self, step_time_s: float) -> None:
+        self.step_times.append(step_time_s)
+        del self.step_times[:-50]
+
+    @property
+    def timeout_s(self) -> float:
+        return hang_timeout_s(self.setting, self.step_times, self.dist_timeout_s)
+
+    def close(self) -> None:
+        self._stop.set()
+
+    # ---- the thread ---------------------------------------------------------------------------------------
+    def _beat(self) -> dict:
+        p = PROGRESS
+        return {"rank": self.rank, "host": self.host, "step": p.step, "microbatch": p.microbatch, "phase": p.phase,
+                "entries": p.entries, "idle_s": round(time.monotonic() - p.last, 1), "published": time.time()}
+
+    def _publish(self) -> None:
+        if self.store is not None:
+            try:
+                self.store.set(f"{_KEY}{self.rank}", json.dumps(self._beat()))
+            except Exception:  # noqa: BLE001 - a store that is gone (the run is ending) is not the watchdog's news
+                pass
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            self._publish()
+            # armed from step 1: start-up (a file check, a resume's reads) has --dist-timeout alone
+            if PROGRESS.step >= 1 and time.monotonic() - PROGRESS.last > self.timeout_s:
+                self._hang()
+                return
+
+    def _read_beats(self) -> dict[int, dict]:
+        beats = {}
+        for r in range(self.world_size):
+            try:
+                if self.store.check([f"{_KEY}{r}"]):
+                    beats[r] = json.loads(self.store.get(f"{_KEY}{r}"))
+            except Exception:  # noqa: BLE001 - unreadable: treated as silent
+                continue
+        return beats
+
+    def _hang(self) -> None:
+        timeout = self.timeout_s
+        path = self.dump(timeout)
+        if self.store is not None:
+            self.store.set(f"mimo_sft/hang/dumped/{self.rank}", "1")
+            time.sleep(min(10.0, 3 * self.poll_s))  # the others see their own timeout within a poll or two
+            beats = self._read_beats()
+            fresh = [r for r, b in beats.items() if time.time() - b["published"] <= timeout]
+            if not fresh or self.rank == min(fresh):
+                line = self.report(beats, timeout)
+                if not record_error(self.rank, line, HANG_EXIT_CODE):  # mimo-sft's launcher prints it, else here
+                    sys.stderr.write(line + "\n")
+                    sys.stderr.flush()
+                self.store.set("mimo_sft/hang/reported", "1")
+            else:  # the reporter prints; leaving first would let torchrun stop it before it does
+                deadline = time.monotonic() + 30.0
+                while time.monotonic() < deadline and not self.store.check(["mimo_sft/hang/reported"]):
+                    time.sleep(0.5)
+        else:
+            line = f"error: hang: no progress for {timeout:.0f} s in {PROGRESS.phase} of step {PROGRESS.step}; stack in {path}"
+            if not record_error(self.rank, line, HANG_EXIT_CODE):
+                sys.stderr.write(line + "\n")
+        sys.stdout.flush()
+        os._exit(HANG_EXIT_CODE)
+
+    def report(self, beats: dict[int, dict], timeout: float) -> str:
+        """The one line naming the ranks that stopped (:func:`behind`)."""
+        stuck, silent, ahead = behind(beats, time.time(), timeout)
+        missing = sorted(set(range(self.world_size)) - set(beats))
+        parts = []
+        for r in stuck:
+            b = beats[r]
+            parts.append(f"rank {r} ({b['host']}) is in {b['phase']} of step {b['step']} (micro-batch {b['microbatch']})")
+        for r in silent + missing:
+            parts.append(f"rank {r} stopped publishing (frozen or dead)")
+        waiting = sorted(set(beats) - set(stuck) - set(silent))
+        where = (f"rank(s) {','.join(map(str, waiting))} wait for them (rank {ahead['rank']} in {ahead['phase']} of "
+                 f"step {ahead['step']})" if ahead and waiting else "no rank is making progress")
+        named = "; ".join(parts) if parts else "every rank is at the same point (a collective or I/O that never ends)"
+        return (f"error: hang: no progress for {timeout:.0f} s: {named}; {where}. Stacks of every rank in "
+                f"{os.path.join(self.output_dir, 'hang')}/; exiting with {HANG_EXIT_CODE} (requeue: resume from the "
+                f"last checkpoint)")
+
+    def dump(self, timeout: float) -> str:
+        """``OUTPUT_DIR/hang/rank_<r>.txt``: where this rank is, and every thread's stack."""
+        folder = os.path.join(self.output_dir, "hang")
+        os.makedirs(folder, exist_ok=True)
+        path = os.path.join(folder, f"rank_{self.rank}.txt")
+        p = PROGRESS
+        now = time.monotonic()
+        lines = [f"rank {self.rank} on {self.host}: no progress for {now - p.last:.1f} s (timeout {timeout:.0f} s)",
+                 f"step {p.step}, micro-batch {p.microbatch}, phase: {p.phase}",
+                 "this step's phases (seconds before now):"]
+        lines += [f"  {now - t:9.1f}  {name}" for t, name in p.history[-30:]]
+        names = {t.ident: t.name for t in threading.enumerate()}
+        for ident, frame in sys._current_frames().items():
+            lines.append(f"\n--- thread {names.get(ident, ident)} ---")
+            lines += [ln.rstrip("\n") for ln in traceback.format_stack(frame)]
+        with open(path, "w") as fh:
+            fh.write("\n".join(lines) + "\n")
+        return path
+
+
+def start_watchdog(cfg, output_dir: str, rank: int) -> Watchdog:
+    """This rank's watchdog for the run of ``cfg`` (its thread runs unless ``--hang-timeout 0``), publishing to the
+    world group's store."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    try:
+        store = dist.distributed_c10d._get_default_store() if dist.is_initialized() else None
+    except (RuntimeError, ValueError):
+        store = None
+    setting = -1 if cfg.train.hang_timeout_s is None else int(cfg.train.hang_timeout_s)
+    return Watchdog(output_dir=output_dir, rank=rank, world_size=world, store=store, setting=setting,
+                    dist_timeout_s=float(cfg.train.dist_timeout_s))
