@@ -179,14 +179,16 @@ def _fingerprint(folder: str) -> tuple:
 def trusted_part(folder: str):
     """The checked ``Metadata`` of the dist-checkpoint part ``folder`` (``model/`` or ``optimizer/``);
     call it before megatron or torch reads the folder. Checked once per process while the folder's
-    files are unchanged (the streamed export reads a part many times)."""
+    files are unchanged (a resume checks both parts up front and reads them after; the streamed export
+    reads a part many times)."""
     if not os.path.isdir(folder):
         raise UserError(f"{folder} is missing; the checkpoint is incomplete: use another one")
     key = (os.path.realpath(folder), _fingerprint(folder))
     if key not in _CHECKED:
         metadata = read_metadata(folder)
         _check_part(folder, metadata)
-        _CHECKED.clear()  # one part at a time is what callers revisit
+        if len(_CHECKED) >= 8:  # a process reads a checkpoint or two: keep the last few parts
+            _CHECKED.clear()
         _CHECKED[key] = metadata
     return _CHECKED[key]
 
