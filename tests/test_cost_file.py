@@ -18,6 +18,8 @@ from mimo_sft.data.sources import load_sft_dataset
 from mimo_sft.testing.demo_data import demo_rows, write_demo_dataset, write_shards
 
 SEQ = 72  # a large page's image tokens pass it: those rows are dropped and replaced
+#: the tiny processor's own limit, given explicitly: unset, it would be lowered to fit SEQ and nothing would drop
+MAX_PIXELS = 50176
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +29,7 @@ def setup(tmp_path_factory, tiny_ckpt):  # noqa: F811
     root = tmp_path_factory.mktemp("costs")
     write_demo_dataset(root / "docs.parquet", samples=40, seed=11)
     write_shards(demo_rows(30, seed=12), root / "web", shards=2, kind="webdataset")
-    cfg = dataclasses.replace(DataConfig(), seq_length=SEQ, cost_dir=str(root / "costs"), datasets=[
+    cfg = dataclasses.replace(DataConfig(), seq_length=SEQ, max_pixels=MAX_PIXELS, cost_dir=str(root / "costs"), datasets=[
         {"path": str(root / "docs.parquet"), "name": "docs"}, {"path": str(root / "web"), "name": "web"}])
     report = check_dataset(cfg, model_dir=str(tiny_ckpt), workers=0, chunk=16, write_costs=True)
     return cfg, report, root

@@ -121,11 +121,13 @@ def test_empty_small_and_short_seq(tmp_path, image_folder, tiny_ckpt):
                     "3 samples, fewer than one global batch.*--micro-batch-size 4")
     _one_line_error(lambda: _iter(DataConfig(dataset_path=str(p)), tiny_ckpt, global_batch_size=8),
                     "--global-batch-size 8")
-    _one_line_error(lambda: _iter(DataConfig(dataset_path=str(p), seq_length=40), tiny_ckpt),
-                    "--seq-length 40 is too short for one image at --max-pixels")
-    # lowering --max-pixels makes the same seq_length fine
+    _one_line_error(lambda: _iter(DataConfig(dataset_path=str(p), seq_length=40, max_pixels=50176), tiny_ckpt),
+                    "--seq-length 40 is too short for one image at --max-pixels 50176")
+    # unset, --max-pixels is lowered to fit (issue 44 item 2); lowering it by hand makes the same seq_length fine
     b = next(_iter(DataConfig(dataset_path=str(p), seq_length=40, max_pixels=4 * 28 * 28), tiny_ckpt))
     assert int(b["image_grid_thw"].prod(-1).max()) <= 16
+    b = next(_iter(DataConfig(dataset_path=str(p), seq_length=40), tiny_ckpt))
+    assert int(b["image_grid_thw"].prod(-1).max()) // 4 <= 40 - 20
 
 
 def test_hub_name_offline_and_missing_path(monkeypatch, tiny_ckpt):

@@ -76,7 +76,7 @@ def test_per_source_losses_weighted_by_tokens_sum_to_the_logged_loss():
     weighted = sum(last[f"valid_loss/{n}"] * last[f"valid_tokens/{n}"] for n in ("docs", "chat"))
     assert math.isclose(weighted / last["valid_tokens"], last["valid_loss"], rel_tol=1e-6)
     meta = json.load(open(os.path.join(run.out, "checkpoints", "iter_0000002", "meta.json")))
-    assert meta["mixture"] == {"names": ["docs", "chat"], "rows": [48, 6], "shares": [0.7, 0.3]}
+    assert meta["mixture"] == {"names": ["docs", "chat"], "rows": [48, 6], "shares": [0.7, 0.3], "interleave": "deficit"}
     assert [s["name"] for s in meta["data_order"]["sources"]] == ["docs", "chat"]
 
 
