@@ -42,7 +42,8 @@ def test_launch_flags_and_config():
     assert rest == ["--x", "1"] and opts == LaunchOptions(4, 2, 1, "node0", 6000, 3) and opts.world_size == 8
     config = launch_config(opts)
     assert (config.nproc_per_node, config.min_nodes, config.max_nodes, config.max_restarts) == (4, 2, 2, 3)
-    assert config.rdzv_backend == "static" and config.rdzv_endpoint == "node0:6000" and config.rdzv_configs["rank"] == 1
+    assert config.rdzv_backend == "c10d" and config.rdzv_endpoint == "node0:6000"
+    assert config.rdzv_configs["is_host"] is False and config.run_id == "mimo-sft-node0-6000"
     assert split_launch_flags(["--lr", "1"]) == (None, ["--lr", "1"])
     for bad, says in ((["--nnodes", "2"], "without --nproc-per-node"), (["--nproc-per-node", "x"], "whole number"),
                       (["--nproc-per-node", "2", "--node-rank", "2", "--nnodes", "2"], "a node rank below")):
@@ -111,3 +112,62 @@ def test_evaluate_with_a_config_takes_the_checkpoints_base_model(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["hf_model"] == os.path.realpath(tiny_model()) and result["loss"] > 0
+
+
+def test_load_checkpoint_auto_resolves_to_the_latest_checkpoint_or_a_fresh_start(tmp_path):
+    """Issue 45 item 3's rule, without processes: the same command line serves the first start and a requeue."""
+    from mimo_sft.config.loader import load_config
+    from mimo_sft.validate import check_config
+
+    save = tmp_path / "ck"
+    fresh = load_config(["--load-checkpoint", "auto", "--save", str(save)]).checkpoint
+    assert fresh.load_checkpoint is None and fresh.resume_auto
+    (save / "iter_0000004").mkdir(parents=True)
+    (save / "latest").write_text("iter_0000004\n")
+    assert load_config(["--load-checkpoint", "auto", "--save", str(save)]).checkpoint.load_checkpoint is None  # no meta
+    (save / "iter_0000004" / "meta.json").write_text("{}")
+    assert load_config(["--load-checkpoint", "auto", "--save", str(save)]).checkpoint.load_checkpoint == str(save)
+    problems = [p.message for p in check_config(load_config(["--load-checkpoint", "auto"])).problems]
+    assert any(p.startswith("--load-checkpoint auto needs --save DIR") for p in problems), problems
+    assert not any("folder not found" in p for p in problems)
+
+
+def test_metrics_of_steps_past_the_checkpoint_are_cut_on_resume(tmp_path):
+    from mimo_sft.train.metrics import cut_after
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in (1, 2, 3, 4)) + '{"step": 5, "lo')
+    cut_after(str(path), 2)
+    assert [json.loads(ln)["step"] for ln in path.read_text().splitlines()] == [1, 2]
+
+
+def test_a_requeued_run_resumes_from_its_last_checkpoint_with_the_continuous_losses():
+    """Issue 45 item 3: both workers are killed while step 4's checkpoint is written (a test hook that fires on
+    the first start only); --max-restarts 1 starts them again with the same command line, --load-checkpoint auto
+    resumes from step 2, and the run ends with the continuous run's losses, each step logged once."""
+    import subprocess
+    import sys
+    import tempfile
+
+    from train_helpers import _kill_marked, _real_torchrun, _run_env
+
+    flags = ["--hf-model", tiny_model(), "--dataset-path", demo_data(), *TWO, *FLAGS[:-1], "--train-iters", "6",
+             "--save-interval", "2"]
+    out = new_dir("requeued")
+    marker = f"requeue-{os.getpid()}"
+    cmd = [sys.executable, "-m", "mimo_sft", "finetune", "--nproc-per-node", "2", "--max-restarts", "1", *flags,
+           "--output-dir", out, "--save", out + "/ck", "--load-checkpoint", "auto"]
+    with tempfile.TemporaryFile("w+") as o, tempfile.TemporaryFile("w+") as e:
+        code = _real_torchrun(cmd, _run_env(marker, {"MIMO_SFT_TEST_KILL_AT": "start:4"}), 400, marker, o, e)
+        _kill_marked(marker)  # megatron's checkpoint writers outlive a killed rank
+        o.seek(0)
+        e.seek(0)
+        proc = subprocess.CompletedProcess(cmd, code, o.read(), e.read())
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "--load-checkpoint auto: no checkpoint in" in proc.stdout and "starting fresh" in proc.stdout
+    assert f"--load-checkpoint auto: resuming from {out}/ck" in proc.stdout
+    ref = new_dir("requeue_reference")
+    torchrun(2, [*flags, "--output-dir", ref])
+    got = [(m["step"], m["loss"], m["grad_norm"]) for m in metrics(out) if "loss" in m]
+    assert got == [(m["step"], m["loss"], m["grad_norm"]) for m in metrics(ref) if "loss" in m]
+    assert [s for s, _, _ in got] == [1, 2, 3, 4, 5, 6]

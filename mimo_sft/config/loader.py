@@ -279,7 +279,27 @@ def load_config(args: list[str]) -> ExperimentConfig:
             specs[spec.name] = spec.to_dict()
         raw.setdefault("parallel", {})
         raw["parallel"]["components"] = specs
-    return config_from_dict(raw, source=config_path or "flags")
+    return resolve_auto_resume(config_from_dict(raw, source=config_path or "flags"))
+
+
+AUTO_RESUME = "auto"
+
+
+def resolve_auto_resume(cfg: ExperimentConfig) -> ExperimentConfig:
+    """``--load-checkpoint auto`` (with ``--save DIR``): ``DIR`` when its ``latest`` names a complete checkpoint,
+    else no checkpoint (a fresh start); ``resume_auto`` says it was asked for (the banner says which it was).
+    Without ``--save`` it stays ``auto`` and check 15 refuses it."""
+    c = cfg.checkpoint
+    if c.load_checkpoint != AUTO_RESUME or not c.save:
+        return cfg
+    latest = None
+    try:
+        with open(os.path.join(c.save, "latest")) as fh:
+            latest = fh.read().strip() or None
+    except OSError:
+        pass
+    found = c.save if latest and os.path.isfile(os.path.join(c.save, latest, "meta.json")) else None
+    return dataclasses.replace(cfg, checkpoint=dataclasses.replace(c, load_checkpoint=found, resume_auto=True))
 
 
 def _fold_repeated_paths(raw: dict, overrides: dict) -> None:

@@ -29,6 +29,7 @@ torch's default, see ``runtime.set_default_group_timeout``).
 from __future__ import annotations
 
 import datetime
+import os
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -93,8 +94,19 @@ def start_world_group(backend: str, *, in_process: bool, timeout: Optional[datet
     """
     assert not dist.is_initialized(), "the world group is already running"
     kw = {} if timeout is None else {"timeout": timeout}
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or "0"
     if in_process:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **kw)
+    elif attempt != "0":
+        # Workers restarted by torch's agent (--max-restarts): the agent keeps its store, and with torch 2.13 the
+        # new workers read the dead ones' gloo addresses from it and cannot connect (measured: connectFullMesh
+        # refused). Each start gets keys of its own under a prefix, as torch's env:// handler once did.
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                              is_master=not agent and rank == 0, multi_tenant=not agent, **kw)
+        dist.init_process_group(backend, store=dist.PrefixStore(f"/mimo_sft/attempt_{attempt}", store), rank=rank,
+                                world_size=world, **kw)
     else:
         dist.init_process_group(backend=backend, **kw)
 

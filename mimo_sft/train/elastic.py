@@ -10,7 +10,7 @@ their lines over each other. Here the parent:
 1. loads the config and runs every check once (``require_valid`` for the world it is about to start), before
    any worker exists: a bad config is its problems, one line each, exit 2;
 2. starts the workers (``python -u -m mimo_sft COMMAND ARGS``, each checking again as under torchrun) with the
-   rendezvous torchrun would use (``static`` at ``--master-addr:--master-port``, node ``--node-rank`` of
+   rendezvous torchrun --standalone uses (``c10d`` at ``--master-addr:--master-port``, node ``--node-rank`` of
    ``--nnodes``; a free local port on one node) and ``--max-restarts``;
 3. on failure, prints the line of the rank that failed first for a reason of its own (a rank that only saw
    its peer die says so, and is passed over), once, and exits with that rank's code. Each worker writes its
@@ -29,7 +29,6 @@ import socket
 import sys
 import tempfile
 import time
-import uuid
 from dataclasses import dataclass
 
 from mimo_sft.errors import UserError
@@ -119,14 +118,17 @@ def _free_port() -> int:
 
 
 def launch_config(opts: LaunchOptions):
-    """torch's ``LaunchConfig`` for ``opts``: torchrun's own defaults for these flags (static rendezvous at the
-    master's address, this node's rank), no restarts unless asked."""
+    """torch's ``LaunchConfig`` for ``opts``: the ``c10d`` rendezvous at the master's address (torchrun
+    ``--standalone``'s on one node). Not the ``static`` one: after a failure its restarted workers read the
+    dead workers' addresses from the store it keeps and cannot connect (measured), so ``--max-restarts`` needs a
+    rendezvous that opens a new round. Node 0 hosts the store; every node derives the same run id from the
+    master's address and port."""
     from torch.distributed.launcher.api import LaunchConfig
 
     port = opts.master_port or (_free_port() if opts.nnodes == 1 else 29500)
     return LaunchConfig(min_nodes=opts.nnodes, max_nodes=opts.nnodes, nproc_per_node=opts.nproc_per_node,
-                        run_id=f"mimo-sft-{uuid.uuid4().hex[:8]}", rdzv_backend="static",
-                        rdzv_endpoint=f"{opts.master_addr}:{port}", rdzv_configs={"rank": opts.node_rank},
+                        run_id=f"mimo-sft-{opts.master_addr}-{port}", rdzv_backend="c10d",
+                        rdzv_endpoint=f"{opts.master_addr}:{port}", rdzv_configs={"is_host": opts.node_rank == 0},
                         max_restarts=opts.max_restarts, monitor_interval=0.1, start_method="spawn")
 
 

@@ -88,8 +88,9 @@ def _abort(message: str, code: int):
 
 
 def _refuse_reused_output_dir(cfg, out_dir: str) -> None:
-    """A fresh run must not append to another run's metrics or move its ``latest`` checkpoint back."""
-    if cfg.checkpoint.load_checkpoint:
+    """A fresh run must not append to another run's metrics or move its ``latest`` checkpoint back (a run
+    started by ``--load-checkpoint auto`` continues its folder: its metrics are cut back to its step)."""
+    if cfg.checkpoint.load_checkpoint or cfg.checkpoint.resume_auto:
         return
     save_dir = cfg.checkpoint.save or os.path.join(out_dir, "checkpoints")
     traces = [p for p in (os.path.join(out_dir, "metrics.jsonl"), os.path.join(save_dir, "latest")) if os.path.exists(p)]

@@ -213,9 +213,32 @@ class AnswerTally:
         return "mimo-sft: data over the run: " + "; ".join(parts) if parts else None
 
 
+def cut_after(path: str, step: int) -> None:
+    """Keep the rows of ``path`` (metrics.jsonl) up to ``step``: a run resumed at ``step`` in the folder of one
+    that went further (killed after its last checkpoint, then requeued) logs those steps again, once. Atomic."""
+    if not os.path.isfile(path):
+        return
+    with open(path) as fh:
+        lines = fh.readlines()
+    kept = []
+    for line in lines:
+        try:
+            row_step = json.loads(line).get("step")
+        except ValueError:
+            continue  # a line cut by the kill
+        if row_step is None or row_step <= step:
+            kept.append(line if line.endswith("\n") else line + "\n")
+    if len(kept) != len(lines):
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as fh:
+            fh.writelines(kept)
+        os.replace(tmp, path)
+
+
 class MetricsLogger:
     def __init__(self, output_dir: str, *, enabled: bool, total_steps: int, log_interval: int = 1,
-                 tensorboard: bool = True, console: Console | None = None, trackers: list | None = None):
+                 tensorboard: bool = True, console: Console | None = None, trackers: list | None = None,
+                 resume_step: int | None = None):
         self.enabled = enabled
         #: ``train.trackers`` (W&B, MLflow): each gets every row written to metrics.jsonl
         self.trackers = list(trackers or []) if enabled else []
@@ -231,12 +254,16 @@ class MetricsLogger:
             return
         os.makedirs(output_dir, exist_ok=True)
         self.path = os.path.join(output_dir, "metrics.jsonl")
+        if resume_step is not None:  # a resumed run (or one restarted from scratch by --load-checkpoint auto)
+            cut_after(self.path, resume_step)
         self._fh = open(self.path, "a", buffering=1)
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
 
-                self._tb = SummaryWriter(os.path.join(output_dir, "tensorboard"))
+                # a resumed run's events replace those a killed run wrote after its checkpoint
+                self._tb = SummaryWriter(os.path.join(output_dir, "tensorboard"),
+                                         purge_step=resume_step + 1 if resume_step else None)
             except ImportError:  # tensorboard is in requirements; keep training if it is absent
                 self.console.print("[yellow]tensorboard not installed: no event files[/yellow]")
 

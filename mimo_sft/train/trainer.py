@@ -184,7 +184,9 @@ class Trainer:
         self.runner.n_sources = len(self.feed.mixture.names) if self.feed.mixture is not None else 0
         self.logger = MetricsLogger(self.output_dir, enabled=self.ctx.is_metrics_rank, total_steps=cfg.train.train_iters,
                                     log_interval=cfg.logging.log_interval, tensorboard=cfg.logging.tensorboard,
-                                    trackers=open_trackers(cfg.logging, config_to_dict(cfg)) if self.ctx.is_metrics_rank else [])
+                                    trackers=open_trackers(cfg.logging, config_to_dict(cfg)) if self.ctx.is_metrics_rank else [],
+                                    resume_step=self.step if (cfg.checkpoint.load_checkpoint or cfg.checkpoint.resume_auto)
+                                    else None)
         self.answers = AnswerTally(cfg.data.seq_length, enabled=self.ctx.is_metrics_rank)
         self.evaluator = (None if valid_source is None else  # checks the set before step 0
                           Evaluator(cfg, layout, self.pstate, self.ctx, self.runner, valid_source, flag=valid_flag(cfg.data)))
@@ -227,6 +229,10 @@ class Trainer:
               f"micro-batches of {t.micro_batch_size}), reordering {f'on ({cfg.reorder.mode})' if cfg.reorder.enabled else 'off'}, "
               f"{start}, output {self.output_dir}\n"
               f"mimo-sft: {self._checkpoint_plan()}", flush=True)
+        if cfg.checkpoint.resume_auto:
+            print(f"mimo-sft: --load-checkpoint auto: " + (f"resuming from {cfg.checkpoint.load_checkpoint}" if
+                  cfg.checkpoint.load_checkpoint else f"no checkpoint in {cfg.checkpoint.save} yet: starting fresh"),
+                  flush=True)
         if self.feed.mixture is not None:
             print(f"mimo-sft: data mixture: {self.feed.mixture.rows_text(t.train_iters * t.global_batch_size)}",
                   flush=True)
