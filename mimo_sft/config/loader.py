@@ -289,16 +289,12 @@ def resolve_auto_resume(cfg: ExperimentConfig) -> ExperimentConfig:
     """``--load-checkpoint auto`` (with ``--save DIR``): ``DIR`` when its ``latest`` names a complete checkpoint,
     else no checkpoint (a fresh start); ``resume_auto`` says it was asked for (the banner says which it was).
     Without ``--save`` it stays ``auto`` and check 15 refuses it."""
+    from mimo_sft.config.checks.checkpoint import find_meta
+
     c = cfg.checkpoint
     if c.load_checkpoint != AUTO_RESUME or not c.save:
         return cfg
-    latest = None
-    try:
-        with open(os.path.join(c.save, "latest")) as fh:
-            latest = fh.read().strip() or None
-    except OSError:
-        pass
-    found = c.save if latest and os.path.isfile(os.path.join(c.save, latest, "meta.json")) else None
+    found = c.save if find_meta(c.save) is not None else None  # the meta.json its `latest` names
     return dataclasses.replace(cfg, checkpoint=dataclasses.replace(c, load_checkpoint=found, resume_auto=True))
 
 

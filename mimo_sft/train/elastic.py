@@ -47,6 +47,8 @@ def attempt() -> int:
 def failed_first_start(rank: int) -> bool:
     """The test hook of :data:`FAIL_FIRST_START_ENV`."""
     return bool(os.environ.get(FAIL_FIRST_START_ENV)) and rank == 0 and attempt() == 0
+
+
 #: the launcher's flags (as torchrun spells them), each with a value
 FLAGS = {"--nproc-per-node": "nproc_per_node", "--nnodes": "nnodes", "--node-rank": "node_rank",
          "--master-addr": "master_addr", "--master-port": "master_port", "--max-restarts": "max_restarts"}

@@ -240,7 +240,8 @@ class Trainer:
             print(f"mimo-sft: reordering costs from {path}", flush=True)
         for why in getattr(self.feed.source, "cost_notes", ()):
             print(f"mimo-sft: {why}", flush=True)
-        fitted = self._preprocessor().fitted_note() if self._preprocessor() is not None else None
+        pre = self._preprocessor()
+        fitted = pre.fitted_note() if pre is not None else None
         if fitted:  # --max-pixels unset and the checkpoint's limit lets one image pass --seq-length
             print(f"mimo-sft: {fitted}", flush=True)
 

@@ -45,8 +45,9 @@ def iter_dir(root: str, step: int) -> str:
 def kill_point(name: str, step: int) -> None:
     """Die here, as a SIGKILL would, when the test hook names this point of this step's save (on the workers'
     first start only: restarted workers, ``--max-restarts``, pass it, as after a node failure)."""
-    if (os.environ.get(KILL_AT_ENV) == f"{name}:{step}"
-            and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") in ("", "0")):
+    from mimo_sft.train.elastic import attempt
+
+    if os.environ.get(KILL_AT_ENV) == f"{name}:{step}" and attempt() == 0:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
