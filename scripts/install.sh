@@ -163,6 +163,18 @@ except m.PackageNotFoundError:
 # Constrain every later install to the torch we have, so no dependency can swap it.
 echo "torch==$TORCH_VER" > $VENV/torch-constraint.txt
 pip_install -c $VENV/torch-constraint.txt -r requirements.txt
+# torchvision (transformers' video processors and its torchvision image backend need it): the release
+# paired with this torch (torch 2.N -> torchvision 0.(N+15)), --no-deps so that it can never bring another
+# torch. One already importable is kept. Beside the CPU wheel its C++ library cannot load; mimo_sft's
+# import hook (parallel/cpu_shims.torchvision_compat) makes its Python side import (docs/install.md).
+if ! $P -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("torchvision") is None)'; then
+  TV_VER=$($P -c "v = '$TORCH_VER'.split('+')[0].split('.'); print('0.%d.%s' % (int(v[1]) + 15, v[2]))")
+  if [ -n "${WHEELHOUSE:-}" ] && ! ls "$WHEELHOUSE"/torchvision-"$TV_VER"-*.whl >/dev/null 2>&1; then
+    say "warning: $WHEELHOUSE has no torchvision $TV_VER wheel: installing without it (images use the PIL backend; video rows are refused)"
+  else
+    pip_install --no-deps torchvision==$TV_VER
+  fi
+fi
 
 # megatron-core: the version pip sees, and the one `import megatron.core` would load (read from
 # its package_info.py: importing it takes seconds). They differ when PYTHONPATH holds a checkout.
@@ -206,7 +218,7 @@ echo "$want" > "$STAMP"
 extras=$($P - <<'EOF'
 import importlib.metadata as m
 out = []
-for name in ("transformers", "transformer-engine", "apex"):
+for name in ("transformers", "torchvision", "av", "transformer-engine", "apex"):
     try:
         out.append("%s %s" % (name, m.version(name)))
     except m.PackageNotFoundError:

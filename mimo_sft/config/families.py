@@ -116,6 +116,9 @@ class FamilySpec:
     architecture: Architecture = Architecture()
     #: the marked chat template (``data.processor.CHAT_TEMPLATES`` name) a folder's template must render like
     chat_template: str = "qwen2_vl"
+    #: whether a clip's text names each temporal patch's time (``<t seconds>`` and its own vision_start/end, as
+    #: transformers' ``Qwen3VLProcessor`` writes it); False: one run of video tokens (Qwen2.5-VL)
+    video_timestamps: bool = False
     #: config.json rules of the family beyond divisibility (``config_findings``; check 16 reports them with the
     #: divisibility lines)
     config_rules: tuple[Callable[[dict], Iterator[Finding]], ...] = ()
@@ -364,6 +367,7 @@ QWEN3_VL = register(FamilySpec(
     architecture=Architecture(qkv_bias=False, qk_norm=True, vision_layer_norm=True, vision_gated_mlp=False,
                               vision_patch_bias=True, vision_pos_embed=True, deepstack=True),
     chat_template="qwen3_vl",
+    video_timestamps=True,
     # full-layer recomputation is exact: model.deepstack hands the DeepStack rows' gradient past megatron's
     # re-entrant checkpoint and replays each micro-batch's rows into its recomputed layers
 ))
@@ -382,6 +386,7 @@ QWEN3_5 = register(FamilySpec(
                               vision_patch_bias=True, vision_pos_embed=True, deepstack=False, hybrid_gdn=True),
     # Qwen3.5's released template opens the last answer with a think block (data.processor)
     chat_template="qwen3_5",
+    video_timestamps=True,
 ))
 
 def moe_family(dense: FamilySpec, *, name: str, implementation: str, adapter: str, rope_index: str) -> FamilySpec:

@@ -97,14 +97,15 @@ class IndexReorderedDataset(MicroBatchDataset):
         if not sample["grids"] or "pixel_values" in sample:
             return sample
         sid = sample["sample_id"]
-        _messages, refs = self.source[sid]
+        messages, refs = self.source[sid]
         try:
-            sample["pixel_values"], sample["image_grid_thw"] = self.pre.pixels(self.pre.image_specs(refs, sid), sid)
+            specs, _ = self.pre.fitted_specs(messages, refs, sid)
+            sample["pixel_values"], sample["image_grid_thw"] = self.pre.pixels(specs, sid)
         except BadSampleError as err:  # same stand-in as the exchange mode's (MicroBatchDataset.encode)
             if self.max_bad_samples <= 0:
                 raise
             self._bad.append((sid, err.path, err.reason, "pixels"))
-            sample["pixel_values"], sample["image_grid_thw"] = self.pre.blank_pixels(sample["grids"])
+            sample["pixel_values"], sample["image_grid_thw"] = self.pre.blank_pixels(sample.get("pixel_grids", sample["grids"]))
             sample["blank_images"] = len(sample["grids"])
         return sample
 

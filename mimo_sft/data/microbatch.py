@@ -95,7 +95,7 @@ class MicroBatchDataset(torch.utils.data.Dataset):
             if getattr(err, "stage", None) != "pixels":
                 return self.pre.text_only_stand_in(messages, j)
             sample = self.pre.encode(messages, refs, j, need_pixels=False)
-            sample["pixel_values"], sample["image_grid_thw"] = self.pre.blank_pixels(sample["grids"])
+            sample["pixel_values"], sample["image_grid_thw"] = self.pre.blank_pixels(sample.get("pixel_grids", sample["grids"]))
             sample["blank_images"] = len(sample["grids"])
             return sample
 

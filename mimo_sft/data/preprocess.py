@@ -15,6 +15,7 @@ Positions: the family's transformers ``get_rope_index`` (e.g. ``Qwen2_5_VLModel`
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -22,6 +23,7 @@ import torch
 
 from mimo_sft.data.processor import load_processor
 from mimo_sft.data.images import PIL_BOMB_LIMIT, image_where, open_sample_image, to_rgb
+from mimo_sft.data.video import ClipPlan, VideoOptions, VideoRef
 from mimo_sft.errors import BadSampleError, UserError
 
 
@@ -113,7 +115,8 @@ class SamplePreprocessor:
     """
 
     def __init__(self, model_dir: str | os.PathLike, *, seq_length: int, min_pixels: int | None = None,
-                 max_pixels: int | None = None, max_image_pixels: int | None = PIL_BOMB_LIMIT):
+                 max_pixels: int | None = None, max_image_pixels: int | None = PIL_BOMB_LIMIT,
+                 video: VideoOptions | None = None):
         from transformers import AutoConfig
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
@@ -147,6 +150,10 @@ class SamplePreprocessor:
         self.seq_length = int(seq_length)
         self.max_image_pixels = max_image_pixels  # largest file accepted before resizing (None/0: any)
         self._rope = _RopeIndex(self.config)
+        self.video_options = video or VideoOptions()
+        self.video_token_id = int(getattr(self.config, "video_token_id", -1) or -1)
+        self.video_token = self.tokenizer.convert_ids_to_tokens(self.video_token_id) if self.video_token_id >= 0 else None
+        self._clips = None  # data.video.ClipReader, made at the first clip (it needs torchvision)
         self._special = dict(self.tokenizer.special_tokens_map)
         #: the checkpoint's own limit, and (``--max-pixels`` unset) the lower one chosen so that one image fits
         #: ``--seq-length`` with the chat template's tokens around it (None: the checkpoint's fits already)
@@ -187,10 +194,29 @@ class SamplePreprocessor:
             raise UserError(f"image of {width}x{height} pixels cannot be used ({err}); crop or remove it") from None
         return (1, rh // self.patch_size, rw // self.patch_size)
 
-    def image_specs(self, refs, idx: int) -> list[ImageSpec]:
-        """Grids from image headers only: no pixel is decoded."""
+    @property
+    def clips(self):
+        """The family's clip reader (``data.video``), made at the first clip: image-only runs need no torchvision."""
+        if self._clips is None:
+            from mimo_sft.config.families import default_family, family_for_model_type
+            from mimo_sft.data.video import ClipReader
+
+            if self.video_token is None:
+                raise UserError(f"model.hf_model {self.model_dir}: config.json has no video_token_id; this "
+                                "checkpoint cannot take video rows")
+            spec = family_for_model_type(getattr(self.config, "model_type", None)) or default_family()
+            self._clips = ClipReader(self.model_dir, getattr(self.config, "model_type", None), self.video_options,
+                                     timestamps=spec.video_timestamps)
+        return self._clips
+
+    def image_specs(self, refs, idx: int) -> list:
+        """Grids from image headers and clip headers only: no pixel is decoded. A clip's entry is its
+        ``data.video.ClipPlan`` (fewer frames or pixels when it alone would not fit ``--seq-length``)."""
         specs = []
         for ref in refs:
+            if isinstance(ref, VideoRef):
+                specs.append(self.clips.plan(ref, idx, token_budget=self.seq_length - 16))
+                continue
             img = open_sample_image(ref, idx, max_image_pixels=self.max_image_pixels)
             w, h = img.size
             orientation = header_orientation(img)
@@ -205,6 +231,8 @@ class SamplePreprocessor:
 
     def pixels(self, specs: list[ImageSpec], idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Decode, orient (by the header's EXIF tag, as the grid was) and patchify the images."""
+        if any(isinstance(spec, ClipPlan) for spec in specs):
+            return self._mixed_pixels(specs, idx)
         images = []
         for spec in specs:
             img = open_sample_image(spec.ref, idx, max_image_pixels=self.max_image_pixels)
@@ -224,6 +252,44 @@ class SamplePreprocessor:
         expected = torch.tensor([s.grid for s in specs], dtype=torch.int64)
         assert torch.equal(grid, expected), f"sample {idx}: pixel grid {grid.tolist()} != header grid {expected.tolist()}"
         return torch.from_numpy(np.concatenate(patches, 0)), grid
+
+    def _mixed_pixels(self, specs: list, idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Images and clips of one sample in their order: each item's uint8 rows and its pixel grid (a clip's
+        has ``t * temporal_patch_size`` frame rows: ``model.pixels``)."""
+        rows, grids = [], []
+        for spec in specs:
+            if isinstance(spec, ClipPlan):
+                patches, grid = self.clips.pixels(spec, idx)
+            else:
+                p, g = self.pixels([spec], idx)
+                patches, grid = p.numpy(), tuple(g[0].tolist())
+            rows.append(patches)
+            grids.append(grid)
+        return torch.from_numpy(np.concatenate(rows, 0)), torch.tensor(grids, dtype=torch.int64)
+
+    def fitted_specs(self, messages: list[dict], refs, idx: int) -> tuple[list, tuple[torch.Tensor, torch.Tensor]]:
+        """The sample's vision items and ``tokens``. Where a clip makes the vision tokens run past
+        ``--seq-length``, the largest clip is planned again within what is left (fewer frames, then smaller
+        ones: ``ClipReader.plan``), at most three times; what still does not fit is truncated as an image would be."""
+        specs = self.image_specs(refs, idx)
+        out = self.tokens(messages, specs, idx)
+        for _ in range(3):
+            ids = out[0]
+            vision = ((ids == self.image_token_id) | (ids == self.video_token_id)).nonzero()
+            over = int(vision[-1]) + 1 - self.seq_length if len(vision) else 0
+            clips = [i for i, sp in enumerate(specs) if isinstance(sp, ClipPlan)]
+            if over <= 0 or not clips:
+                break
+            i = max(clips, key=lambda i: specs[i].tokens(self.merge_size))
+            specs[i] = self.clips.plan(specs[i].ref, idx, token_budget=specs[i].tokens(self.merge_size) - over)
+            out = self.tokens(messages, specs, idx)
+        return specs, out
+
+    def pixel_grids(self, specs: list) -> list[tuple[int, int, int]]:
+        """The grids the pixel rows are cut by (a clip's temporal side in frames: :meth:`_mixed_pixels`)."""
+        t = self.clips.temporal if any(isinstance(sp, ClipPlan) for sp in specs) else 1
+        return [(g[0] * t, g[1], g[2]) if isinstance(sp, ClipPlan) else tuple(g)
+                for sp, g in ((sp, sp.grid) for sp in specs)]
 
     def _uint8_patches(self, img) -> tuple[np.ndarray, tuple[int, int, int]]:
         """One RGB image through the processor's own conversion and resize, cut into patches in the
@@ -250,23 +316,43 @@ class SamplePreprocessor:
         )
         return rendered[0], list(spans[0])
 
-    def tokens(self, messages: list[dict], grids: list[tuple[int, int, int]], idx: int):
-        """(ids, assistant_mask) of the full (untruncated) sample with placeholders expanded."""
-        text, spans = self.render(messages)
-        tok = self.image_token
-        pieces = text.split(tok)
-        if len(pieces) - 1 != len(grids):
-            raise UserError(f"sample {idx}: the chat text has {len(pieces) - 1} '{tok}' placeholder(s) for "
-                            f"{len(grids)} image(s); remove literal '{tok}' from the text or fix the images column")
+    def _placeholder_text(self, item) -> str:
+        """What one rendered placeholder becomes: an image's tokens, or a clip's (with Qwen3-VL's
+        ``<t seconds>`` and vision_start/end per temporal patch, as ``Qwen3VLProcessor`` writes them)."""
         merge2 = self.merge_size ** 2
+        if not isinstance(item, ClipPlan):
+            t, h, w = item.grid if isinstance(item, ImageSpec) else item
+            return self.image_token * ((t * h * w) // merge2)
+        t, h, w = item.grid
+        if not item.timestamps:
+            return self.video_token * ((t * h * w) // merge2)
+        start, end = (self.tokenizer.convert_ids_to_tokens(int(self.config.vision_start_token_id)),
+                      self.tokenizer.convert_ids_to_tokens(int(self.config.vision_end_token_id)))
+        frame = start + self.video_token * ((h * w) // merge2) + end
+        return "".join(f"<{item.timestamps[i]:.1f} seconds>" + frame for i in range(t))
+
+    def tokens(self, messages: list[dict], items: list, idx: int):
+        """(ids, assistant_mask) of the full (untruncated) sample with placeholders expanded; ``items`` are the
+        vision items in order: image grids (or ``ImageSpec``) and clips (``ClipPlan``)."""
+        text, spans = self.render(messages)
+        marks = [self.image_token] + ([self.video_token] if self.video_token else [])
+        pieces = re.split("(" + "|".join(re.escape(m) for m in marks) + ")", text)
+        found = pieces[1::2]
+        kinds = [self.video_token if isinstance(it, ClipPlan) else self.image_token for it in items]
+        if found != kinds:
+            n_img, n_vid = found.count(self.image_token), len(found) - found.count(self.image_token)
+            raise UserError(f"sample {idx}: the chat text has {n_img} '{self.image_token}' and {n_vid} video "
+                            f"placeholder(s) for {kinds.count(self.image_token)} image(s) and "
+                            f"{len(kinds) - kinds.count(self.image_token)} clip(s); remove literal placeholder "
+                            "tokens from the text or fix the images/videos")
         out, shift_at = [pieces[0]], []  # shift_at: (original char position, extra chars inserted there)
         pos = len(pieces[0])
-        for g, piece in zip(grids, pieces[1:]):
-            n = (g[0] * g[1] * g[2]) // merge2
-            out.append(tok * n)
+        for item, mark, piece in zip(items, pieces[1::2], pieces[2::2]):
+            rep = self._placeholder_text(item)
+            out.append(rep)
             out.append(piece)
-            shift_at.append((pos, (n - 1) * len(tok)))
-            pos += len(tok) + len(piece)
+            shift_at.append((pos, len(rep) - len(mark)))
+            pos += len(mark) + len(piece)
         expanded = "".join(out)
 
         def moved(p: int) -> int:
@@ -282,20 +368,28 @@ class SamplePreprocessor:
             mask[start: (end + 1 if end is not None else len(ids))] = True
         return ids, mask
 
-    def position_ids(self, ids: torch.Tensor, mm: torch.Tensor, grids: list) -> torch.Tensor:
-        grid_thw = torch.tensor(grids, dtype=torch.int64) if grids else None
-        pos, _ = self._rope.get_rope_index(ids[None], mm[None], image_grid_thw=grid_thw)
+    def position_ids(self, ids: torch.Tensor, mm: torch.Tensor, items: list) -> torch.Tensor:
+        grids = [it.grid if isinstance(it, (ImageSpec, ClipPlan)) else it for it in items]
+        images = [g for it, g in zip(items, grids) if not isinstance(it, ClipPlan)]
+        clips = [it for it in items if isinstance(it, ClipPlan)]
+        kw = {}
+        if clips:
+            kw["video_grid_thw"] = torch.tensor([c.grid for c in clips], dtype=torch.int64)
+            if not clips[0].timestamps:  # Qwen2.5-VL: the temporal positions step by seconds per patch
+                kw["second_per_grid_ts"] = torch.tensor([self.clips.temporal / c.sampled_fps for c in clips])
+        grid_thw = torch.tensor(images, dtype=torch.int64) if images else None
+        pos, _ = self._rope.get_rope_index(ids[None], mm[None], image_grid_thw=grid_thw, **kw)
         return pos[:, 0]
 
     # ------------------------------------------------------------------ one sample
 
     def encode(self, messages, refs, idx: int, *, need_pixels: bool) -> dict:
         """Unpadded per-sample tensors; raises ``TruncatedImageError`` if an image would be cut."""
-        specs = self.image_specs(refs, idx)
+        specs, (ids, amask) = self.fitted_specs(messages, refs, idx)
         grids = [s.grid for s in specs]
-        ids, amask = self.tokens(messages, grids, idx)
         n_real = len(ids)
-        is_img = ids == self.image_token_id
+        is_vid = ids == self.video_token_id
+        is_img = (ids == self.image_token_id) | is_vid
         S = self.seq_length
         if n_real > S:
             if bool(is_img[S:].any()):
@@ -309,12 +403,15 @@ class SamplePreprocessor:
         nxt[:m] = ids[1:m + 1]
         nxt_mask[:m] = amask[1:m + 1]
         labels = torch.where(nxt_mask, nxt, torch.full_like(nxt, self.pad_id))
-        ids, mm = ids[:n], is_img[:n].to(torch.int64)
+        ids, mm = ids[:n], is_img[:n].to(torch.int64) + is_vid[:n].to(torch.int64)  # 1: image, 2: video
+        positions = self.position_ids(ids, mm, specs)
+        if bool(is_vid.any()):  # the model splices every vision item's rows in at the image token (model.family)
+            ids = torch.where(is_vid[:n], torch.full_like(ids, self.image_token_id), ids)
         sample = {
             "input_ids": ids,
             "labels": labels,
             "loss_mask": nxt_mask.to(torch.float32),
-            "position_ids": self.position_ids(ids, mm, grids),
+            "position_ids": positions,
             "mm_token_type_ids": mm,
             "grids": grids,
             "sample_id": int(idx),
@@ -323,7 +420,10 @@ class SamplePreprocessor:
             # an assistant turn with no text (it trains on the end-of-turn token alone)
             "answer_cut": int(amask[1:].sum()) > int(nxt_mask.sum()),
             "answer_empty": has_empty_answer(messages),
+            "clips": [(len(sp.indices), sp.downsampled) for sp in specs if isinstance(sp, ClipPlan)],
         }
+        if sample["clips"]:
+            sample["pixel_grids"] = self.pixel_grids(specs)
         if need_pixels and specs:
             sample["pixel_values"], sample["image_grid_thw"] = self.pixels(specs, idx)
         return sample
@@ -338,7 +438,7 @@ class SamplePreprocessor:
         """The same row without its images and with nothing supervised: what a sample whose images
         cannot be read (missing file, unreadable header) becomes on every rank alike (all ranks read
         headers), so the ranks stay in step and the consumed-sample count is unchanged; it adds no loss."""
-        stripped = [{**m, "content": [p for p in m["content"] if p["type"] != "image"]} for m in messages]
+        stripped = [{**m, "content": [p for p in m["content"] if p["type"] not in ("image", "video")]} for m in messages]
         sample = self.encode(stripped, [], idx, need_pixels=False)
         sample["loss_mask"] = torch.zeros_like(sample["loss_mask"])
         sample["labels"] = torch.full_like(sample["labels"], self.pad_id)

@@ -23,6 +23,8 @@ from mimo_sft.errors import BadRowError, BadSampleError, UserError
 _ROLE_MAP = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "model": "assistant",
              "bot": "assistant", "system": "system"}
 IMAGE_MARKER = "<image>"
+VIDEO_MARKER = "<video>"
+VIDEO_COLUMNS = ("video", "videos")  # LLaVA-Video's clip column in ShareGPT rows
 
 
 class SFTSource:
@@ -31,6 +33,9 @@ class SFTSource:
     A sample's images come from the images column, or (datasets without one) from the message
     content itself (Qwen's ``{"type": "image", "image": "a.png"}``); a dataset using both is refused.
     """
+
+    videos_column: str | None = None
+    _videos = None
 
     def __init__(self, ds, *, schema: str, text_column: str, images_column: str | None, base_dir: Path | None,
                  image_root: Path | None, dataset_path: str):
@@ -43,6 +48,9 @@ class SFTSource:
         self.dataset_path = dataset_path
         self._text = ds.select_columns([text_column])
         self._images = ds.select_columns([images_column]).with_format("arrow") if images_column else None
+        #: LLaVA-Video's clip column ("video" or "videos"), read with the ``<video>`` markers of ShareGPT rows
+        self.videos_column = next((c for c in VIDEO_COLUMNS if c in ds.column_names), None) if schema == "sharegpt" else None
+        self._videos = ds.select_columns([self.videos_column]) if self.videos_column else None
 
     def __len__(self) -> int:
         return len(self.ds)
@@ -74,17 +82,52 @@ class SFTSource:
         return f"{self.dataset_path}, row {int(idx)}"
 
     def _sample(self, idx: int) -> tuple[list[dict], list[Any]]:
+        """``(messages, vision refs)``: the refs in the order of the image and video parts (a clip's ref is a
+        ``data.video.VideoRef``)."""
         text = self._text_value(idx)
         if self.schema == "messages":
             messages, inline = _canonical_messages(text, idx, self.text_column)
+            clips = [c for k, c in inline if k == "video"]
+            inline = [r for k, r in inline if k == "image"]
         else:
             messages, inline = _sharegpt_messages(text, idx, self.text_column), []
+            clips = self._column_clips(idx)
         if inline and self.images_column is not None:
             raise self._both_error(idx)
         raw = inline if inline else self._column_refs(idx)
         refs = [self._resolve(r, idx) for r in raw]
-        self._check_count(messages, refs, idx, inline=bool(inline))
-        return messages, refs
+        vision = [p["type"] for m in messages for p in m["content"] if p["type"] in ("image", "video")]
+        self._check_count([{"content": [{"type": t} for t in vision if t == "image"]}], refs, idx, inline=bool(inline))
+        if vision.count("video") != len(clips):
+            raise UserError(f"sample {idx} of {self.dataset_path}: {vision.count('video')} video part(s) or <video> "
+                            f"marker(s) in the text but {len(clips)} clip(s) named; name each clip once")
+        images, videos = iter(refs), iter(self._video_ref(c, idx) for c in clips)
+        return messages, [next(images) if t == "image" else next(videos) for t in vision]
+
+    def _column_clips(self, idx: int) -> list:
+        if self._videos is None:
+            return []
+        return [{"video": v} for v in image_list(self._videos[int(idx)][self.videos_column])]
+
+    def _video_ref(self, part: dict, idx: int):
+        """A clip part (``{"video": path | bytes | [frame, ...], "video_start", "video_end", "fps"}``) as a
+        ``VideoRef`` with its paths resolved as images' are."""
+        from mimo_sft.data.video import VideoRef
+
+        src = part.get("video")
+        try:
+            start = None if part.get("video_start") is None else float(part["video_start"])
+            end = None if part.get("video_end") is None else float(part["video_end"])
+            fps = None if part.get("fps") is None else float(part["fps"])
+        except (TypeError, ValueError):
+            raise UserError(f"sample {idx} of {self.dataset_path}: video_start / video_end / fps must be numbers "
+                            "of seconds (frames per second)") from None
+        if start is not None and end is not None and start >= end:
+            raise UserError(f"sample {idx} of {self.dataset_path}: video_start {start} is not before video_end {end}; "
+                            "fix the row")
+        if isinstance(src, (list, tuple)):
+            return VideoRef(tuple(self._resolve(f, idx) for f in src), start, end, fps)
+        return VideoRef(self._resolve(src, idx), start, end, fps)
 
     def _column_refs(self, idx: int) -> list:
         if self.images_column is None:
@@ -179,13 +222,18 @@ def _clean_part(part, idx, col) -> dict:
     kind = part.get("type")
     if kind == "image" or (kind is None and part.get("image") is not None):
         return {"type": "image"}
+    if kind == "video" or (kind is None and part.get("video") is not None):
+        if part.get("video") in (None, "", []):
+            raise UserError(f"sample {idx}: a video part in column '{col}' names no clip; give it a 'video' key "
+                            "(a file, or a list of frame images)")
+        return {"type": "video"}
     if kind == "text" or (kind is None and part.get("text") is not None):
         return {"type": "text", "text": part.get("text") or ""}
-    raise UserError(f"sample {idx}: content part type '{kind}' in column '{col}' is not supported; use 'text' or 'image'")
+    raise UserError(f"sample {idx}: content part type '{kind}' in column '{col}' is not supported; use 'text', 'image' or 'video'")
 
 
 def _canonical_messages(messages, idx, col) -> tuple[list[dict], list]:
-    """(canonical messages, the images their parts name inline, in message order)."""
+    """(canonical messages, ``("image", ref)`` / ``("video", part)`` the parts name inline, in message order)."""
     if not isinstance(messages, (list, tuple)) or not messages:
         raise UserError(f"sample {idx}: column '{col}' must hold a non-empty list of messages")
     out, inline = [], []
@@ -196,17 +244,22 @@ def _canonical_messages(messages, idx, col) -> tuple[list[dict], list]:
         content = m.get("content")
         raw = [content] if isinstance(content, str) else list(content or [])
         parts = [_clean_part(p, idx, col) for p in raw]
-        inline += [r for p, c in zip(raw, parts) if c["type"] == "image" and (r := part_ref(p)) is not None]
+        for p, c in zip(raw, parts):
+            if c["type"] == "video":
+                inline.append(("video", p))
+            elif c["type"] == "image" and (r := part_ref(p)) is not None:
+                inline.append(("image", r))
         out.append({"role": role, "content": parts})
     return out, inline
 
 
 def _split_markers(text: str) -> list[dict]:
     parts = []
-    pieces = text.split(IMAGE_MARKER)
+    pieces = re.split(f"({re.escape(IMAGE_MARKER)}|{re.escape(VIDEO_MARKER)})", text)
     for i, piece in enumerate(pieces):
-        if i > 0:
-            parts.append({"type": "image"})
+        if i % 2:
+            parts.append({"type": "image" if piece == IMAGE_MARKER else "video"})
+            continue
         piece = piece.strip("\n") if len(pieces) > 1 else piece
         if piece:
             parts.append({"type": "text", "text": piece})

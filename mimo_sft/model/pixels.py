@@ -26,6 +26,10 @@ class PixelNorm(NamedTuple):
     std: tuple[float, ...]
     rescale: float
     temporal: int
+    #: the video processor's (``video_preprocessor_config.json``; the image processor's where it has none)
+    video_mean: tuple[float, ...] | None = None
+    video_std: tuple[float, ...] | None = None
+    video_rescale: float | None = None
 
 
 def pixel_norm_from(hf_dir: str | os.PathLike) -> PixelNorm:
@@ -41,10 +45,43 @@ def pixel_norm_from(hf_dir: str | os.PathLike) -> PixelNorm:
     elif os.path.isfile(nested):
         with open(nested) as fh:
             raw = json.load(fh).get("image_processor") or {}
-    return PixelNorm(tuple(float(v) for v in raw.get("image_mean", P.image_mean)),
-                     tuple(float(v) for v in raw.get("image_std", P.image_std)),
-                     float(raw.get("rescale_factor", P.rescale_factor)),
-                     int(raw.get("temporal_patch_size", P.temporal_patch_size)))
+    mean = tuple(float(v) for v in raw.get("image_mean", P.image_mean))
+    std = tuple(float(v) for v in raw.get("image_std", P.image_std))
+    rescale = float(raw.get("rescale_factor", P.rescale_factor))
+    video = os.path.join(str(hf_dir), "video_preprocessor_config.json")
+    vraw = {}
+    if os.path.isfile(video):
+        with open(video) as fh:
+            vraw = json.load(fh)
+    return PixelNorm(mean, std, rescale, int(raw.get("temporal_patch_size", P.temporal_patch_size)),
+                     tuple(float(v) for v in vraw.get("image_mean", mean)),
+                     tuple(float(v) for v in vraw.get("image_std", std)),
+                     float(vraw.get("rescale_factor", rescale)))
+
+
+def model_grid_thw(grid_thw: torch.Tensor, temporal: int) -> torch.Tensor:
+    """The model's ``(t, h, w)`` of each vision item from the pixel grid the data path carries: an image
+    has one frame row (``t == 1``); a clip carries its ``temporal`` frames per patch as rows, so its pixel
+    grid's first side is ``t * temporal`` (``data.video``)."""
+    if grid_thw.shape[0] == 0 or not bool((grid_thw[:, 0] > 1).any()):
+        return grid_thw
+    out = grid_thw.clone()
+    clip = out[:, 0] > 1
+    out[clip, 0] = out[clip, 0] // temporal
+    return out
+
+
+def _clip_float_patches(rows: torch.Tensor, norm: PixelNorm) -> torch.Tensor:
+    """A clip's uint8 rows ``[n*T, C*P*P]`` -> ``[n, C*T*P*P]`` in the processor's patch order, with
+    transformers' torchvision backend arithmetic: its fused rescale-and-normalise (mean and std divided by
+    the rescale factor in float32, then ``(x - mean) / std``)."""
+    c, t = len(norm.video_mean or norm.mean), norm.temporal
+    n = rows.shape[0] // t
+    x = rows.view(n, t, c, -1).permute(0, 2, 1, 3).to(torch.float32)
+    rescale = norm.video_rescale if norm.video_rescale is not None else norm.rescale
+    mean = torch.tensor(norm.video_mean or norm.mean, device=x.device) * (1.0 / rescale)
+    std = torch.tensor(norm.video_std or norm.std, device=x.device) * (1.0 / rescale)
+    return ((x - mean.view(1, c, 1, 1)) / std.view(1, c, 1, 1)).reshape(n, -1)
 
 
 def float_patches(patches: torch.Tensor, norm: PixelNorm) -> torch.Tensor:
@@ -59,12 +96,22 @@ def float_patches(patches: torch.Tensor, norm: PixelNorm) -> torch.Tensor:
     return x.expand(n, c, norm.temporal, x.shape[-1]).reshape(n, -1)
 
 
-def tower_patches(pixel_values: torch.Tensor, norm: PixelNorm | None, dtype: torch.dtype) -> torch.Tensor:
+def tower_patches(pixel_values: torch.Tensor, norm: PixelNorm | None, dtype: torch.dtype,
+                  grid_thw: torch.Tensor | None = None) -> torch.Tensor:
     """A vision encoder's input in the tower's ``dtype``: uint8 patches (the training data path) normalised
-    with the checkpoint's ``norm`` (set by ``model.builder``), float patches (transformers') as they are."""
+    with the checkpoint's ``norm`` (set by ``model.builder``), float patches (transformers') as they are.
+    ``grid_thw`` is the carried pixel grid (host): with clips in it, each item is converted by its kind."""
     if pixel_values.dtype == torch.uint8:
         assert norm is not None, "uint8 pixels need the checkpoint's pixel_norm (model.builder sets it)"
-        pixel_values = float_patches(pixel_values, norm)
+        if grid_thw is None or grid_thw.shape[0] == 0 or not bool((grid_thw[:, 0] > 1).any()):
+            pixel_values = float_patches(pixel_values, norm)
+        else:
+            parts, at = [], 0
+            for t, h, w in grid_thw.tolist():
+                rows = pixel_values[at: at + t * h * w]
+                at += t * h * w
+                parts.append(_clip_float_patches(rows, norm) if t > 1 else float_patches(rows, norm))
+            pixel_values = torch.cat(parts, 0)
     return pixel_values.to(dtype)
 
 
@@ -77,3 +124,12 @@ def no_image_rows(encoder: torch.nn.Module, like: torch.Tensor, width: int) -> t
     if trainable:
         out = out + torch.stack([p.reshape(-1)[:0].sum() for p in trainable]).sum().to(out.dtype)
     return out
+
+
+def tower_input(pixel_values: torch.Tensor, grid_thw: torch.Tensor, norm: PixelNorm | None, dtype: torch.dtype,
+                temporal: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(float patches, the model's grid)`` of an encoder's input: uint8 rows with their carried pixel grid
+    (:func:`model_grid_thw`), or transformers' float patches with the model's grid as they are."""
+    if pixel_values.dtype != torch.uint8:
+        return pixel_values.to(dtype), grid_thw
+    return tower_patches(pixel_values, norm, dtype, grid_thw), model_grid_thw(grid_thw, temporal)

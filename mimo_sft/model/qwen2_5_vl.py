@@ -18,7 +18,7 @@ from mimo_sft.model.decoder_weights import (DecoderNames, DecoderShape, expected
                                             iter_decoder_shard, pad_vocab)
 from mimo_sft.model.family import FamilyAdapter, ModelInfo
 from mimo_sft.model.hf_checkpoint import iter_blocks
-from mimo_sft.model.pixels import PixelNorm, no_image_rows, tower_patches
+from mimo_sft.model.pixels import PixelNorm, no_image_rows, tower_input
 from mimo_sft.model.vision_attention import SegmentAttentionTower, host_vision_kwargs
 from mimo_sft.parallel.layout import IMAGES
 
@@ -60,7 +60,8 @@ class Qwen25VisionEncoder(SegmentAttentionTower, Qwen2_5_VisionTransformerPretra
     def forward(self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor) -> torch.Tensor:  # noqa: D401
         if image_grid_thw.shape[0] == 0:
             return self._no_images()
-        patches = tower_patches(pixel_values, self.pixel_norm, self.patch_embed.proj.weight.dtype)
+        patches, image_grid_thw = tower_input(pixel_values, image_grid_thw, self.pixel_norm,
+                                              self.patch_embed.proj.weight.dtype, self.config.temporal_patch_size)
         precomputed = host_vision_kwargs(image_grid_thw, self.config, patches.device)
         return super().forward(hidden_states=patches, grid_thw=image_grid_thw, **precomputed).pooler_output
 

@@ -22,7 +22,7 @@ import torch
 from mimo_sft.config.families import QWEN3_5
 from mimo_sft.errors import UserError
 from mimo_sft.model import hybrid_weights as hw
-from mimo_sft.model.pixels import no_image_rows, tower_patches
+from mimo_sft.model.pixels import no_image_rows, tower_input
 from mimo_sft.model.qwen3_vl import Qwen3VLAdapter, _interleaved_rotary_class, expected_vision_shapes
 from mimo_sft.model.vision_attention import SegmentAttentionTower
 
@@ -48,7 +48,8 @@ class Qwen35VisionEncoder(SegmentAttentionTower, Qwen3_5VisionModel):
     def forward(self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor) -> torch.Tensor:  # noqa: D401
         if image_grid_thw.shape[0] == 0:
             return self._no_images()
-        patches = tower_patches(pixel_values, self.pixel_norm, self.patch_embed.proj.weight.dtype)
+        patches, image_grid_thw = tower_input(pixel_values, image_grid_thw, self.pixel_norm,
+                                              self.patch_embed.proj.weight.dtype, self.config.temporal_patch_size)
         return super().forward(hidden_states=patches, grid_thw=image_grid_thw).pooler_output
 
     def _no_images(self) -> torch.Tensor:

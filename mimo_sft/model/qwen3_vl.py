@@ -22,7 +22,7 @@ import torch
 
 from mimo_sft.config.families import QWEN3_VL
 from mimo_sft.model.qwen2_5_vl import Qwen25VLAdapter
-from mimo_sft.model.pixels import no_image_rows, tower_patches
+from mimo_sft.model.pixels import no_image_rows, tower_input
 from mimo_sft.model.vision_attention import SegmentAttentionTower
 
 try:  # transformers is a hard dependency; the import is here so the error names the family
@@ -56,7 +56,8 @@ class Qwen3VisionEncoder(SegmentAttentionTower, Qwen3VLVisionModel):
     def forward(self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor) -> torch.Tensor:  # noqa: D401
         if image_grid_thw.shape[0] == 0:
             return self._no_images()
-        patches = tower_patches(pixel_values, self.pixel_norm, self.patch_embed.proj.weight.dtype)
+        patches, image_grid_thw = tower_input(pixel_values, image_grid_thw, self.pixel_norm,
+                                              self.patch_embed.proj.weight.dtype, self.config.temporal_patch_size)
         out = super().forward(hidden_states=patches, grid_thw=image_grid_thw)
         return torch.cat([out.pooler_output, *out.deepstack_features], dim=-1)
 

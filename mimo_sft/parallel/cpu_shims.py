@@ -26,6 +26,49 @@ import types
 import torch
 
 # ---------------------------------------------------------------------------------------------
+# torchvision beside a torch whose ABI its C++ library was not built for.
+# ---------------------------------------------------------------------------------------------
+
+_TORCHVISION_FAKE_OPS = ("nms", "qnms")
+_torchvision_lib = None  # the Library that holds the two schemas (dropping it would remove them)
+
+
+def torchvision_compat() -> None:
+    """Let torchvision's Python side import where its ``_C`` library cannot load (idempotent).
+
+    PyPI's torchvision 0.28.0 (the release paired with torch 2.13.0) ships a CUDA ``_C.so``; beside
+    the CPU torch wheel it does not load, and ``torchvision/_meta_registrations.py`` then fails at
+    import on ``torch.library.register_fake("torchvision::nms")`` (and ``"torchvision::qnms"``):
+    "operator torchvision::nms does not exist". transformers believes torchvision is installed and
+    imports it for its torchvision image backend and every video processor. Defining the two
+    schemas first is all that import needs; the C++ ops (nms, roi_align, decoders) stay unavailable,
+    and nothing in mimo-sft calls them. Where ``_C`` loads (a CUDA machine) nothing is defined.
+    Called by the import hook ``mimo_sft/__init__.py`` installs, right before torchvision's first import.
+    """
+    global _torchvision_lib
+    if _torchvision_lib is not None:
+        return
+    import glob
+    import importlib.util
+    import os
+
+    spec = importlib.util.find_spec("torchvision")
+    if spec is None or not spec.origin:
+        return
+    libs = glob.glob(os.path.join(os.path.dirname(spec.origin), "_C.*"))
+    if libs:
+        try:
+            torch.ops.load_library(libs[0])
+            return
+        except (OSError, RuntimeError):
+            pass
+    lib = torch.library.Library("torchvision", "DEF")
+    for name in _TORCHVISION_FAKE_OPS:
+        lib.define(f"{name}(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
+    _torchvision_lib = lib
+
+
+# ---------------------------------------------------------------------------------------------
 # CPU shims: megatron-core 0.19.2 call sites that assume CUDA, bridged for gloo on CPU.
 # ---------------------------------------------------------------------------------------------
 

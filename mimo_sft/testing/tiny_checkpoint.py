@@ -15,6 +15,7 @@ With ``config_only`` no weights are written; mimo-sft trains such a folder with 
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -77,6 +78,8 @@ def write_tiny_checkpoint(
         vocab_size=tokenizer_vocab, chat_template=family_chat_template(adapter.spec.model_types[0]),
         **adapter.tiny_image_norm,
     )
+    write_video_preprocessor_config(out, family=family, patch_size=patch_size, merge_size=merge_size,
+                                    **adapter.tiny_image_norm)
     text = dict(hidden_size=text_hidden, intermediate_size=intermediate, num_hidden_layers=text_layers,
                 num_attention_heads=heads, num_key_value_heads=kv_heads)
     vision = dict(depth=vision_depth, hidden_size=vision_hidden, num_heads=vision_heads, patch_size=patch_size,
@@ -84,6 +87,34 @@ def write_tiny_checkpoint(
     config = _tiny_config(processor.tokenizer, family=family, text=text, vision=vision, tie_embeddings=tie_embeddings)
     _save(config, out, seed=seed, config_only=config_only, model_class=adapter.hf_model_class)
     return out
+
+
+#: the transformers video processor class of each family's clips (``video_preprocessor_config.json``)
+VIDEO_PROCESSOR_CLASS = {"qwen2_5_vl": "Qwen2VLVideoProcessor"}
+
+
+def write_video_preprocessor_config(out_dir: str | os.PathLike, *, family: str, patch_size: int, merge_size: int = 2,
+                                    temporal_patch_size: int = QWEN_TEMPORAL_PATCH, min_pixels: int | None = None,
+                                    max_pixels: int | None = None, image_mean=None, image_std=None) -> Path:
+    """Write ``video_preprocessor_config.json`` as transformers saves it, with small pixel budgets (at least
+    4 and at most 256 merged tokens: per frame for Qwen2.5-VL, per clip for Qwen3-VL and Qwen3.5). Written as
+    JSON so that it needs no torchvision; ``data.video`` loads it with the family's class."""
+    factor = patch_size * merge_size
+    spec = _adapter(family).spec
+    cls = VIDEO_PROCESSOR_CLASS.get(spec.name, "Qwen3VLVideoProcessor")
+    from transformers.utils.constants import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
+
+    config = {
+        "video_processor_type": cls,
+        "size": {"shortest_edge": min_pixels or 4 * factor * factor, "longest_edge": max_pixels or 256 * factor * factor},
+        "patch_size": patch_size, "merge_size": merge_size, "temporal_patch_size": temporal_patch_size,
+        "image_mean": list(image_mean if image_mean is not None else OPENAI_CLIP_MEAN),
+        "image_std": list(image_std if image_std is not None else OPENAI_CLIP_STD),
+        "do_sample_frames": True, "fps": 2, "min_frames": 4, "max_frames": 64, "cap_pixels_per_frame": False,
+    }
+    path = Path(out_dir) / "video_preprocessor_config.json"
+    path.write_text(json.dumps(config, indent=2) + "\n")
+    return path
 
 
 def _check_tiny_shape(*, vision_hidden: int, vision_heads: int, text_hidden: int, heads: int, kv_heads: int) -> None:

@@ -133,6 +133,10 @@ class ModelFlopsCounter:
 
         ids = batch["input_ids"]
         grids = batch.get("image_grid_thw") if self.count_vision else None
+        if grids is not None and grids.numel():  # a clip's carried grid counts frames: the model's counts patches
+            from mimo_sft.model.pixels import model_grid_thw
+
+            grids = model_grid_thw(grids, int(getattr(self.hf_config.vision_config, "temporal_patch_size", 2)))
         if not self.count_language:
             lengths = []
         elif self.packed:
