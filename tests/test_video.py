@@ -21,7 +21,8 @@ import torch
 pytest.importorskip("torchvision")  # make install installs it; the suite must not pass without it
 from PIL import Image  # noqa: E402
 
-from mimo_sft.data.video import VideoRef, decode_frames  # noqa: E402
+from mimo_sft.data.image_refs import VideoRef
+from mimo_sft.data.video import decode_frames  # noqa: E402
 from mimo_sft.errors import BadSampleError  # noqa: E402
 from mimo_sft.testing.clips import write_clip  # noqa: E402
 

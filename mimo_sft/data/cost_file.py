@@ -77,7 +77,7 @@ def rows_key(source, pre) -> str:
 
 #: the run's settings a row's counts depend on, as the flags that set them
 SETTING_FLAGS = {"seq_length": "--seq-length", "min_pixels": "--min-pixels", "max_pixels": "--max-pixels",
-                 "max_image_pixels": "--max-image-pixels"}
+                 "max_image_pixels": "--max-image-pixels", "video_settings": "--video-* (fps, frames, pixels)"}
 
 
 def settings_of(pre) -> dict:

@@ -8,6 +8,9 @@ and decoded JSON; images are never opened here.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 INLINE_KEYS = ("image", "url", "path")  # where Qwen / transformers chat messages name an image
 INLINE_HINT = r'"(image|url|path)"\s*:'  # JSON text that may hold such a part (cheap pre-filter)
@@ -114,3 +117,25 @@ def walk_arrow(arr, rows, out: list) -> None:
         hit = pc.fill_null(pc.match_substring_regex(arr, INLINE_HINT), False)
         for row, text in zip(pc.filter(rows, hit).to_pylist(), pc.filter(arr, hit).to_pylist()):
             walk_json(decode_json_text(text), row, out)
+
+
+@dataclass(frozen=True)
+class VideoRef:
+    """A row's video: a file (``Path`` or ``bytes``) or a list of frame images, with an optional window in
+    seconds (``video_start`` / ``video_end``); ``fps`` is a frame list's rate (None: ``--video-fps``)."""
+
+    source: Any
+    start: float | None = None
+    end: float | None = None
+    fps: float | None = None
+
+    @property
+    def is_frames(self) -> bool:
+        return isinstance(self.source, tuple)
+
+    def where(self) -> str | None:
+        if isinstance(self.source, (str, Path)):
+            return str(self.source)
+        if self.is_frames and self.source and isinstance(self.source[0], (str, Path)):
+            return f"{self.source[0]} (+{len(self.source) - 1} frames)"
+        return None

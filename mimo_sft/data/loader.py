@@ -55,7 +55,18 @@ def model_token_info(model_dir: str | os.PathLike) -> dict:
 
 def build_preprocessor(data_cfg, model_dir) -> SamplePreprocessor:
     return SamplePreprocessor(model_dir, seq_length=data_cfg.seq_length, min_pixels=data_cfg.min_pixels,
-                              max_pixels=data_cfg.max_pixels, max_image_pixels=data_cfg.max_image_pixels)
+                              max_pixels=data_cfg.max_pixels, max_image_pixels=data_cfg.max_image_pixels,
+                              video=video_options(data_cfg))
+
+
+def video_options(data_cfg):
+    """The clip settings under ``data`` (``data.video.VideoOptions``)."""
+    from mimo_sft.data.video import VideoOptions
+
+    return VideoOptions(fps=float(data_cfg.video_fps), min_frames=data_cfg.video_min_frames,
+                        max_frames=data_cfg.video_max_frames, min_pixels=data_cfg.video_min_pixels,
+                        max_pixels=data_cfg.video_max_pixels, total_pixels=data_cfg.video_total_pixels,
+                        cap_pixels_per_frame=bool(data_cfg.video_cap_pixels_per_frame))
 
 
 def fitted_pixels_note(data_cfg, model_dir) -> str | None:

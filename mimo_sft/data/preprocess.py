@@ -14,6 +14,7 @@ Positions: the family's transformers ``get_rope_index`` (e.g. ``Qwen2_5_VLModel`
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from dataclasses import dataclass
@@ -23,7 +24,8 @@ import torch
 
 from mimo_sft.data.processor import load_processor
 from mimo_sft.data.images import PIL_BOMB_LIMIT, image_where, open_sample_image, to_rgb
-from mimo_sft.data.video import ClipPlan, VideoOptions, VideoRef
+from mimo_sft.data.image_refs import VideoRef
+from mimo_sft.data.video import ClipPlan, VideoOptions
 from mimo_sft.errors import BadSampleError, UserError
 
 
@@ -151,6 +153,8 @@ class SamplePreprocessor:
         self.max_image_pixels = max_image_pixels  # largest file accepted before resizing (None/0: any)
         self._rope = _RopeIndex(self.config)
         self.video_options = video or VideoOptions()
+        #: what a cost file's counts depend on (``data.cost_file.SETTING_FLAGS``), as plain values
+        self.video_settings = json.dumps(vars(self.video_options), sort_keys=True)
         self.video_token_id = int(getattr(self.config, "video_token_id", -1) or -1)
         self.video_token = self.tokenizer.convert_ids_to_tokens(self.video_token_id) if self.video_token_id >= 0 else None
         self._clips = None  # data.video.ClipReader, made at the first clip (it needs torchvision)

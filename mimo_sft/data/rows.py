@@ -112,7 +112,7 @@ class SFTSource:
     def _video_ref(self, part: dict, idx: int):
         """A clip part (``{"video": path | bytes | [frame, ...], "video_start", "video_end", "fps"}``) as a
         ``VideoRef`` with its paths resolved as images' are."""
-        from mimo_sft.data.video import VideoRef
+        from mimo_sft.data.image_refs import VideoRef
 
         src = part.get("video")
         try:

@@ -32,32 +32,11 @@ from typing import Any
 
 import numpy as np
 
+from mimo_sft.data.image_refs import VideoRef
 from mimo_sft.errors import BadSampleError, UserError
 
 #: what the Qwen3-VL processor assumes for a clip whose stream has no frame rate
 ASSUMED_FPS = 24.0
-
-
-@dataclass(frozen=True)
-class VideoRef:
-    """A row's video: a file (``Path`` or ``bytes``) or a list of frame images, with an optional window in
-    seconds (``video_start`` / ``video_end``); ``fps`` is a frame list's rate (None: ``--video-fps``)."""
-
-    source: Any
-    start: float | None = None
-    end: float | None = None
-    fps: float | None = None
-
-    @property
-    def is_frames(self) -> bool:
-        return isinstance(self.source, tuple)
-
-    def where(self) -> str | None:
-        if isinstance(self.source, (str, Path)):
-            return str(self.source)
-        if self.is_frames and self.source and isinstance(self.source[0], (str, Path)):
-            return f"{self.source[0]} (+{len(self.source) - 1} frames)"
-        return None
 
 
 @dataclass(frozen=True)
@@ -325,6 +304,9 @@ class ClipReader:
             except UserError as err:
                 raise _bad(idx, ref, str(err)) from None
         plan = self._plan(ref, header, first, end, indices, self.max_pixels, idx)
+        if self.options.total_pixels:  # --video-total-pixels: frames x resized area, as tokens
+            pixel_budget = int(self.options.total_pixels) // (self.temporal * (self.patch * self.merge) ** 2)
+            token_budget = pixel_budget if token_budget is None else min(token_budget, pixel_budget)
         if token_budget is None or plan.tokens(self.merge) <= token_budget:
             return plan
         # fewer frames first: each step drops one temporal patch

@@ -56,6 +56,12 @@ def c17_data(ctx):
         yield from random_access_problems(d, f"--dataset-path {d.dataset_path}")
     if d.min_pixels is not None and d.max_pixels is not None and d.min_pixels > d.max_pixels:
         yield f"--min-pixels={d.min_pixels} is above --max-pixels={d.max_pixels}"
+    if d.video_fps <= 0:
+        yield f"--video-fps={d.video_fps} must be > 0 (frames sampled per second of a clip)"
+    if d.video_min_frames is not None and d.video_max_frames is not None and d.video_min_frames > d.video_max_frames:
+        yield f"--video-min-frames={d.video_min_frames} is above --video-max-frames={d.video_max_frames}"
+    if d.video_min_pixels is not None and d.video_max_pixels is not None and d.video_min_pixels > d.video_max_pixels:
+        yield f"--video-min-pixels={d.video_min_pixels} is above --video-max-pixels={d.video_max_pixels}"
     if d.max_image_pixels < 0:
         yield f"--max-image-pixels={d.max_image_pixels} must be >= 0 (0: no limit)"
     if d.image_root and not os.path.isdir(d.image_root):
