@@ -7,6 +7,7 @@ index or a frame decoded twice changes the pixels a test compares.
 
 from __future__ import annotations
 
+import os
 from fractions import Fraction
 from pathlib import Path
 
@@ -52,3 +53,60 @@ def write_clip(path: str | Path, *, frames: int, width: int, height: int, fps: f
         for packet in stream.encode():
             out.mux(packet)
     return path
+
+
+#: the clip mix of :func:`write_video_dataset`: (frames, width, height, fps, suffix); short and long, small and
+#: wide, H.264 and VP9, one variable-rate stream
+CLIP_SHAPES = ((8, 64, 48, 8.0, ".mp4"), (40, 96, 64, 20.0, ".webm"), (24, 80, 56, 12.0, ".mp4"),
+               (16, 48, 40, 10.0, ".webm"), (60, 112, 64, 30.0, ".mp4"))
+
+
+def write_video_dataset(out: str | os.PathLike, *, samples: int, seed: int = 0) -> Path:
+    """``out/train.jsonl``: messages rows mixing clips (``{"type": "video", "video": "clips/c1.mp4"}``, some
+    with a ``video_start`` / ``video_end`` window, one as a list of frame images), pages of very different
+    sizes, clip+page rows and text-only rows; paths relative to the file's folder, as users write them."""
+    import json
+    import random
+
+    from PIL import Image
+
+    from mimo_sft.testing.demo_data import COLOURS, image_png
+
+    rng = random.Random(seed)
+    out = Path(out)
+    (out / "clips").mkdir(parents=True, exist_ok=True)
+    clips = []
+    for i, (n, w, h, fps, suffix) in enumerate(CLIP_SHAPES):
+        clips.append(write_clip(out / "clips" / f"c{i}{suffix}", frames=n, width=w, height=h, fps=fps,
+                                variable_rate=(i == 2)).relative_to(out).as_posix())
+    frames = []
+    for j in range(6):
+        p = out / "clips" / f"frame{j}.png"
+        Image.fromarray(frame_pattern(j, 56, 42)).save(p)
+        frames.append(p.relative_to(out).as_posix())
+    pages = []
+    for j, (w, h) in enumerate(((60, 90), (300, 420), (90, 160), (200, 120))):
+        p = out / "clips" / f"page{j}.png"
+        p.write_bytes(image_png(rng, w, h, rng.choice(list(COLOURS)), j))
+        pages.append(p.relative_to(out).as_posix())
+    rows = []
+    for i in range(samples):
+        kind = ("clip", "clip", "page", "both", "text", "frames", "window")[i % 7]
+        parts: list = []
+        if kind in ("clip", "both"):
+            parts.append({"type": "video", "video": clips[rng.randrange(len(clips))]})
+        if kind == "window":
+            parts.append({"type": "video", "video": clips[4], "video_start": 0.3, "video_end": 1.4})
+        if kind == "frames":
+            parts.append({"type": "video", "video": frames[: 2 + rng.randrange(4)]})
+        if kind in ("page", "both"):
+            parts.append({"type": "image", "image": pages[rng.randrange(len(pages))]})
+        parts.append({"type": "text", "text": rng.choice(("What happens in the clip?", "Describe the image.",
+                                                          "What colour is shown in the image?"))})
+        answer = f"The number is {rng.randrange(100)} and the colour is {rng.choice(list(COLOURS))}."
+        rows.append({"messages": [{"role": "user", "content": parts},
+                                  {"role": "assistant", "content": [{"type": "text", "text": answer}]}]})
+    with open(out / "train.jsonl", "w") as fh:
+        for r in rows:
+            fh.write(json.dumps(r) + "\n")
+    return out / "train.jsonl"
