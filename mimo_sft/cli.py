@@ -21,6 +21,7 @@ from rich.table import Table
 from mimo_sft.config.schema import CheckpointConfig
 from mimo_sft.console import make_console
 from mimo_sft.errors import UserError
+from mimo_sft.generate import Decoding
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Fine-tune Qwen-VL models on megatron-core's MIMO model.")
@@ -192,6 +193,37 @@ def export(
     except UserError as e:
         _fail(e)
     make_console().print(f"wrote {'PEFT adapter' if adapter_only else 'Hugging Face checkpoint'} to {path}")
+
+
+@app.command()
+def generate(
+    target: str = typer.Argument(..., metavar="CHECKPOINT|HF_FOLDER",
+                                 help="a mimo-sft checkpoint folder (or its parent with 'latest'), or a Hugging Face folder"),
+    prompts: str = typer.Option(..., "--prompts", help="prompt rows in any training format (messages, ShareGPT/LLaVA), without the answer"),
+    out: str = typer.Option(..., "--out", help="the .jsonl file to write: one object per prompt, in order, with 'answer'"),
+    hf_model: Optional[str] = typer.Option(None, "--hf-model", help="the checkpoint's base HF folder (default: the one it records)"),
+    max_new_tokens: int = typer.Option(Decoding.max_new_tokens, "--max-new-tokens", help="the most tokens an answer may have"),
+    temperature: float = typer.Option(0.0, "--temperature", help="0: greedy (the default); above 0: sampling at this temperature"),
+    top_p: float = typer.Option(1.0, "--top-p", help="sampling: keep the most likely tokens up to this probability mass"),
+    seed: int = typer.Option(0, "--seed", help="sampling: torch's seed, set before each prompt"),
+    compare_base: bool = typer.Option(False, "--compare-base", help="also write the base model's answers, as 'base_answer'"),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="fp32 or bf16 (default: the run's training --dtype, as export; an HF folder: its config's)"),
+    image_root: Optional[str] = typer.Option(None, "--image-root", help="folder relative image paths resolve against (default: the prompts file's)"),
+    cpu: bool = typer.Option(False, "--cpu", help="run on the CPU even where a GPU is available"),
+) -> None:
+    """Answer prompts with a checkpoint through transformers' generate (its weights converted in memory, as export converts them)."""
+    from mimo_sft.quiet import quiet_libraries
+
+    quiet_libraries()
+    from mimo_sft.generate import generate as run_generate
+
+    try:
+        n = run_generate(target, prompts, out, hf_model=hf_model, dtype=dtype, compare_base=compare_base,
+                         decoding=Decoding(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed),
+                         image_root=image_root, prefer="cpu" if cpu else "auto")
+    except UserError as e:
+        _fail(e)
+    make_console().print(f"wrote {n} answer{'s' if n != 1 else ''} to {out}")
 
 
 checkpoint_app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,

@@ -237,18 +237,8 @@ class SamplePreprocessor:
         """Decode, orient (by the header's EXIF tag, as the grid was) and patchify the images."""
         if any(isinstance(spec, ClipPlan) for spec in specs):
             return self._mixed_pixels(specs, idx)
-        images = []
-        for spec in specs:
-            img = open_sample_image(spec.ref, idx, max_image_pixels=self.max_image_pixels)
-            try:
-                img.load()
-                if spec.orientation in _TRANSPOSE:
-                    img = img.transpose(_TRANSPOSE[spec.orientation])
-                images.append(to_rgb(img))  # transparency composited onto white, as transformers does
-            except (OSError, ValueError) as err:  # the header was readable, the pixels are not
-                bad = BadSampleError(idx, image_where(spec.ref), f"cannot decode image ({err}); fix or remove the image")
-                bad.stage = "pixels"  # only ranks that decode see it: the loader keeps the text as it is
-                raise bad from None
+        images = [decode_rgb(spec.ref, idx, orientation=spec.orientation, max_image_pixels=self.max_image_pixels)
+                  for spec in specs]
         # numpy, not torch: concatenation then stays single-threaded (torch's intra-op pool in a
         # busy training process made this path 3x slower in bench_data.py)
         patches, grids = zip(*(self._uint8_patches(img) for img in images))
@@ -460,6 +450,22 @@ class SamplePreprocessor:
         msgs = [{"role": "user", "content": [{"type": "image"}]}, {"role": "assistant", "content": [{"type": "text", "text": "x"}]}]
         ids, _ = self.tokens(msgs, [grid], -1)
         return len(ids)
+
+
+def decode_rgb(ref, idx: int, *, orientation: int | None, max_image_pixels: int | None = PIL_BOMB_LIMIT):
+    """Sample ``idx``'s image as the model sees it: decoded, turned by its header's EXIF ``orientation``
+    (:func:`header_orientation`, as the grid was), RGB with transparency composited onto white as
+    transformers does. Pixels that cannot be decoded are a ``BadSampleError`` of stage ``pixels``."""
+    img = open_sample_image(ref, idx, max_image_pixels=max_image_pixels)
+    try:
+        img.load()
+        if orientation in _TRANSPOSE:
+            img = img.transpose(_TRANSPOSE[orientation])
+        return to_rgb(img)
+    except (OSError, ValueError) as err:  # the header was readable, the pixels are not
+        bad = BadSampleError(idx, image_where(ref), f"cannot decode image ({err}); fix or remove the image")
+        bad.stage = "pixels"  # only ranks that decode see it: the loader keeps the text as it is
+        raise bad from None
 
 
 def has_empty_answer(messages: list[dict]) -> bool:

@@ -22,7 +22,7 @@ import json
 import os
 import re
 import shutil
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 
@@ -77,19 +77,25 @@ def _source_prefix_style(src_hf_dir: str) -> str:
         return "legacy"
 
 
+def _source_family(src_hf_dir: str):
+    """``(adapter, hf_cfg, prefix_style)`` of ``src_hf_dir``: the family adapter, its transformers config
+    and the tensor naming its files use (what an export writes)."""
+    raw = read_config_json(src_hf_dir)
+    adapter = get_family(raw, hf_dir=src_hf_dir)
+    return adapter, adapter.load_hf_config(src_hf_dir, raw), _source_prefix_style(src_hf_dir)
+
+
 def _prepare_out_dir(src_hf_dir: str, out_dir: str, dtype: Optional[torch.dtype]):
     """The family adapter and config of ``src_hf_dir``; ``out_dir`` made with the side files copied
     and config.json's dtype set. Returns ``(adapter, hf_cfg, prefix_style, copied)``."""
-    raw = read_config_json(src_hf_dir)
-    adapter = get_family(raw, hf_dir=src_hf_dir)
-    hf_cfg = adapter.load_hf_config(src_hf_dir, raw)
+    adapter, hf_cfg, style = _source_family(src_hf_dir)
     if os.path.abspath(out_dir) == os.path.abspath(src_hf_dir):
         raise UserError(f"export target {out_dir} is the source folder; choose a new --out folder")
     os.makedirs(out_dir, exist_ok=True)
     copied = _copy_side_files(src_hf_dir, out_dir)
     if dtype is not None:
         _set_config_dtype(os.path.join(out_dir, "config.json"), dtype)
-    return adapter, hf_cfg, _source_prefix_style(src_hf_dir), copied
+    return adapter, hf_cfg, style, copied
 
 
 def _to_hf(adapter, hf_cfg, prefix_style: str, mimo_part: dict, dtype: Optional[torch.dtype]) -> dict:
@@ -170,12 +176,18 @@ def export_hf(megatron_state_dict_tp1: dict, src_hf_dir: str, out_dir: str, *, d
 
 
 def _set_config_dtype(config_path: str, dtype: torch.dtype) -> None:
-    """config.json names the dtype the weights are written in (``dtype``, and ``torch_dtype`` --
-    the older transformers key -- wherever the source had one), so ``from_pretrained(dtype="auto")``
-    loads them as written."""
-    name = str(dtype).removeprefix("torch.")
+    """config.json names the dtype the weights are written in, so ``from_pretrained(dtype="auto")``
+    loads them as written (:func:`config_with_dtype`)."""
     with open(config_path) as fh:
         cfg = json.load(fh)
+    with open(config_path, "w") as fh:
+        json.dump(config_with_dtype(cfg, dtype), fh, indent=2, sort_keys=True)
+
+
+def config_with_dtype(cfg: dict, dtype: torch.dtype) -> dict:
+    """A config.json dict as an export writes it: ``dtype``, and ``torch_dtype`` -- the older
+    transformers key -- wherever the source had one, naming ``dtype`` (changed in place, returned)."""
+    name = str(dtype).removeprefix("torch.")
 
     def walk(node):
         if isinstance(node, dict):
@@ -187,8 +199,7 @@ def _set_config_dtype(config_path: str, dtype: torch.dtype) -> None:
 
     walk(cfg)
     cfg["dtype"] = name
-    with open(config_path, "w") as fh:
-        json.dump(cfg, fh, indent=2, sort_keys=True)
+    return cfg
 
 
 def export_model(model, src_hf_dir: str, out_dir: str, **kw) -> dict:
@@ -220,9 +231,7 @@ def export_weights(read_weights: Callable[[torch.nn.Module, list], dict], src_hf
     limit = shard_size_bytes(max_shard_bytes)
     adapter, hf_cfg, style, copied = _prepare_out_dir(src_hf_dir, out_dir, dtype)
     model, _info = meta_model(src_hf_dir)
-    state = {k: v for k, v in model.state_dict().items() if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")}
-    planned = [(keys, _to_hf(adapter, hf_cfg, style, {k: state[k] for k in keys}, dtype)) for keys in group_by_block(state)]
-    planned = [(keys, hf) for keys, hf in planned if hf]
+    planned = _planned_groups(adapter, hf_cfg, style, model, dtype)
     source, kept = _passthrough_groups(adapter, src_hf_dir)
     planned += [(None, {n: _cast_meta(source.meta(n), dtype) for n in group}) for group in kept]
     writer = _start_writer(out_dir, hf_cfg, {n: t for _, hf in planned for n, t in hf.items()}, limit)
@@ -237,3 +246,27 @@ def export_weights(read_weights: Callable[[torch.nn.Module, list], dict], src_hf
         del part
     files = writer.finish()
     return {"out_dir": out_dir, "tensors": len(writer.meta), "weight_files": files, "copied": copied}
+
+
+def _planned_groups(adapter, hf_cfg, style: str, model, dtype: Optional[torch.dtype]) -> list[tuple[list, dict]]:
+    """``(state keys, their HF tensors on the meta device)`` of each group of ``model`` (the meta 1-rank
+    model) that becomes HF tensors, in the model's order: what :func:`export_weights` plans its shards
+    from and :func:`hf_weight_groups` reads, without reading a weight."""
+    state = {k: v for k, v in model.state_dict().items() if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")}
+    planned = [(keys, _to_hf(adapter, hf_cfg, style, {k: state[k] for k in keys}, dtype)) for keys in group_by_block(state)]
+    return [(keys, hf) for keys, hf in planned if hf]
+
+
+def hf_weight_groups(read_weights: Callable[[torch.nn.Module, list], dict], src_hf_dir: str, *,
+                     dtype: Optional[torch.dtype] = None) -> Iterator[dict]:
+    """The tensors :func:`export_weights` would write, one group (a decoder layer, a vision block, an
+    embedding) at a time, without writing them: names as the source folder's files spell them, in
+    ``dtype``. ``mimo-sft generate`` loads them into transformers' model in memory. The source's
+    passthrough tensors (Qwen3.5's ``mtp.*``, which transformers' model does not hold) are left out.
+    Host memory: the group being converted, beside whatever the caller keeps."""
+    adapter, hf_cfg, style = _source_family(src_hf_dir)
+    model, _info = meta_model(src_hf_dir)
+    for keys, _meta in _planned_groups(adapter, hf_cfg, style, model, dtype):
+        part = read_weights(model, keys)
+        yield _to_hf(adapter, hf_cfg, style, part, dtype)
+        del part

@@ -43,32 +43,63 @@ def export_checkpoint(checkpoint: str, out_dir: str, *, hf_model: str | None = N
         max_shard = shard_size_bytes(shard_size if shard_size is not None else CheckpointConfig.export_shard_size)
     except ValueError as err:
         raise UserError(str(err)) from None
-    from mimo_sft.model.export import EXPORT_DTYPES, export_weights
-    from mimo_sft.train.checkpoint.files import read_meta, resolve_checkpoint
-    from mimo_sft.train.checkpoint.save import model_weight_reader, stored_state_keys
+    from mimo_sft.model.export import export_weights
 
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise UserError(f"--out {out_dir} is a file; choose a folder to write the Hugging Face checkpoint into")
+    ckpt, meta, src, torch_dtype = _open(checkpoint, hf_model, dtype)
+    if adapter_only and not meta.get("lora"):
+        raise UserError(f"--adapter-only: {ckpt} is a full fine-tuning checkpoint (no LoRA adapters); export it without --adapter-only")
+    if adapter_only:
+        from mimo_sft.model.lora_export import export_peft
+        from mimo_sft.train.checkpoint.save import model_weight_reader, stored_state_keys
+
+        export_peft(model_weight_reader(ckpt), stored_state_keys(ckpt), src, out_dir, meta["lora"])
+        return out_dir
+    export_weights(_weight_reader(ckpt, meta, src), src, out_dir, dtype=torch_dtype, max_shard_bytes=max_shard)
+    return out_dir
+
+
+def checkpoint_hf_weights(checkpoint: str, *, hf_model: str | None = None, dtype: str | None = None):
+    """``(base folder, torch dtype, groups)``: the weights :func:`export_checkpoint` would write for
+    ``checkpoint``, as an iterator of ``{HF name: tensor}`` groups (``model.export.hf_weight_groups``),
+    read one decoder layer / vision block at a time through the same readers (a LoRA checkpoint's
+    adapters merged onto the base weights) and never written. ``mimo-sft generate`` loads them into
+    transformers' model. Arguments as :func:`export_checkpoint`'s."""
+    from mimo_sft.model.export import hf_weight_groups
+
+    ckpt, meta, src, torch_dtype = _open(checkpoint, hf_model, dtype)
+    return src, torch_dtype, hf_weight_groups(_weight_reader(ckpt, meta, src), src, dtype=torch_dtype)
+
+
+def _open(checkpoint: str, hf_model: str | None, dtype: str | None):
+    """``(checkpoint folder, its meta.json, the base HF folder, the torch dtype to convert to)``, each
+    refused in one line when it cannot be used. Reads no tensor."""
+    from mimo_sft.model.export import EXPORT_DTYPES
+    from mimo_sft.train.checkpoint.files import read_meta, resolve_checkpoint
+
     ckpt = resolve_checkpoint(checkpoint)
     meta = read_meta(ckpt)
     src = hf_model or meta.get("hf_model")
     if not src:
         raise UserError(f"--checkpoint {ckpt} does not record its source model; pass --hf-model DIR")
     if not os.path.isdir(src):
-        raise UserError(f"--hf-model {src}: folder not found (export copies its config and processor files)")
+        raise UserError(f"--hf-model {src}: folder not found (its config and processor files are read, and a "
+                        f"LoRA checkpoint's base weights); pass --hf-model DIR")
     dtype = dtype or meta.get("dtype", "fp32")
     if dtype not in EXPORT_DTYPES:
         raise UserError(f"--dtype {dtype}: choose one of {', '.join(EXPORT_DTYPES)}")
-    torch_dtype = EXPORT_DTYPES[dtype][0]
+    return ckpt, meta, src, EXPORT_DTYPES[dtype][0]
+
+
+def _weight_reader(ckpt: str, meta: dict, src: str):
+    """``read(model, keys)`` of the checkpoint's weights (checked by ``train.checkpoint.trusted`` before
+    anything is read); a LoRA checkpoint's merged onto the base weights of ``src``."""
+    from mimo_sft.train.checkpoint.save import model_weight_reader, stored_state_keys
+
     read = model_weight_reader(ckpt)
     if meta.get("lora"):
-        from mimo_sft.model.lora_export import export_peft, merged_weight_reader
+        from mimo_sft.model.lora_export import merged_weight_reader
 
-        if adapter_only:
-            export_peft(read, stored_state_keys(ckpt), src, out_dir, meta["lora"])
-            return out_dir
         read = merged_weight_reader(read, stored_state_keys(ckpt), src, meta["lora"])
-    elif adapter_only:
-        raise UserError(f"--adapter-only: {ckpt} is a full fine-tuning checkpoint (no LoRA adapters); export it without --adapter-only")
-    export_weights(read, src, out_dir, dtype=torch_dtype, max_shard_bytes=max_shard)
-    return out_dir
+    return read
