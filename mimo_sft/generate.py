@@ -103,7 +103,7 @@ def prompt_inputs(processor, prompt: Prompt) -> dict:
     """The processor's tensors for one prompt: its chat template with the generation prompt, its images
     decoded as training decodes them."""
     from mimo_sft.data.images import open_sample_image
-    from mimo_sft.data.preprocess import decode_rgb, header_orientation
+    from mimo_sft.data.images import decode_rgb, header_orientation
 
     text = processor.apply_chat_template(prompt.messages, add_generation_prompt=True, tokenize=False)
     images = [decode_rgb(ref, prompt.row, orientation=header_orientation(open_sample_image(ref, prompt.row)))

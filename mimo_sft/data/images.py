@@ -63,3 +63,55 @@ def to_rgb(img):
     if img.mode == "RGB" and img.info.get("transparency") is None:  # nothing to convert (a tRNS colour is)
         return img
     return Image.fromarray(convert_to_rgb(img, return_numpy=True))
+
+
+_SWAP_ORIENTATIONS = (5, 6, 7, 8)  # EXIF orientations that rotate by 90 degrees
+
+
+def _transpose_table():
+    from PIL import Image
+
+    T = Image.Transpose  # the same table PIL's ImageOps.exif_transpose (and datasets) applies
+    return {2: T.FLIP_LEFT_RIGHT, 3: T.ROTATE_180, 4: T.FLIP_TOP_BOTTOM, 5: T.TRANSPOSE, 6: T.ROTATE_270,
+            7: T.TRANSVERSE, 8: T.ROTATE_90}
+
+
+_TRANSPOSE = _transpose_table()
+
+
+def header_orientation(img) -> int | None:
+    """EXIF orientation readable without decoding pixels.
+
+    JPEG/WebP/TIFF parse EXIF at open; PNG's ``getexif()`` would decode the image to look for an eXIf
+    chunk after the pixel data, so for PNG only an eXIf chunk before the pixels counts (both paths
+    use this same value, so they always agree).
+    """
+    try:
+        if img.format == "PNG":
+            raw = img.info.get("exif")
+            if not raw:
+                return None
+            from PIL import Image
+
+            exif = Image.Exif()
+            exif.load(raw)
+            return exif.get(0x0112)
+        return img.getexif().get(0x0112)
+    except Exception:  # a broken EXIF block must not stop training (datasets ignores it too)
+        return None
+
+
+def decode_rgb(ref, idx: int, *, orientation: int | None, max_image_pixels: int | None = PIL_BOMB_LIMIT):
+    """Sample ``idx``'s image as the model sees it: decoded, turned by its header's EXIF ``orientation``
+    (:func:`header_orientation`, as the grid was), RGB with transparency composited onto white as
+    transformers does. Pixels that cannot be decoded are a ``BadSampleError`` of stage ``pixels``."""
+    img = open_sample_image(ref, idx, max_image_pixels=max_image_pixels)
+    try:
+        img.load()
+        if orientation in _TRANSPOSE:
+            img = img.transpose(_TRANSPOSE[orientation])
+        return to_rgb(img)
+    except (OSError, ValueError) as err:  # the header was readable, the pixels are not
+        bad = BadSampleError(idx, image_where(ref), f"cannot decode image ({err}); fix or remove the image")
+        bad.stage = "pixels"  # only ranks that decode see it: the loader keeps the text as it is
+        raise bad from None
