@@ -22,7 +22,9 @@ CHECK_DATA_FLAGS = {"--workers": "decoding worker processes (default: every CPU;
                                      "--cost-dir, so --reorder-mode index plans without reading rows"}
 
 _COUNT_TEXT = {
-    "samples": "samples", "images": "images", "text_only": "text-only samples",
+    "samples": "samples", "images": "images", "clips": "video clips", "clip_frames": "frames sampled from them",
+    "clips_downsampled": "clips given fewer or smaller frames to fit --seq-length / --video-total-pixels",
+    "text_only": "text-only samples",
     "truncated_answers": "answers cut at --seq-length (trained on their first part)",
     "empty_answers": "samples with an empty assistant answer (trained on the end-of-turn token alone)",
     "images_over_max_pixels": "images over --max-pixels (downscaled)",
@@ -133,7 +135,13 @@ def _print(report: dict) -> None:
     print(f"check-data {report['dataset']}: {counts['samples']:,} samples decoded in {report['seconds']:.1f} s "
           f"({report['workers']} workers; --seq-length {report['seq_length']}, pixels {report['min_pixels']:,}.."
           f"{report['max_pixels']:,})")
+    if report.get("video"):
+        v = report["video"]
+        print(f"  clips: {v['fps']:g} frames per second, {v['min_frames']}..{v['max_frames']} frames, pixels "
+              f"{v['min_pixels']:,}..{v['max_pixels']:,}")
     for key, text in _COUNT_TEXT.items():
+        if key in ("clips", "clip_frames", "clips_downsampled") and not counts.get("clips"):
+            continue
         where = f"   first: sample {first[key]}" if key in first and key not in ("samples", "images") else ""
         print(f"  {counts[key]:>12,}  {text}{where}")
     verdict = ("OK: every sample can be trained on" if report["ok"] else

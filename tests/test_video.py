@@ -177,8 +177,9 @@ def test_webm_frame_count_and_transformers_failure(ckpts, clips):
     assert frames.shape == (3, 48, 64, 3) and not np.array_equal(frames[0], frames[1])
 
 
-def test_bad_clips_are_one_line(ckpts, clips, tmp_path):
-    pre = _pre(ckpts["qwen3_vl"])
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+def test_bad_clips_are_one_line(family, ckpts, clips, tmp_path):
+    pre = _pre(ckpts[family])
     truncated = tmp_path / "cut.mp4"
     truncated.write_bytes(clips["mp4"].read_bytes()[:600])
     cases = {
@@ -194,7 +195,7 @@ def test_bad_clips_are_one_line(ckpts, clips, tmp_path):
     with pytest.raises(BadSampleError):  # truncated: refused at the header or at the pixels, never a traceback
         pre.encode(MESSAGES, [VideoRef(truncated), clips["image"]], 7, need_pixels=True)
     # a clip that cannot fit --seq-length even at the fewest frames and pixels
-    tiny = _pre(ckpts["qwen3_vl"], seq_length=40, video=_opts(min_pixels=64 * 32 * 32))
+    tiny = _pre(ckpts[family], seq_length=40, video=_opts(min_pixels=64 * 32 * 32))
     with pytest.raises(BadSampleError, match="even at"):
         tiny.encode(MESSAGES, [VideoRef(clips["mp4"]), clips["image"]], 3, need_pixels=False)
 
@@ -285,3 +286,29 @@ def test_training_step_gradients_match_transformers(family, ckpts, clips):
         # Qwen3.5's decay path sums terms that cancel: fp32 moves it by up to ~5e-4 of its size (test_qwen3_5.DECAY)
         tol = 1e-3 if name.endswith(DECAY) else TOL
         assert float((ours_hf[name] - g).abs().max() / scale) <= tol, name
+
+
+def test_check_data_reads_every_clip_once(ckpts, clips, tmp_path):
+    """check-data decodes each clip, names the unreadable and too-short ones by sample and file, and counts
+    the clips planned smaller to fit --seq-length; bad clips stand in under --max-bad-samples like images."""
+    from mimo_sft.config.schema import DataConfig
+    from mimo_sft.data.check import check_dataset
+
+    def row(video):
+        return {"messages": [{"role": "user", "content": [{"type": "video", "video": str(video)},
+                                                          {"type": "text", "text": "Describe the image."}]},
+                             {"role": "assistant", "content": [{"type": "text", "text": "A page."}]}]}
+
+    rows = [row(clips["mp4"]), row(tmp_path / "gone.mp4"), row(clips["short"]), row(clips["odd_fps"]),
+            row(clips["bad"])]
+    data = tmp_path / "rows.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    report = check_dataset(DataConfig(dataset_path=str(data), seq_length=72, video_fps=12.0),
+                           model_dir=ckpts["qwen2_5_vl"], workers=0)
+    c = report["counts"]
+    assert c["samples"] == 5 and c["clips"] == 2 and c["bad_samples"] == 3 and c["clips_downsampled"] >= 1, c
+    where = {p["index"]: p for p in report["problems"]}
+    assert sorted(where) == [1, 2, 4]
+    assert "gone.mp4" in where[1]["path"] and "not found" in where[1]["reason"]
+    assert "temporal patch" in where[2]["reason"] and "cannot open as a video" in where[4]["reason"]
+    assert report["video"]["fps"] == 12.0 and report["first_sample"]["clips_downsampled"] in (0, 3)

@@ -21,8 +21,9 @@ from dataclasses import asdict, dataclass, field
 from mimo_sft.config.mixture import dataset_label
 from mimo_sft.errors import BadSampleError, UserError
 
-COUNT_KEYS = ("samples", "images", "text_only", "truncated_answers", "empty_answers", "images_over_max_pixels",
-              "images_under_min_pixels", "image_tokens_past_seq_length", "bad_samples")
+COUNT_KEYS = ("samples", "images", "clips", "clip_frames", "clips_downsampled", "text_only", "truncated_answers",
+              "empty_answers", "images_over_max_pixels", "images_under_min_pixels", "image_tokens_past_seq_length",
+              "bad_samples")
 
 
 @dataclass
@@ -89,6 +90,7 @@ def check_sample(source, pre, i: int, report: ChunkReport) -> tuple[int, int] | 
     Returns its ``(real tokens, image tokens)`` (``DROPPED``: its image tokens pass --seq-length;
     None: it could not be encoded), what a cost file holds (``data.cost_file``)."""
     from mimo_sft.data.cost_file import DROPPED
+    from mimo_sft.data.image_refs import VideoRef
     from mimo_sft.data.images import image_where, open_sample_image
     from mimo_sft.data.preprocess import TruncatedImageError
 
@@ -97,6 +99,8 @@ def check_sample(source, pre, i: int, report: ChunkReport) -> tuple[int, int] | 
     try:
         messages, refs = source[i]
         for ref in refs:
+            if isinstance(ref, VideoRef):  # a clip: its header, frames and pixels are read by encode below
+                continue
             w, h = open_sample_image(ref, i, max_image_pixels=pre.max_image_pixels).size
             if w * h > pre.max_pixels:
                 report.flag("images_over_max_pixels", i)
@@ -120,10 +124,15 @@ def check_sample(source, pre, i: int, report: ChunkReport) -> tuple[int, int] | 
         return
     except Exception as err:  # noqa: BLE001 - a decoder's own error on a bad file is a finding, not a crash
         report.flag("bad_samples", i)
-        path = next((image_where(r) for r in refs if image_where(r)), None)
+        path = next((w for r in refs if (w := r.where() if isinstance(r, VideoRef) else image_where(r))), None)
         report.problems.append(SampleProblem(i, path, f"{type(err).__name__}: {str(err).strip()[:200]}"))
         return
-    report.counts["images"] += len(refs)
+    report.counts["images"] += len(refs) - len(sample["clips"])
+    for frames, downsampled in sample["clips"]:
+        report.counts["clips"] += 1
+        report.counts["clip_frames"] += frames
+        if downsampled:  # more frames or pixels than --seq-length (or --video-total-pixels) leaves
+            report.flag("clips_downsampled", i)
     if not refs:
         report.flag("text_only", i)
     if sample["answer_cut"]:
@@ -131,7 +140,7 @@ def check_sample(source, pre, i: int, report: ChunkReport) -> tuple[int, int] | 
     if sample["answer_empty"]:
         report.flag("empty_answers", i)
     ids = sample["input_ids"]
-    return len(ids), int((ids == pre.image_token_id).sum())
+    return len(ids), int((ids == pre.image_token_id).sum())  # clips' tokens are image tokens to the model
 
 
 def _identity(x):
@@ -182,6 +191,9 @@ def check_dataset(data_cfg, *, model_dir, workers: int, chunk: int = 256, write_
         "seq_length": pre.seq_length,
         "min_pixels": pre.min_pixels,
         "max_pixels": pre.max_pixels,
+        "video": {"fps": pre.clips.fps, "min_frames": pre.clips.min_frames, "max_frames": pre.clips.max_frames,
+                  "min_pixels": pre.clips.min_pixels, "max_pixels": pre.clips.max_pixels}
+        if total.counts["clips"] else None,
         "counts": total.counts,
         "first_sample": total.first,
         "problems": [asdict(p) for p in total.problems],

@@ -296,6 +296,9 @@ class ClipReader:
             ref = VideoRef(ref.source, ref.start, ref.end, self.fps)
         header = read_header(ref, idx)
         first, end = self.window(ref, header, idx)
+        if end - first < self.temporal:
+            raise _bad(idx, ref, f"the clip has {end - first} frame(s) in its window, fewer than one temporal patch "
+                       f"({self.temporal} frames); use a longer clip or window")
         if ref.is_frames:
             indices = list(range(first, end))
         else:
@@ -329,7 +332,7 @@ class ClipReader:
         n = len(indices)
         if n == 0:
             raise _bad(idx, ref, "no frame was sampled from the clip")
-        if self.timestamps and n < self.temporal:
+        if n < self.temporal:
             raise _bad(idx, ref, f"the clip gives {n} frame(s), fewer than one temporal patch ({self.temporal} "
                        "frames); use a longer clip or window")
         try:
