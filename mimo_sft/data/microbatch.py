@@ -111,7 +111,10 @@ class MicroBatchDataset(torch.utils.data.Dataset):
         decoded = sum(len(s["grids"]) - s.get("blank_images", 0) for s in samples if "pixel_values" in s)
         if hasattr(self.source, "source_of"):  # a mixture: each row's source, for the per-source losses
             batch["source_ids"] = self.source.source_of(batch["sample_ids"])
-        batch[SIDE_KEY] = {"bad_samples": self._bad, "images_decoded": decoded if need_pixels else 0}
+        clips = [s for s in samples if "pixel_values" in s and s.get("clips") and not s.get("blank_images")]
+        batch[SIDE_KEY] = {"bad_samples": self._bad, "images_decoded": decoded if need_pixels else 0,
+                           "video_frames_decoded": sum(f for s in clips for f, _ in s["clips"]) if need_pixels else 0,
+                           "video_decode_s": sum(s.get("video_decode_s", 0.0) for s in clips) if need_pixels else 0.0}
         self._bad = []
         return batch
 
@@ -162,6 +165,7 @@ class MicroBatchIterator:
         self.loader, self.sampler, self.dataset = loader, sampler, dataset
         self._it = iter(loader)
         self.images_decoded = 0
+        self.video_frames_decoded, self.video_decode_s = 0, 0.0
         self.bad_samples: dict[int, tuple[str | None, str]] = {}
         # header and row: every rank that reads the sample sees it; pixels: decoding ranks only
         self.bad_by_stage = {"header": 0, "pixels": 0, "row": 0}
@@ -179,6 +183,8 @@ class MicroBatchIterator:
         self.last_stats = batch.pop(STATS_KEY, {})
         self.last_report = report
         self.images_decoded += report["images_decoded"]
+        self.video_frames_decoded += report.get("video_frames_decoded", 0)
+        self.video_decode_s += report.get("video_decode_s", 0.0)
         for index, path, reason, stage in report["bad_samples"]:
             if index in self.bad_samples:
                 continue

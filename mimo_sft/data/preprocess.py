@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -384,7 +385,10 @@ class SamplePreprocessor:
         if sample["clips"]:
             sample["pixel_grids"] = self.pixel_grids(specs)
         if need_pixels and specs:
+            t0 = time.perf_counter()
             sample["pixel_values"], sample["image_grid_thw"] = self.pixels(specs, idx)
+            if sample["clips"]:  # the metrics' video_decode_s (decode, resize and patchify of the clips and images)
+                sample["video_decode_s"] = time.perf_counter() - t0
         return sample
 
     def blank_pixels(self, grids: list) -> tuple[torch.Tensor, torch.Tensor]:

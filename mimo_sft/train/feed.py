@@ -43,6 +43,8 @@ class StepCounters:
     first_empty: int = -1
     reorder_bytes: float = 0.0  # sample bytes this rank's reorder exchange sent to other ranks (0 by index)
     images_decoded: int = 0    # images this rank decoded (its DataLoader workers) for this step's micro-batches
+    video_frames_decoded: int = 0  # clip frames this rank's workers decoded for them
+    video_decode_s: float = 0.0    # worker time spent decoding and cutting those clips
     bad_samples_skipped: int = 0  # bad samples this rank counts (see Feed: each sample is counted on one rank)
     source_samples: list = field(default_factory=list)  # a mixture: samples fed per source
 
@@ -131,20 +133,22 @@ class Feed:
             setattr(c, first, lowest if getattr(c, first) < 0 else min(getattr(c, first), lowest))
 
     # ---- loop side ------------------------------------------------------------------------------
-    def _data_totals(self) -> tuple[int, int]:
-        """(images decoded, bad samples counted here) so far, from the data iterator's running totals."""
+    def _data_totals(self) -> tuple:
+        """(images decoded, bad samples counted here, clip frames decoded, clip decode seconds) so far, from the
+        data iterator's running totals."""
         it = self.source
         if not hasattr(it, "bad_by_stage"):
-            return 0, 0
-        return it.images_decoded, sum(it.bad_by_stage[k] for k in self.count_bad)
+            return 0, 0, 0, 0.0
+        return it.images_decoded, sum(it.bad_by_stage[k] for k in self.count_bad), it.video_frames_decoded, it.video_decode_s
 
     def end_step(self) -> StepCounters:
         """The step's counters, with what the data iterator decoded and skipped since the last step.
         Running totals (not per micro-batch): with the overlapped exchange the iterator runs ahead."""
-        images, bad = self._data_totals()
-        self.counters.images_decoded = images - self._totals[0]
-        self.counters.bad_samples_skipped = bad - self._totals[1]
-        self._totals = (images, bad)
+        totals = self._data_totals()
+        c, before = self.counters, self._totals
+        c.images_decoded, c.bad_samples_skipped, c.video_frames_decoded, c.video_decode_s = (
+            now - was for now, was in zip(totals, before))
+        self._totals = totals
         return self.counters
 
     def start_step(self) -> None:

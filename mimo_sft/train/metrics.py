@@ -52,6 +52,10 @@ class StepMetrics:
     images_decoded: int
     #: samples with unreadable images replaced by a stand-in this step (--max-bad-samples), each counted once
     bad_samples_skipped: int
+    #: clip frames decoded this step, summed over every rank, and the loader workers' seconds decoding, resizing
+    #: and cutting those samples (worker time, off the training thread when workers run ahead)
+    video_frames_decoded: int
+    video_decode_s: float
     #: largest over all ranks (GPU: device memory since the step began; CPU: peak resident set size)
     peak_memory_bytes: int
     #: largest over each module's ranks; written as ``peak_memory_bytes_<module>``

@@ -327,8 +327,9 @@ class Trainer:
         """
         peaks = peak_memory_by_module(self.pstate)
         c = self.feed.end_step()
-        model_flops, reorder_bytes, images, bad = step_model_flops(
-            self.feed.flops.step_flops, self.pstate, (c.reorder_bytes, c.images_decoded, c.bad_samples_skipped))
+        model_flops, reorder_bytes, images, bad, frames, video_s = step_model_flops(
+            self.feed.flops.step_flops, self.pstate,
+            (c.reorder_bytes, c.images_decoded, c.bad_samples_skipped, c.video_frames_decoded, c.video_decode_s))
         load = self.feed.load_stats
         before, after = load.step_figures() if load is not None else (None, None)
         moe = self.expert_load.step_figures(self.pstate.world_gloo) if self.expert_load is not None else {}
@@ -362,6 +363,7 @@ class Trainer:
             padding_fraction=1.0 - float(t[2]) / max(float(t[4]), 1.0),
             reorder_exchange_s=c.exchange_s, reorder_wait_s=c.reorder_wait_s, data_wait_s=c.data_wait_s,
             reorder_bytes=reorder_bytes, images_decoded=int(images), bad_samples_skipped=int(bad),
+            video_frames_decoded=int(frames), video_decode_s=float(video_s),
             peak_memory_bytes=max(peaks.values()), peak_memory_bytes_by_module=peaks,
             model_flops=model_flops, model_tflops_per_gpu=tflops, mfu=mfu,
             update_ok=result.update_ok, consumed_samples=self.consumed,
