@@ -134,7 +134,7 @@ def _print(report: dict) -> None:
     counts, first = report["counts"], report["first_sample"]
     print(f"check-data {report['dataset']}: {counts['samples']:,} samples decoded in {report['seconds']:.1f} s "
           f"({report['workers']} workers; --seq-length {report['seq_length']}, pixels {report['min_pixels']:,}.."
-          f"{report['max_pixels']:,})")
+          f"{report['max_pixels']:,}, {report['image_backend']} image backend)")
     if report.get("video"):
         v = report["video"]
         print(f"  clips: {v['fps']:g} frames per second, {v['min_frames']}..{v['max_frames']} frames, pixels "

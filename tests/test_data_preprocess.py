@@ -25,7 +25,8 @@ def parts(tiny_ckpt, demo_data):
     from mimo_sft.data.loader import build_preprocessor
     from mimo_sft.data.sources import load_sft_dataset
 
-    cfg = DataConfig(dataset_path=str(demo_data), seq_length=192)
+    # compared with the PIL image processor below (tests/test_image_backend.py compares both backends)
+    cfg = DataConfig(dataset_path=str(demo_data), seq_length=192, image_backend="pil")
     return cfg, load_sft_dataset(cfg), build_preprocessor(cfg, tiny_ckpt)
 
 

@@ -61,6 +61,7 @@ class DataConfig:
     cost_dir: Optional[str] = opt(None, "--cost-dir", "folder of the per-row reordering counts that check-data --write-costs writes and --reorder-mode index reads instead of reading rows (default: datasets' cache folder, mimo_sft_costs)")
     streaming: bool = opt(False, "--streaming", "read --dataset-path's parquet shards in place (no Arrow copy of the dataset; rows in shard order, docs/data.md, Streaming sources); WebDataset .tar shards are always read this way")
     image_root: Optional[str] = opt(None, "--image-root", "folder that relative image paths are resolved against (default: the dataset's folder)")
+    image_backend: str = opt("auto", "--image-backend", "whose resize images follow: transformers' torchvision or PIL image processor ('auto': the one AutoProcessor picks here, torchvision where it is installed); pick what your inference uses", choices=("auto", "pil", "torchvision"))
     min_pixels: Optional[int] = opt(None, "--min-pixels", "smallest image area after resizing (default: the processor's)")
     max_pixels: Optional[int] = opt(None, "--max-pixels", "largest image area after resizing (default: the processor's)")
     max_image_pixels: int = opt(178_956_970, "--max-image-pixels", "largest image file (width x height, before resizing) accepted; the default is PIL's decompression-bomb limit; 0: no limit (a trusted large file is resized to --max-pixels anyway)")

@@ -191,6 +191,7 @@ def check_dataset(data_cfg, *, model_dir, workers: int, chunk: int = 256, write_
         "seq_length": pre.seq_length,
         "min_pixels": pre.min_pixels,
         "max_pixels": pre.max_pixels,
+        "image_backend": pre.image_backend,
         "video": {"fps": pre.clips.fps, "min_frames": pre.clips.min_frames, "max_frames": pre.clips.max_frames,
                   "min_pixels": pre.clips.min_pixels, "max_pixels": pre.clips.max_pixels}
         if total.counts["clips"] else None,

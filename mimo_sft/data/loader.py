@@ -56,7 +56,7 @@ def model_token_info(model_dir: str | os.PathLike) -> dict:
 def build_preprocessor(data_cfg, model_dir) -> SamplePreprocessor:
     return SamplePreprocessor(model_dir, seq_length=data_cfg.seq_length, min_pixels=data_cfg.min_pixels,
                               max_pixels=data_cfg.max_pixels, max_image_pixels=data_cfg.max_image_pixels,
-                              video=video_options(data_cfg))
+                              video=video_options(data_cfg), image_backend=data_cfg.image_backend)
 
 
 def video_options(data_cfg):

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from mimo_sft.data.processor import load_processor
+from mimo_sft.data.processor import _pil_kwargs, load_processor, resolve_image_backend
 from mimo_sft.data.images import (PIL_BOMB_LIMIT, _SWAP_ORIENTATIONS, decode_rgb, header_orientation, image_where,  # noqa: F401
                                    open_sample_image)
 from mimo_sft.data.image_refs import VideoRef
@@ -82,9 +82,11 @@ class SamplePreprocessor:
     processor's own limits (``--min-pixels`` / ``--max-pixels``).
     """
 
+    image_backend = "pil"  # set by __init__ (--image-backend)
+
     def __init__(self, model_dir: str | os.PathLike, *, seq_length: int, min_pixels: int | None = None,
                  max_pixels: int | None = None, max_image_pixels: int | None = PIL_BOMB_LIMIT,
-                 video: VideoOptions | None = None):
+                 video: VideoOptions | None = None, image_backend: str = "pil"):
         from transformers import AutoConfig
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
@@ -118,6 +120,8 @@ class SamplePreprocessor:
         self.seq_length = int(seq_length)
         self.max_image_pixels = max_image_pixels  # largest file accepted before resizing (None/0: any)
         self._rope = _RopeIndex(self.config)
+        #: transformers' image backend whose resize the pixels follow ("pil" or "torchvision": data.processor)
+        self.image_backend = resolve_image_backend(image_backend)
         self.video_options = video or VideoOptions()
         #: what a cost file's counts depend on (``data.cost_file.SETTING_FLAGS``), as plain values
         self.video_settings = json.dumps(vars(self.video_options), sort_keys=True)
@@ -257,8 +261,17 @@ class SamplePreprocessor:
         per pixel. ``model.pixels.float_patches`` (on the device) does the rescale, normalisation
         and tile the processor would do next."""
         ip, p, m = self.image_processor, self.patch_size, self.merge_size
-        chw = ip.process_image(img, do_convert_rgb=True)
-        chw = ip.resize(chw, size=ip.size, resample=ip.resample, factor=p * m)
+        if self.image_backend == "torchvision":  # transformers' Qwen2VLImageProcessor: torchvision's resize on uint8
+            from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
+
+            if getattr(self, "_tv", None) is None or self._tv_for is not ip:
+                self._tv, self._tv_for = Qwen2VLImageProcessor(**_pil_kwargs(ip)), ip
+            tv = self._tv
+            rgb = torch.from_numpy(np.array(img.convert("RGB"))).permute(2, 0, 1).contiguous()[None]
+            chw = tv.resize(images=rgb, size=tv.size, resample=tv.resample, factor=p * m)[0].numpy()
+        else:
+            chw = ip.process_image(img, do_convert_rgb=True)
+            chw = ip.resize(chw, size=ip.size, resample=ip.resample, factor=p * m)
         assert chw.dtype == np.uint8, chw.dtype
         c, height, width = chw.shape
         gh, gw = height // p, width // p

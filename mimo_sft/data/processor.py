@@ -168,6 +168,24 @@ class QwenVLImageOnlyProcessor(ProcessorMixin):
         return super().model_input_names + ["mm_token_type_ids"]
 
 
+def resolve_image_backend(choice: str) -> str:
+    """``--image-backend``: "pil" or "torchvision"; "auto" is what ``AutoProcessor.from_pretrained`` picks here
+    (torchvision's backend where torchvision imports). The two resize differently (a 517x733 image: pixel values
+    up to 0.345 apart after normalisation), and training should see what the user's inference sees."""
+    from transformers.utils import is_torchvision_available
+
+    if choice not in ("auto", "pil", "torchvision"):
+        raise UserError(f"--image-backend {choice}: use auto, pil or torchvision")
+    if choice == "pil":
+        return "pil"
+    if is_torchvision_available():
+        return "torchvision"
+    if choice == "torchvision":
+        raise UserError("--image-backend torchvision: torchvision is not installed; install the release paired with "
+                        "your torch (make install does) or use --image-backend pil")
+    return "pil"
+
+
 def _register_families() -> None:
     """Register the processor for every family's config class (``config.families``: its ``model_type``s),
     so ``AutoProcessor`` resolves the class name written in processor_config.json (unregistered,

@@ -246,6 +246,13 @@ def _load_weights(model, src: _BuildInputs, info, parallel_state, hf_dir: str) -
                       where=f"{hf_dir} vision")
 
 
+def set_pixel_norm(model, norm) -> None:
+    """Every encoder of ``model`` normalises uint8 patches with ``norm`` (``model.pixels``): the run's image
+    backend decides the images' arithmetic (``train.setup``)."""
+    for enc in _encoders(model):
+        enc.pixel_norm = norm
+
+
 def _encoders(model) -> list:
     if IMAGES not in model.modality_submodules:
         return []

@@ -30,10 +30,13 @@ class PixelNorm(NamedTuple):
     video_mean: tuple[float, ...] | None = None
     video_std: tuple[float, ...] | None = None
     video_rescale: float | None = None
+    #: images' arithmetic: transformers' torchvision backend (fused rescale-and-normalise) rather than the PIL one's
+    image_fused: bool = False
 
 
-def pixel_norm_from(hf_dir: str | os.PathLike) -> PixelNorm:
-    """The checkpoint's normalisation; transformers' Qwen2-VL processor defaults where it says nothing."""
+def pixel_norm_from(hf_dir: str | os.PathLike, image_backend: str = "pil") -> PixelNorm:
+    """The checkpoint's normalisation; transformers' Qwen2-VL processor defaults where it says nothing.
+    ``image_backend``: the data path's (``data.processor.resolve_image_backend``), whose arithmetic images get."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil as P
 
     path = os.path.join(str(hf_dir), "preprocessor_config.json")
@@ -56,7 +59,7 @@ def pixel_norm_from(hf_dir: str | os.PathLike) -> PixelNorm:
     return PixelNorm(mean, std, rescale, int(raw.get("temporal_patch_size", P.temporal_patch_size)),
                      tuple(float(v) for v in vraw.get("image_mean", mean)),
                      tuple(float(v) for v in vraw.get("image_std", std)),
-                     float(vraw.get("rescale_factor", rescale)))
+                     float(vraw.get("rescale_factor", rescale)), image_backend == "torchvision")
 
 
 def model_grid_thw(grid_thw: torch.Tensor, temporal: int) -> torch.Tensor:
@@ -85,13 +88,20 @@ def _clip_float_patches(rows: torch.Tensor, norm: PixelNorm) -> torch.Tensor:
 
 
 def float_patches(patches: torch.Tensor, norm: PixelNorm) -> torch.Tensor:
-    """uint8 ``[N, C*P*P]`` patches -> the processor's float32 ``[N, C*T*P*P]`` (on ``patches``' device)."""
+    """uint8 ``[N, C*P*P]`` patches -> the processor's float32 ``[N, C*T*P*P]`` (on ``patches``' device), with
+    the PIL backend's arithmetic (float64 rescale, then float32 normalise) or, ``norm.image_fused``, the
+    torchvision backend's (mean and std divided by the rescale factor, one float32 normalise)."""
     assert patches.dtype == torch.uint8 and patches.dim() == 2, (patches.dtype, tuple(patches.shape))
     c = len(norm.mean)
     n = patches.shape[0]
-    x = (patches.to(torch.float64) * norm.rescale).to(torch.float32).view(n, c, 1, -1)
-    mean = torch.tensor(norm.mean, dtype=torch.float32, device=x.device).view(1, c, 1, 1)
-    std = torch.tensor(norm.std, dtype=torch.float32, device=x.device).view(1, c, 1, 1)
+    if norm.image_fused:
+        x = patches.to(torch.float32).view(n, c, 1, -1)
+        mean = (torch.tensor(norm.mean, device=x.device) * (1.0 / norm.rescale)).view(1, c, 1, 1)
+        std = (torch.tensor(norm.std, device=x.device) * (1.0 / norm.rescale)).view(1, c, 1, 1)
+    else:
+        x = (patches.to(torch.float64) * norm.rescale).to(torch.float32).view(n, c, 1, -1)
+        mean = torch.tensor(norm.mean, dtype=torch.float32, device=x.device).view(1, c, 1, 1)
+        std = torch.tensor(norm.std, dtype=torch.float32, device=x.device).view(1, c, 1, 1)
     x = (x - mean) / std
     return x.expand(n, c, norm.temporal, x.shape[-1]).reshape(n, -1)
 

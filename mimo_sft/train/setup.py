@@ -80,7 +80,10 @@ def megatron_ranks(pstate: ParallelState) -> dict[str, int]:
 def build_model_and_optimizer(cfg: ExperimentConfig, layout: Layout, pstate: ParallelState, rank: int, *,
                               with_optimizer: bool = True) -> TrainContext:
     """``with_optimizer=False`` (``mimo-sft evaluate``): the DDP-wrapped model only, no optimizer state."""
+    from mimo_sft.data.processor import resolve_image_backend
     from mimo_sft.model import build_mimo_model
+    from mimo_sft.model.builder import set_pixel_norm
+    from mimo_sft.model.pixels import pixel_norm_from
 
     runtime.init_megatron(cfg.train.seed, **megatron_ranks(pstate))
     bf16 = cfg.model.dtype == "bf16"
@@ -89,6 +92,7 @@ def build_model_and_optimizer(cfg: ExperimentConfig, layout: Layout, pstate: Par
         random_init=cfg.model.allow_random_init,
         config_overrides={"calculate_per_token_loss": True, "attention_dropout": 0.0, "hidden_dropout": 0.0},
         max_seq_len=cfg.data.seq_length)
+    set_pixel_norm(model, pixel_norm_from(cfg.model.hf_model, resolve_image_backend(cfg.data.image_backend)))
     lora = LoraSpec.from_model_config(cfg.model)
     if lora is not None:  # adapters on top of the loaded weights, before DDP sees the parameters (model.lora)
         lang = pstate.modules[LANGUAGE]

@@ -241,9 +241,9 @@ class Trainer:
         for why in getattr(self.feed.source, "cost_notes", ()):
             print(f"mimo-sft: {why}", flush=True)
         pre = self._preprocessor()
-        fitted = pre.fitted_note() if pre is not None else None
-        if fitted:  # --max-pixels unset and the checkpoint's limit lets one image pass --seq-length
-            print(f"mimo-sft: {fitted}", flush=True)
+        if pre is not None:  # fitted: --max-pixels unset and the checkpoint's limit lets one image pass --seq-length
+            print(f"mimo-sft: images resized as transformers' {pre.image_backend} image processor does (--image-backend "
+                  f"{self.cfg.data.image_backend})" + (f"; {fitted}" if (fitted := pre.fitted_note()) else ""), flush=True)
 
     def _preprocessor(self):
         """This rank's sample preprocessor (its pixel limits), where its feed reads samples."""
@@ -421,8 +421,8 @@ class Trainer:
         written before training goes on, so that ``checkpoints/best`` can name it at once."""
         pre = self._preprocessor()
         extra = {"valid_split": self.cfg.data.valid_split,
-                 **({"max_pixels": pre.max_pixels, "max_pixels_fitted": pre.fitted_max_pixels is not None}
-                    if pre is not None else {}),
+                 **({"max_pixels": pre.max_pixels, "max_pixels_fitted": pre.fitted_max_pixels is not None,
+                     "image_backend": pre.image_backend, "video": pre.video_settings} if pre is not None else {}),
                  **({"mixture": self.feed.mixture.fingerprint()} if self.feed.mixture is not None else {}),
                  **({"streams": streams} if (streams := self.feed.stream_position(self.consumed)) else {}),
                  **({"valid_loss": evaluation.valid_loss} if evaluation is not None else {})}
