@@ -312,3 +312,16 @@ def test_check_data_reads_every_clip_once(ckpts, clips, tmp_path):
     assert "gone.mp4" in where[1]["path"] and "not found" in where[1]["reason"]
     assert "temporal patch" in where[2]["reason"] and "cannot open as a video" in where[4]["reason"]
     assert report["video"]["fps"] == 12.0 and report["first_sample"]["clips_downsampled"] in (0, 3)
+
+
+def test_seek_decodes_the_same_frames(tmp_path):
+    """Keyframe seeks over long gaps give the frames decoding every frame gives (H.264 and VP9)."""
+    from mimo_sft.data.video import SEEK_GAP
+
+    for suffix in (".mp4", ".webm"):
+        clip = write_clip(tmp_path / f"long{suffix}", frames=150, width=64, height=48, fps=25, gop=12)
+        wanted = [0, 3, 3 + SEEK_GAP + 5, 90, 91, 149]
+        a = decode_frames(VideoRef(clip), wanted, 0, seek=True)
+        b = decode_frames(VideoRef(clip), wanted, 0, seek=False)
+        assert np.array_equal(a, b), suffix
+        assert not np.array_equal(a[2], a[3])

@@ -145,10 +145,39 @@ def read_header(ref: VideoRef, idx: int) -> ClipHeader:
         container.close()
 
 
+#: frames between two planned ones past which a constant-rate stream is sought rather than decoded through
+SEEK_GAP = 24
+
+
+@dataclass(frozen=True)
+class _FrameClock:
+    """Frame index <-> timestamp of a constant-rate stream (where decode order and time agree)."""
+
+    start: int
+    ticks_per_frame: float
+
+    def pts_of(self, index: int) -> int:
+        return int(self.start + index * self.ticks_per_frame)
+
+    def index_of(self, pts) -> int:
+        return int(round((pts - self.start) / self.ticks_per_frame))
+
+
+def _frame_clock(stream) -> _FrameClock | None:
+    """The stream's clock when its frames are evenly spaced (its average rate is its base rate) and stamped;
+    None otherwise (a variable-rate stream is decoded in order, never sought)."""
+    avg, base, tb = stream.average_rate, stream.base_rate, stream.time_base
+    if not avg or not base or not tb or avg != base:
+        return None
+    return _FrameClock(int(stream.start_time or 0), float(1 / (avg * tb)))
+
+
 def decode_frames(ref: VideoRef, indices: list[int], idx: int, *, seek: bool = True) -> np.ndarray:
     """The frames at ``indices`` (sorted, repeats allowed) as ``[n, H, W, 3]`` uint8 RGB, in decode order
-    as transformers counts them. A clip that ends before the last index is a ``BadSampleError`` at the
-    pixel stage (the loader keeps the planned text and blanks the pixels)."""
+    as transformers counts them. Only those frames are converted to RGB; with ``seek``, a constant-rate
+    stream jumps over gaps of more than :data:`SEEK_GAP` frames (``tests/test_video.py``: the same frames as
+    decoding every one). A clip that ends before the last index is a ``BadSampleError`` at the pixel stage
+    (the loader keeps the planned text and blanks the pixels)."""
     if ref.is_frames:
         from mimo_sft.data.images import open_sample_image, to_rgb
 
@@ -162,12 +191,16 @@ def decode_frames(ref: VideoRef, indices: list[int], idx: int, *, seek: bool = T
     try:
         stream = container.streams.video[0]
         stream.thread_type = "AUTO"
+        at = _frame_clock(stream) if seek else None
         pos = 0  # decode-order index of the next frame the decoder gives
         frames_iter = container.decode(stream)
         for target in wanted:
+            if at is not None and target - pos > SEEK_GAP:  # a keyframe seek, then decode up to the frame
+                container.seek(at.pts_of(target), stream=stream, backward=True)
+                frames_iter, pos = container.decode(stream), None
             for frame in frames_iter:
-                i = pos
-                pos += 1
+                i = pos if pos is not None else at.index_of(frame.pts)
+                pos = i + 1
                 if i == target:
                     got[i] = frame.to_ndarray(format="rgb24")
                     break
@@ -350,13 +383,13 @@ class ClipReader:
 
     # ------------------------------------------------------------------ pixels
 
-    def pixels(self, plan: ClipPlan, idx: int) -> tuple[np.ndarray, tuple[int, int, int]]:
+    def pixels(self, plan: ClipPlan, idx: int, *, seek: bool = True) -> tuple[np.ndarray, tuple[int, int, int]]:
         """Decode the planned frames; resize as the processor does; ``[t*T*h*w, C*P*P]`` uint8 rows and the
         pixel grid ``(t*T, h, w)`` (``model.pixels``: a grid with more than one frame row is a clip)."""
         import torch
         from transformers.image_utils import SizeDict
 
-        frames = decode_frames(plan.ref, plan.indices, idx)
+        frames = decode_frames(plan.ref, plan.indices, idx, seek=seek)
         if frames.shape[1:3] != plan.size:
             raise _bad(idx, plan.ref, f"decoded frames are {frames.shape[2]}x{frames.shape[1]}, the header said "
                        f"{plan.size[1]}x{plan.size[0]}", "pixels")

@@ -129,7 +129,10 @@ def worst_case_workload(cfg, layout, hf_config: dict, *, max_pixels: int) -> Wor
     any number of images, each at most ``--max-pixels`` (a page of 2 Mpx is 2,560 tokens, so an 8k sample
     holds three and a part). What a vision rank keeps is linear in the patches of all of them (attention
     is per image or window, and keeps no score matrix: ``memory.activations``), so ``--max-pixels`` only
-    sets how they split, not how many there are."""
+    sets how they split, not how many there are. Clips are covered by the same case: a clip's patch holds its
+    ``temporal_patch_size`` frames and an image's patch the same number of (tiled) copies, so the tower's
+    input and every activation per patch are the same, and a clip attends within one frame group at a time,
+    which is at most an image's span when ``--video-max-pixels`` (per frame) is at most ``--max-pixels``."""
     v = VisionDims.from_config(hf_config)
     mbs, seq = cfg.train.micro_batch_size, cfg.data.seq_length
     lang = layout.spec(LANGUAGE)

@@ -27,7 +27,7 @@ def frame_pattern(i: int, width: int, height: int) -> np.ndarray:
 
 
 def write_clip(path: str | Path, *, frames: int, width: int, height: int, fps: float = 30.0,
-               codec: str | None = None, variable_rate: bool = False) -> Path:
+               codec: str | None = None, variable_rate: bool = False, gop: int | None = None) -> Path:
     """Write a clip of ``frames`` frames; the container follows ``path``'s suffix (``.mp4``: H.264,
     ``.webm``: VP9). ``variable_rate`` spaces frames 1, 2, 1, 3 ... ticks apart (a VFR stream)."""
     import av
@@ -39,6 +39,8 @@ def write_clip(path: str | Path, *, frames: int, width: int, height: int, fps: f
         stream = out.add_stream(codec, rate=rate)
         stream.width, stream.height = width + (width % 2), height + (height % 2)  # yuv420p needs even sides
         stream.pix_fmt = "yuv420p"
+        if gop:
+            stream.codec_context.gop_size = gop  # a keyframe every ``gop`` frames: what seeking lands on
         if variable_rate:
             stream.codec_context.time_base = Fraction(1, int(round(fps)) * 4)
         pts = 0
