@@ -15,6 +15,11 @@ processor defaults). For each sampling rate it times, per clip, in this one proc
   (float patches, normalised).
 
 Prints a table (median seconds per clip over ``--repeat`` passes) and the frames and patches per clip.
+
+``--reorder-samples N`` (default 256) adds a second table: N rows mixing those clips (whole, or a window),
+document pages of 0.3-4 Mpx and text-only rows, planned from headers at ``--reorder-fps``; per window of
+``--dp`` x ``--per-rank`` samples, the heaviest vision rank's patches over the mean, in dataset order and
+after ``assign.balanced_groups`` (the planner training uses).
 """
 
 from __future__ import annotations
@@ -40,6 +45,10 @@ def main(argv=None) -> int:
     p.add_argument("--height", type=int, default=720)
     p.add_argument("--family", default="qwen2_5_vl", choices=("qwen2_5_vl", "qwen3_vl"))
     p.add_argument("--repeat", type=int, default=2)
+    p.add_argument("--reorder-samples", type=int, default=256)
+    p.add_argument("--reorder-fps", type=float, default=2.0)
+    p.add_argument("--dp", type=int, default=8)
+    p.add_argument("--per-rank", type=int, default=4)
     a = p.parse_args(argv)
 
     import mimo_sft  # noqa: F401  (torchvision beside the CPU torch)
@@ -86,7 +95,57 @@ def main(argv=None) -> int:
     for fps, frames, patches, med in rows:
         print(f"| {fps:g} | {frames} | {patches:,} | {med['ours seek']:.3f} | {med['ours decode all']:.3f} | "
               f"{med['transformers']:.3f} |")
+    if a.reorder_samples:
+        table_reorder(ckpt, clips, tmp, a)
     return 0
+
+
+def table_reorder(ckpt, clips, tmp: Path, a) -> None:
+    import random
+
+    import numpy as np
+    from PIL import Image
+
+    from mimo_sft.data.image_refs import VideoRef
+    from mimo_sft.data.preprocess import SamplePreprocessor
+    from mimo_sft.data.reorder import assign
+    from mimo_sft.data.video import VideoOptions
+
+    rng = random.Random(0)
+    pages = []
+    for j, (w, h) in enumerate(((600, 500), (1240, 1754), (1700, 2200), (900, 1200), (2480, 1600))):
+        path = tmp / f"page{j}.png"
+        Image.new("RGB", (w, h), (240, 240, 240)).save(path)
+        pages.append(path)
+    pre = SamplePreprocessor(ckpt, seq_length=32768, video=VideoOptions(fps=a.reorder_fps))
+    costs = []
+    for _ in range(a.reorder_samples):
+        kind = rng.choice(("clip", "clip", "window", "page", "page", "page", "text"))
+        if kind == "text":
+            costs.append(0.0)
+            continue
+        if kind == "page":
+            ref = rng.choice(pages)
+        else:
+            clip = rng.choice(clips)
+            ref = VideoRef(clip, 1.0, 1.0 + rng.uniform(1.0, a.seconds - 1.0)) if kind == "window" else VideoRef(clip)
+        t, h, w = pre.image_specs([ref], 0)[0].grid
+        costs.append(float(t * h * w))
+    n = a.dp * a.per_rank
+    before, after = [], []
+    for lo in range(0, len(costs) - n + 1, n):
+        c = costs[lo: lo + n]
+        mean = sum(c) / a.dp
+        if mean == 0:
+            continue
+        before.append(max(sum(c[r * a.per_rank:(r + 1) * a.per_rank]) for r in range(a.dp)) / mean)
+        after.append(max(sum(c[i] for i in g) for g in assign.balanced_groups(c, a.dp)) / mean)
+    print(f"\nreordering a mixed clip / page / text set: {a.reorder_samples} rows, {len(before)} windows of "
+          f"{a.dp} ranks x {a.per_rank} samples, vision patches per rank")
+    print("| | heaviest rank / mean (mean over windows) | worst window |")
+    print("|---|---:|---:|")
+    for name, v in (("dataset order", before), ("reordered", after)):
+        print(f"| {name} | {np.mean(v):.3f} | {max(v):.3f} |")
 
 
 if __name__ == "__main__":
