@@ -81,12 +81,19 @@ def read_prompts(path: str, *, image_root: str | None = None) -> list[Prompt]:
         source = load_sft_dataset(DataConfig(dataset_path=path, image_root=image_root), check_files=False)
     except UserError as err:
         raise UserError(str(err).replace("--dataset-path", "--prompts")) from None
+    from mimo_sft.data.image_refs import VideoRef
+    from mimo_sft.data.video import read_header
+    from mimo_sft.errors import BadSampleError
+
     prompts = []
     for i in range(len(source)):
         messages, refs = source[i]
         _check_prompt(path, i, messages)
         for ref in refs:
-            open_sample_image(ref, i)
+            try:
+                read_header(ref, i) if isinstance(ref, VideoRef) else open_sample_image(ref, i)
+            except BadSampleError as err:
+                raise UserError(f"--prompts {path}, row {i}: {err.path}: {err.reason}") from None
         prompts.append(Prompt(i, messages, refs))
     return prompts
 
@@ -101,14 +108,62 @@ def _check_prompt(path: str, row: int, messages: list) -> None:
 
 def prompt_inputs(processor, prompt: Prompt) -> dict:
     """The processor's tensors for one prompt: its chat template with the generation prompt, its images
-    decoded as training decodes them."""
-    from mimo_sft.data.images import open_sample_image
-    from mimo_sft.data.images import decode_rgb, header_orientation
+    decoded as training decodes them, its clips' frames planned and decoded as training does
+    (``data.video``) and handed to transformers' processor with their metadata."""
+    from mimo_sft.data.image_refs import VideoRef
+    from mimo_sft.data.images import decode_rgb, header_orientation, open_sample_image
 
     text = processor.apply_chat_template(prompt.messages, add_generation_prompt=True, tokenize=False)
     images = [decode_rgb(ref, prompt.row, orientation=header_orientation(open_sample_image(ref, prompt.row)))
-              for ref in prompt.refs]
-    return processor(text=[text], images=images or None, return_tensors="pt")
+              for ref in prompt.refs if not isinstance(ref, VideoRef)]
+    clips = [ref for ref in prompt.refs if isinstance(ref, VideoRef)]
+    if not clips:
+        return processor(text=[text], images=images or None, return_tensors="pt")
+    from transformers.video_utils import VideoMetadata
+
+    from mimo_sft.data.video import decode_frames
+
+    plans = [processor.clip_reader.plan(ref, prompt.row) for ref in clips]
+    frames = [decode_frames(p.ref, p.indices, prompt.row) for p in plans]
+    metadata = [VideoMetadata(total_num_frames=p.window_frames, fps=p.fps, frames_indices=p.indices,
+                              width=p.size[1], height=p.size[0]) for p in plans]
+    return processor(text=[text], images=images or None, videos=frames, video_metadata=metadata,
+                     do_sample_frames=False, return_tensors="pt")
+
+
+def build_processor(folder: str, *, image_backend: str = "auto", max_pixels: int | None = None,
+                    videos: bool = False):
+    """The processor generate feeds the model with, preprocessing as training did: the run's image backend
+    (``--image-backend``, recorded in the checkpoint) and image limit (``max_pixels``: a fitted one included);
+    with ``videos``, transformers' own processor class of the family with its video processor."""
+    import json as _json
+
+    from mimo_sft.data.processor import QwenVLImageOnlyProcessor, _pil_kwargs, load_processor, resolve_image_backend
+
+    ours = load_processor(folder)
+    kw = _pil_kwargs(ours.image_processor)
+    if max_pixels:
+        kw["max_pixels"] = int(max_pixels)
+    if resolve_image_backend(image_backend) == "torchvision":
+        from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor as ImageProcessor
+    else:
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil as ImageProcessor
+    image_processor = ImageProcessor(**kw)
+    if not videos:
+        return QwenVLImageOnlyProcessor(image_processor, ours.tokenizer, chat_template=ours.chat_template)
+    from transformers import Qwen2_5_VLProcessor, Qwen3VLProcessor
+
+    from mimo_sft.config.families import default_family, family_for_model_type
+    from mimo_sft.data.video import ClipReader, VideoOptions
+
+    model_type = _json.loads(Path(folder, "config.json").read_text()).get("model_type")
+    spec = family_for_model_type(model_type) or default_family()
+    reader = ClipReader(folder, model_type, VideoOptions(), timestamps=spec.video_timestamps)
+    cls = Qwen3VLProcessor if spec.video_timestamps else Qwen2_5_VLProcessor
+    processor = cls(image_processor=image_processor, tokenizer=ours.tokenizer, video_processor=reader.vp,
+                    chat_template=ours.chat_template)
+    processor.clip_reader = reader
+    return processor
 
 
 # ---- answers ---------------------------------------------------------------------------------------
@@ -158,12 +213,18 @@ def load_trained(target: str, *, hf_model: str | None, dtype: str | None):
     return model_from_groups(src, groups, torch_dtype), src, torch_dtype
 
 
+def _checkpoint_meta(target: str) -> dict:
+    """The checkpoint's meta.json (how its run preprocessed: image backend, image limit)."""
+    from mimo_sft.train.checkpoint.files import read_meta, resolve_checkpoint
+
+    return read_meta(resolve_checkpoint(target))
+
+
 def generate(target: str, prompts_path: str, out: str, *, hf_model: str | None = None, dtype: str | None = None,
              decoding: Decoding = Decoding(), compare_base: bool = False, image_root: str | None = None,
              prefer: str = "auto") -> int:
     """``mimo-sft generate``: write ``out`` (one JSON object per prompt, in order: ``answer``, and
     ``base_answer`` with ``compare_base``). Returns the number of answers."""
-    from mimo_sft.data.processor import load_processor
     from mimo_sft.parallel import runtime
 
     decoding.check()
@@ -175,7 +236,12 @@ def generate(target: str, prompts_path: str, out: str, *, hf_model: str | None =
     prompts = read_prompts(prompts_path, image_root=image_root)
     device = runtime.device() if runtime.device_chosen() else runtime.use_device(runtime.select_device(prefer))
     model, src, torch_dtype = load_trained(target, hf_model=hf_model, dtype=dtype)
-    processor = load_processor(src or target)
+    meta = _checkpoint_meta(target) if src else {}
+    from mimo_sft.data.image_refs import VideoRef
+
+    processor = build_processor(src or target, image_backend=meta.get("image_backend", "auto"),
+                                max_pixels=meta.get("max_pixels"),
+                                videos=any(isinstance(r, VideoRef) for p in prompts for r in p.refs))
     rows = [{"answer": a} for a in decode(processor, answer_ids(model.to(device), processor, prompts, decoding, device))]
     del model
     if compare_base:

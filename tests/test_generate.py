@@ -121,8 +121,7 @@ def _ours(target: str, prompts: str, decodings: list, exported: str, dtype=None)
     checked to be transformers' model of ``exported``, every tensor bit for bit and in the same dtype."""
     from transformers import AutoModelForImageTextToText
 
-    from mimo_sft.data.processor import load_processor
-    from mimo_sft.generate import answer_ids, load_trained, read_prompts
+    from mimo_sft.generate import answer_ids, build_processor, load_trained, read_prompts
 
     model, src, _ = load_trained(target, hf_model=None, dtype=dtype)
     want = AutoModelForImageTextToText.from_pretrained(exported).state_dict()
@@ -130,7 +129,7 @@ def _ours(target: str, prompts: str, decodings: list, exported: str, dtype=None)
     assert got.keys() == want.keys()
     for name, tensor in want.items():
         assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name
-    processor, rows = load_processor(src or target), read_prompts(prompts)
+    processor, rows = build_processor(src or target), read_prompts(prompts)  # the image backend AutoProcessor picks
     return [answer_ids(model, processor, rows, d, torch.device("cpu")) for d in decodings]
 
 
@@ -192,6 +191,44 @@ def test_answers_are_transformers_generate_on_the_export_token_for_token(setup):
                "--temperature", "0.9", "--top-p", "0.8", "--seed", str(SEED))
     assert got.exit_code == 0, got.output
     assert _answers(folder_out) == [{"answer": _decode(exported, sampled)[0]}]
+
+
+def test_clip_prompt_answers_as_transformers_on_the_export(setup, tmp_path):
+    """A prompt with a clip: the answer is transformers' generate on the exported folder, its frames read by
+    transformers' own PyAV reader with its video processor's sampling at 2 fps (Qwen2.5-VL's
+    second_per_grid_ts from them), through transformers' Qwen2_5_VLProcessor."""
+    import functools
+
+    from transformers import (AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer, Qwen2_5_VLProcessor,
+                              Qwen2VLVideoProcessor)
+    from transformers.video_utils import load_video
+
+    from mimo_sft.testing.clips import write_clip
+    from mimo_sft.train.export import export_checkpoint
+
+    pytest.importorskip("torchvision")
+    clip = write_clip(tmp_path / "clip.mp4", frames=30, width=72, height=56, fps=15)
+    prompts = tmp_path / "clip_prompts.jsonl"
+    prompts.write_text(json.dumps({"messages": [{"role": "user", "content": [
+        {"type": "video", "video": str(clip)}, {"type": "text", "text": QUESTION}]}]}) + "\n")
+    out = tmp_path / "clip_answers.jsonl"
+    got = _cli(setup["full"], "--prompts", str(prompts), "--out", str(out), "--max-new-tokens", "8", "--cpu")
+    assert got.exit_code == 0, got.output
+    exported = export_checkpoint(setup["full"], str(tmp_path / "clip_hf"))
+    tok = AutoTokenizer.from_pretrained(exported)
+    vp = Qwen2VLVideoProcessor.from_pretrained(exported)
+    proc = Qwen2_5_VLProcessor(image_processor=AutoImageProcessor.from_pretrained(exported), tokenizer=tok,
+                               video_processor=vp, chat_template=tok.chat_template)
+    frames, meta = load_video(str(clip), backend="pyav", sample_indices_fn=functools.partial(vp.sample_frames, fps=2))
+    conversation = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": QUESTION}]}]
+    text = proc.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+    inputs = proc(text=[text], videos=[frames], video_metadata=[meta], do_sample_frames=False, return_tensors="pt")
+    assert int((inputs["input_ids"] == proc.video_token_id).sum()) > 0
+    model = AutoModelForImageTextToText.from_pretrained(exported).eval()
+    with torch.no_grad():
+        ids = model.generate(**inputs, **GREEDY)
+    want = tok.decode(ids[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+    assert _answers(out) == [{"answer": want}]
 
 
 def test_lora_checkpoint_answers_as_its_merged_export(setup):
