@@ -6,9 +6,10 @@ decoding pixels. So there is ONE text path, driven by each image's grid, and the
 the image *header* (size + EXIF orientation) through transformers' own ``smart_resize``. The pixel
 path only adds ``pixel_values`` and asserts the image processor produced the same grid.
 
-Text: the checkpoint's chat template is rendered by transformers (``render_jinja_template``) with
-``{% generation %}`` spans, each ``<|image_pad|>`` is expanded to ``t*h*w / merge**2`` copies, and
-the whole string is tokenized once (offsets map the assistant spans to tokens, as transformers does).
+Text: the checkpoint's chat template is rendered by transformers (``render_jinja_template``) with the
+assistant turns' spans (``{% generation %}`` blocks, or from prefixes: ``data.template_spans``), each
+``<|image_pad|>`` is expanded to ``t*h*w / merge**2`` copies, and the whole string is tokenized once
+(offsets map the assistant spans to tokens, as transformers does).
 Positions: the family's transformers ``get_rope_index`` (e.g. ``Qwen2_5_VLModel``'s) run on a small stand-in object.
 """
 
@@ -22,6 +23,8 @@ import torch
 
 from mimo_sft.data.processor import load_processor
 from mimo_sft.data.images import PIL_BOMB_LIMIT, image_where, open_sample_image, to_rgb
+from mimo_sft.data.template_spans import has_generation_markers, marked_spans, prefix_spans
+from mimo_sft.data.template_spans import render as render_text
 from mimo_sft.errors import BadSampleError, UserError
 
 
@@ -148,6 +151,7 @@ class SamplePreprocessor:
         self.max_image_pixels = max_image_pixels  # largest file accepted before resizing (None/0: any)
         self._rope = _RopeIndex(self.config)
         self._special = dict(self.tokenizer.special_tokens_map)
+        self._marked = has_generation_markers(self.chat_template)  # else spans from prefixes (data.template_spans)
         #: the checkpoint's own limit, and (``--max-pixels`` unset) the lower one chosen so that one image fits
         #: ``--seq-length`` with the chat template's tokens around it (None: the checkpoint's fits already)
         self.processor_max_pixels, self.fitted_max_pixels = self.max_pixels, None
@@ -163,7 +167,7 @@ class SamplePreprocessor:
         template's own tokens (those of the same conversation with one placeholder, less that one)."""
         factor = self.patch_size * self.merge_size
         msgs = [{"role": "user", "content": [{"type": "image"}]}, {"role": "assistant", "content": [{"type": "text", "text": "x"}]}]
-        ids, _ = self.tokens(msgs, [(1, self.merge_size, self.merge_size)], -1)
+        ids, _ = self.tokens(msgs, [(1, self.merge_size, self.merge_size)], -1, masks=False)
         return max(0, self.seq_length - (len(ids) - 1)) * factor * factor
 
     def fitted_note(self) -> str | None:
@@ -241,18 +245,21 @@ class SamplePreprocessor:
 
     # ------------------------------------------------------------------ text
 
-    def render(self, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
-        from transformers.utils.chat_template_utils import render_jinja_template
+    def render(self, messages: list[dict], idx: int | None = None) -> tuple[str, list[tuple[int, int]]]:
+        """(chat text, character spans of the assistant's turns): the ``{% generation %}`` blocks of a marked
+        template, else what each turn adds to the rendering of the messages before it (``data.template_spans``)."""
+        if self._marked:
+            return marked_spans(self.chat_template, messages, self._special)
+        where = f"sample {idx}: " if idx is not None and idx >= 0 else ""
+        return prefix_spans(self.chat_template, messages, self._special, where=where, origin=self.model_dir)
 
-        rendered, spans = render_jinja_template(
-            conversations=[messages], chat_template=self.chat_template, return_assistant_tokens_mask=True,
-            add_generation_prompt=False, **self._special,
-        )
-        return rendered[0], list(spans[0])
-
-    def tokens(self, messages: list[dict], grids: list[tuple[int, int, int]], idx: int):
-        """(ids, assistant_mask) of the full (untruncated) sample with placeholders expanded."""
-        text, spans = self.render(messages)
+    def tokens(self, messages: list[dict], grids: list[tuple[int, int, int]], idx: int, *, masks: bool = True):
+        """(ids, assistant_mask) of the full (untruncated) sample with placeholders expanded
+        (``masks=False``: the text alone is rendered and the mask is all False, for token counts)."""
+        if masks:
+            text, spans = self.render(messages, idx)
+        else:
+            text, spans = render_text(self.chat_template, [messages], self._special)[0], []
         tok = self.image_token
         pieces = text.split(tok)
         if len(pieces) - 1 != len(grids):
@@ -354,7 +361,7 @@ class SamplePreprocessor:
         n_max = max(1, self.max_pixels // (factor * factor))
         grid = (1, self.merge_size, self.merge_size * n_max)
         msgs = [{"role": "user", "content": [{"type": "image"}]}, {"role": "assistant", "content": [{"type": "text", "text": "x"}]}]
-        ids, _ = self.tokens(msgs, [grid], -1)
+        ids, _ = self.tokens(msgs, [grid], -1, masks=False)
         return len(ids)
 
 
