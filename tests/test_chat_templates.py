@@ -229,3 +229,16 @@ def test_load_keeps_a_derivative_template_and_refuses_one_that_cannot_render(tin
     with pytest.raises(UserError) as err:
         load_processor(_folder(tiny_ckpt, tmp_path, "text", text_only))
     assert "\n" not in str(err.value) and "cannot render a conversation of user and assistant messages" in str(err.value)
+
+
+def test_a_row_the_template_raises_on_is_one_line(tiny_ckpt, tmp_path):
+    from mimo_sft.data.preprocess import SamplePreprocessor
+
+    strict = ("{% if messages and messages[0].role == 'assistant' %}{{ raise_exception('Conversations must start "
+              "with a user message') }}{% endif %}" + _unmarked(SYSTEM))
+    pre = SamplePreprocessor(_folder(tiny_ckpt, tmp_path, "strict", strict), seq_length=512)
+    assert pre.encode(CONVERSATIONS[3][0], [], 0, need_pixels=False)["loss_mask"].any()
+    with pytest.raises(UserError) as err:
+        pre.encode([_msg("assistant", "Hello."), _msg("user", "Hi")], [], 4, need_pixels=False)
+    assert str(err.value).startswith("sample 4: the chat template of ") and "\n" not in str(err.value)
+    assert "cannot render this conversation (TemplateError: Conversations must start with a user message)" in str(err.value)

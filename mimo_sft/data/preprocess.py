@@ -248,10 +248,9 @@ class SamplePreprocessor:
     def render(self, messages: list[dict], idx: int | None = None) -> tuple[str, list[tuple[int, int]]]:
         """(chat text, character spans of the assistant's turns): the ``{% generation %}`` blocks of a marked
         template, else what each turn adds to the rendering of the messages before it (``data.template_spans``)."""
-        if self._marked:
-            return marked_spans(self.chat_template, messages, self._special)
         where = f"sample {idx}: " if idx is not None and idx >= 0 else ""
-        return prefix_spans(self.chat_template, messages, self._special, where=where, origin=self.model_dir)
+        spans = marked_spans if self._marked else prefix_spans
+        return spans(self.chat_template, messages, self._special, where=where, origin=self.model_dir)
 
     def tokens(self, messages: list[dict], grids: list[tuple[int, int, int]], idx: int, *, masks: bool = True):
         """(ids, assistant_mask) of the full (untruncated) sample with placeholders expanded

@@ -32,28 +32,30 @@ def has_generation_markers(template: str) -> bool:
     return bool(_MARKER.search(template))
 
 
-def render(template: str, conversations: list, special: dict, *, generation_prompt: bool = False,
-           where: str = "", origin: str = "") -> list[str]:
-    """The text ``template`` renders for each conversation; a template that raises is a one-line ``UserError``."""
+def _rendered(conversations: list, template: str, where: str, origin: str, **kw):
+    """transformers' ``render_jinja_template``; a template that raises is a one-line ``UserError``."""
     from transformers.utils.chat_template_utils import render_jinja_template
 
     try:
-        out, _ = render_jinja_template(conversations=conversations, chat_template=template,
-                                       add_generation_prompt=generation_prompt, **special)
+        return render_jinja_template(conversations=conversations, chat_template=template, **kw)
     except Exception as err:  # noqa: BLE001 - the template's own error (raise_exception, a missing key, ...)
         first = str(err).strip().splitlines()[0] if str(err).strip() else ""
         of = f" of {origin}" if origin else ""
         raise UserError(f"{where}the chat template{of} cannot render this conversation ({type(err).__name__}: "
                         f"{first}); fix the template or the row") from None
-    return out
 
 
-def marked_spans(template: str, messages: list, special: dict) -> tuple[str, list[tuple[int, int]]]:
+def render(template: str, conversations: list, special: dict, *, generation_prompt: bool = False,
+           where: str = "", origin: str = "") -> list[str]:
+    """The text ``template`` renders for each conversation."""
+    return _rendered(conversations, template, where, origin, add_generation_prompt=generation_prompt, **special)[0]
+
+
+def marked_spans(template: str, messages: list, special: dict, *, where: str = "",
+                 origin: str = "") -> tuple[str, list[tuple[int, int]]]:
     """(text, character spans of the ``{% generation %}`` blocks)."""
-    from transformers.utils.chat_template_utils import render_jinja_template
-
-    rendered, spans = render_jinja_template(conversations=[messages], chat_template=template,
-                                            return_assistant_tokens_mask=True, add_generation_prompt=False, **special)
+    rendered, spans = _rendered([messages], template, where, origin, return_assistant_tokens_mask=True,
+                                add_generation_prompt=False, **special)
     return rendered[0], list(spans[0])
 
 
