@@ -265,3 +265,56 @@ def test_finetune_refuses_unusable_output_folders_before_step_0(tiny_ckpt, messy
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 2 and lines[0].startswith("error: [26] --output-dir") and lines[1].startswith("error: [27] --export-hf")
     assert not (a_file.parent / "run").exists()
+
+
+def _same_bad_rows(folder: Path, form: str) -> Path:
+    """Four rows, their images named in ``form``'s place; row 1 has two image placeholders for one image, row 2 a
+    data URI that is not base64."""
+    (folder / "img").mkdir(exist_ok=True)
+    (folder / "img" / "good.png").write_bytes(png(64, 64))
+    rows = []
+    for i in range(4):
+        ref = "data:image/png,abc" if i == 2 else "img/good.png"
+        n = 2 if i == 1 else 1
+        if form == "images column":
+            rows.append(row([ref], parts=n))
+        elif form == "message parts":
+            parts = [{"type": "image", "image": ref}] + [{"type": "image"}] * (n - 1) + [{"type": "text", "text": "Colour?"}]
+            rows.append({"messages": [{"role": "user", "content": parts},
+                                      {"role": "assistant", "content": [{"type": "text", "text": "Red."}]}]})
+        else:  # ShareGPT/LLaVA: one path in 'image', or a list in 'images'
+            turns = [{"from": "human", "value": "<image>\n" * n + "Colour?"}, {"from": "gpt", "value": "Red."}]
+            rows.append({"conversations": turns, **({"image": ref} if form == "sharegpt image" else {"images": [ref]})})
+    path = folder / f"{form.replace(' ', '_')}.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+FORMS = ("images column", "message parts", "sharegpt image", "sharegpt images")
+
+
+def test_a_bad_row_is_the_same_wherever_its_images_are_named(tiny_ckpt, tmp_path):
+    """Issue 44 item 5: rows whose images were named in the message parts were read when the dataset opened, so one
+    bad row there stopped check-data with exit 2 (and a run, whatever --max-bad-samples said); named in a column it
+    was listed (exit 1) and skipped. Now every place gives the same: listed by check-data, skipped by a run with
+    --max-bad-samples, refused in one line without it (exit 2 from finetune)."""
+    from mimo_sft.data.loader import build_microbatch_iterator
+    from mimo_sft.config.schema import DataConfig
+
+    for form in FORMS:
+        data = _same_bad_rows(tmp_path, form)
+        res = _check_data(tiny_ckpt, data, "--json", "--workers", "0")
+        assert res.exit_code == 1, (form, res.output)
+        problems = {p["index"]: p["reason"] for p in json.loads(res.stdout)["problems"]}
+        assert sorted(problems) == [1, 2] and "2 image placeholder(s)" in problems[1], (form, problems)
+        assert "is not base64" in problems[2], (form, problems)
+        for max_bad, skipped in ((2, [1, 2]), (0, None)):
+            cfg = DataConfig(dataset_path=str(data), seq_length=256, max_bad_samples=max_bad)
+            it = build_microbatch_iterator(cfg, model_dir=tiny_ckpt, micro_batch_size=4, canonical_grid=1, dp_size=1,
+                                           dp_rank=0, need_pixels=False, seed=0, num_workers=0)
+            if skipped:
+                assert next(it)["loss_mask"].sum() > 0 and sorted(it.bad_samples) == skipped, form
+            else:
+                with pytest.raises(UserError, match=r"^sample 1 .*2 image placeholder\(s\)") as err:
+                    next(it)
+                assert "\n" not in str(err.value)

@@ -225,10 +225,20 @@ def test_remote_url_refused(pics, key):
 
 
 def test_image_part_without_reference(pics):
+    """A row bad on its own is found when it is read (skipped with --max-bad-samples, listed by check-data), as in
+    a dataset with an images column; a dataset whose image parts name no image anywhere is refused when it opens."""
+    from mimo_sft.errors import BadRowError
+
     rows = _qwen_rows(pics)
     rows[1]["messages"][0]["content"][1] = {"type": "image"}  # one part names its image, the other does not
-    _one_line_error(lambda: _load(_write(pics / "q.jsonl", rows)),  # found when the dataset opens
-                    r"sample 1 .*2 image placeholder\(s\).*only 1 of them name an image")
+    source = _load(_write(pics / "q.jsonl", rows))
+    _one_line_error(lambda: source[1], r"sample 1 .*2 image placeholder\(s\).*only 1 of them name an image")
+    with pytest.raises(BadRowError):
+        source[1]
+    for r in rows:
+        for m in r["messages"]:
+            m["content"] = [{"type": "image"} if p["type"] == "image" else p for p in m["content"]]
+    _one_line_error(lambda: _load(_write(pics / "none.jsonl", rows)), r"sample 0 .*the dataset has no images column")
 
 
 def test_json_text_values_decoded_but_plain_paths_kept():

@@ -152,11 +152,12 @@ def test_supervised_tokens_are_exactly_the_answers(q08):
         "Red.<|im_end|>It has four equal sides.\n</think>\n\nA square.<|im_end|>")
 
 
-def test_released_template_is_accepted_and_qwen3_vl_layout_is_not(q08, tmp_path):
+def test_released_template_is_accepted_and_qwen3_vl_layout_is_kept(q08, tmp_path):
     """A folder whose template renders like the released one (no {% generation %} markers) is read with the marked
-    one; Qwen3-VL's layout (no think block) renders differently and is refused for a Qwen3.5 folder."""
+    one; Qwen3-VL's layout (no think block) renders differently, so a Qwen3.5 folder keeps it and its assistant
+    spans come from its prefixes."""
+    from mimo_sft.data.preprocess import SamplePreprocessor
     from mimo_sft.data.processor import QWEN3_5_CHAT_TEMPLATE, QWEN3_VL_CHAT_TEMPLATE, load_processor
-    from mimo_sft.errors import UserError
 
     def unmarked(template: str) -> str:
         return template.replace("{% generation %}", "").replace("{% endgeneration %}", "")
@@ -169,8 +170,11 @@ def test_released_template_is_accepted_and_qwen3_vl_layout_is_not(q08, tmp_path)
     (folder / "chat_template.jinja").write_text(unmarked(QWEN3_5_CHAT_TEMPLATE))
     assert load_processor(folder).chat_template == QWEN3_5_CHAT_TEMPLATE
     (folder / "chat_template.jinja").write_text(unmarked(QWEN3_VL_CHAT_TEMPLATE))
-    with pytest.raises(UserError, match="renders differently from Qwen's"):
-        load_processor(folder)
+    assert load_processor(folder).chat_template == unmarked(QWEN3_VL_CHAT_TEMPLATE)
+    pre = SamplePreprocessor(folder, seq_length=4096, max_pixels=64 * 32 * 32)
+    out = pre.encode(CONVERSATION, [_png()], 0, need_pixels=False)
+    assert pre.tokenizer.decode(out["labels"][out["loss_mask"] > 0]) == "Red.<|im_end|>A square.<|im_end|>"
+    assert "<think>" not in pre.tokenizer.decode(out["input_ids"])
 
 
 def test_validate_accepts_it_with_allow_random_init(q08, demo_data):

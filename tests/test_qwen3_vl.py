@@ -315,11 +315,12 @@ def test_data_path_patch_16_pixels_and_token_costs(qwen3_dir):
 
 def test_real_chat_template_is_accepted_with_assistant_masks(qwen3_dir, tmp_path):
     """A Qwen3-VL folder whose chat template has no {% generation %} markers (as released: no default
-    system turn) is read with the family's marked template; Qwen2-VL's (default system turn) is not it."""
+    system turn) is read with the family's marked template; Qwen2-VL's (default system turn) is not it, so it
+    is kept and its assistant spans come from its prefixes."""
     import shutil
 
+    from mimo_sft.data.preprocess import SamplePreprocessor
     from mimo_sft.data.processor import QWEN3_VL_CHAT_TEMPLATE, QWEN_VL_CHAT_TEMPLATE, load_processor
-    from mimo_sft.errors import UserError
 
     unmarked = QWEN3_VL_CHAT_TEMPLATE.replace("{% generation %}", "").replace("{% endgeneration %}", "")
     folder = tmp_path / "released"
@@ -336,10 +337,13 @@ def test_real_chat_template_is_accepted_with_assistant_masks(qwen3_dir, tmp_path
     assert text.startswith("<|im_start|>user\nHi") and "You are a helpful assistant" not in text
     marked = [t for t, m in zip(ids, mask) if m]
     assert proc.tokenizer.decode(marked) == "Hello there<|im_end|>"
-    (folder / "chat_template.jinja").write_text(
-        QWEN_VL_CHAT_TEMPLATE.replace("{% generation %}", "").replace("{% endgeneration %}", ""))
-    with pytest.raises(UserError, match="renders differently from Qwen's"):
-        load_processor(folder)
+    qwen2 = QWEN_VL_CHAT_TEMPLATE.replace("{% generation %}", "").replace("{% endgeneration %}", "")
+    (folder / "chat_template.jinja").write_text(qwen2)
+    assert load_processor(folder).chat_template == qwen2
+    pre = SamplePreprocessor(folder, seq_length=256)
+    out = pre.encode(conv, [], 0, need_pixels=False)
+    assert pre.tokenizer.decode(out["input_ids"]).startswith("<|im_start|>system\nYou are a helpful assistant.")
+    assert pre.tokenizer.decode(out["labels"][out["loss_mask"] > 0]) == "Hello there<|im_end|>"
 
 
 def test_selective_and_vision_recompute_keep_every_gradient(qwen3_dir):

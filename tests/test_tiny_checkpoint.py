@@ -145,17 +145,23 @@ def test_missing_folder_is_user_error(tmp_path):
         load_processor(tmp_path / "nope")
 
 
-def test_foreign_template_without_generation_markers_is_refused(tiny_ckpt, tmp_path):
+def test_foreign_template_without_generation_markers_is_kept(tiny_ckpt, tmp_path):
+    """A template of another layout is used as it is: the assistant's spans come from its prefixes
+    (tests/test_chat_templates.py); one that cannot render text and image parts is refused at load."""
     from mimo_sft.data.processor import load_processor
     from mimo_sft.errors import UserError
 
     odd = tmp_path / "odd"
     shutil.copytree(tiny_ckpt, odd)
-    (odd / "chat_template.jinja").write_text("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}")
     tok_cfg = json.loads((odd / "tokenizer_config.json").read_text())
     tok_cfg.pop("chat_template", None)
     (odd / "tokenizer_config.json").write_text(json.dumps(tok_cfg))
-    with pytest.raises(UserError, match="generation"):
+    plain = ("{% for m in messages %}{{ m['role'] }}: {% for p in m['content'] %}{{ p['text'] or '<|image_pad|>' }}"
+             "{% endfor %}\n{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}")
+    (odd / "chat_template.jinja").write_text(plain)
+    assert load_processor(odd).chat_template == plain
+    (odd / "chat_template.jinja").write_text("{% for m in messages %}{{ m['content'] + '\n' }}{% endfor %}")
+    with pytest.raises(UserError, match="cannot render a conversation"):
         load_processor(odd)
 
 

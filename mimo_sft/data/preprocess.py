@@ -6,8 +6,9 @@ decoding pixels. So there is ONE text path, driven by each image's grid, and the
 the image *header* (size + EXIF orientation) through transformers' own ``smart_resize``. The pixel
 path only adds ``pixel_values`` and asserts the image processor produced the same grid.
 
-Text: the checkpoint's chat template is rendered by transformers (``render_jinja_template``) with
-``{% generation %}`` spans, each ``<|image_pad|>`` is expanded to ``t*h*w / merge**2`` copies, and
+Text: the checkpoint's chat template is rendered by transformers (``render_jinja_template``) with the
+assistant turns' spans (``{% generation %}`` blocks, or from prefixes: ``data.template_spans``), each
+``<|image_pad|>`` is expanded to ``t*h*w / merge**2`` copies (a clip's ``<|video_pad|>`` to its tokens), and
 the whole string is tokenized once (offsets map the assistant spans to tokens, as transformers does).
 Positions: the family's transformers ``get_rope_index`` (e.g. ``Qwen2_5_VLModel``'s) run on a small stand-in object.
 """
@@ -28,6 +29,8 @@ from mimo_sft.data.images import (PIL_BOMB_LIMIT, _SWAP_ORIENTATIONS, decode_rgb
                                    open_sample_image)
 from mimo_sft.data.image_refs import VideoRef
 from mimo_sft.data.video import ClipPlan, VideoOptions
+from mimo_sft.data.template_spans import has_generation_markers, marked_spans, prefix_spans
+from mimo_sft.data.template_spans import render as render_text
 from mimo_sft.errors import BadSampleError, UserError
 
 
@@ -129,6 +132,7 @@ class SamplePreprocessor:
         self.video_token = self.tokenizer.convert_ids_to_tokens(self.video_token_id) if self.video_token_id >= 0 else None
         self._clips = None  # data.video.ClipReader, made at the first clip (it needs torchvision)
         self._special = dict(self.tokenizer.special_tokens_map)
+        self._marked = has_generation_markers(self.chat_template)  # else spans from prefixes (data.template_spans)
         #: the checkpoint's own limit, and (``--max-pixels`` unset) the lower one chosen so that one image fits
         #: ``--seq-length`` with the chat template's tokens around it (None: the checkpoint's fits already)
         self.processor_max_pixels, self.fitted_max_pixels = self.max_pixels, None
@@ -144,7 +148,7 @@ class SamplePreprocessor:
         template's own tokens (those of the same conversation with one placeholder, less that one)."""
         factor = self.patch_size * self.merge_size
         msgs = [{"role": "user", "content": [{"type": "image"}]}, {"role": "assistant", "content": [{"type": "text", "text": "x"}]}]
-        ids, _ = self.tokens(msgs, [(1, self.merge_size, self.merge_size)], -1)
+        ids, _ = self.tokens(msgs, [(1, self.merge_size, self.merge_size)], -1, masks=False)
         return max(0, self.seq_length - (len(ids) - 1)) * factor * factor
 
     def fitted_note(self) -> str | None:
@@ -280,14 +284,12 @@ class SamplePreprocessor:
 
     # ------------------------------------------------------------------ text
 
-    def render(self, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
-        from transformers.utils.chat_template_utils import render_jinja_template
-
-        rendered, spans = render_jinja_template(
-            conversations=[messages], chat_template=self.chat_template, return_assistant_tokens_mask=True,
-            add_generation_prompt=False, **self._special,
-        )
-        return rendered[0], list(spans[0])
+    def render(self, messages: list[dict], idx: int | None = None) -> tuple[str, list[tuple[int, int]]]:
+        """(chat text, character spans of the assistant's turns): the ``{% generation %}`` blocks of a marked
+        template, else what each turn adds to the rendering of the messages before it (``data.template_spans``)."""
+        where = f"sample {idx}: " if idx is not None and idx >= 0 else ""
+        spans = marked_spans if self._marked else prefix_spans
+        return spans(self.chat_template, messages, self._special, where=where, origin=self.model_dir)
 
     def _placeholder_text(self, item) -> str:
         """What one rendered placeholder becomes: an image's tokens, or a clip's (with Qwen3-VL's
@@ -304,10 +306,14 @@ class SamplePreprocessor:
         frame = start + self.video_token * ((h * w) // merge2) + end
         return "".join(f"<{item.timestamps[i]:.1f} seconds>" + frame for i in range(t))
 
-    def tokens(self, messages: list[dict], items: list, idx: int):
+    def tokens(self, messages: list[dict], items: list, idx: int, *, masks: bool = True):
         """(ids, assistant_mask) of the full (untruncated) sample with placeholders expanded; ``items`` are the
-        vision items in order: image grids (or ``ImageSpec``) and clips (``ClipPlan``)."""
-        text, spans = self.render(messages)
+        vision items in order: image grids (or ``ImageSpec``) and clips (``ClipPlan``). ``masks=False``: the
+        text alone is rendered and the mask is all False, for token counts."""
+        if masks:
+            text, spans = self.render(messages, idx)
+        else:
+            text, spans = render_text(self.chat_template, [messages], self._special)[0], []
         marks = [self.image_token] + ([self.video_token] if self.video_token else [])
         pieces = re.split("(" + "|".join(re.escape(m) for m in marks) + ")", text)
         found = pieces[1::2]
@@ -430,7 +436,7 @@ class SamplePreprocessor:
         n_max = max(1, self.max_pixels // (factor * factor))
         grid = (1, self.merge_size, self.merge_size * n_max)
         msgs = [{"role": "user", "content": [{"type": "image"}]}, {"role": "assistant", "content": [{"type": "text", "text": "x"}]}]
-        ids, _ = self.tokens(msgs, [grid], -1)
+        ids, _ = self.tokens(msgs, [grid], -1, masks=False)
         return len(ids)
 
 

@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from pathlib import Path
 
 from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 from transformers.processing_utils import ProcessorMixin
 
+from mimo_sft.data.template_spans import has_generation_markers
 from mimo_sft.errors import UserError
 
 # Qwen2.5-VL's special tokens in the order of their real ids (151643...); the tiny tokenizer pins
@@ -333,14 +333,17 @@ def load_processor(model_dir: str | os.PathLike) -> QwenVLImageOnlyProcessor:
     template = tokenizer.chat_template or _read_chat_template(path)
     if template is None:
         raise UserError(f"model.hf_model: {path} has no chat template (chat_template.jinja / .json); add Qwen's chat template")
-    if not re.search(r"\{%-?\s*generation\s*-?%\}", template):
-        # Real Qwen templates lack generation markers; the family's marked one renders the same text
-        # and marks the assistant turns.
+    if not has_generation_markers(template):
+        # Released Qwen templates lack generation markers; the family's marked one renders the same text and
+        # marks exactly the assistant's. Any other template is kept: the preprocessor finds the assistant's
+        # spans by rendering each conversation's prefixes (data.template_spans).
+        probe = _render_probe(template, tokenizer)
+        if probe[0].startswith("<error"):
+            raise UserError(f"model.hf_model: the chat template of {path} cannot render a conversation of user and "
+                            f"assistant messages with text and image parts ({probe[0][1:-1]}); fix the template")
         marked = family_chat_template(_model_type(path))
-        if _render_probe(template, tokenizer) != _render_probe(marked, tokenizer):
-            raise UserError(f"model.hf_model: the chat template of {path} has no {{% generation %}} markers and renders "
-                            "differently from Qwen's; wrap assistant content in {% generation %}...{% endgeneration %}")
-        template = marked
+        if probe == _render_probe(marked, tokenizer):
+            template = marked
     return QwenVLImageOnlyProcessor(image_processor, tokenizer, chat_template=template)
 
 
@@ -360,7 +363,8 @@ def _render_probe(template: str, tokenizer) -> list[str]:
     try:
         out, _ = render_jinja_template(conversations=_PROBE, chat_template=template, **tokenizer.special_tokens_map)
     except Exception as err:  # a template that cannot render our shapes is a user-facing problem
-        return [f"<error {type(err).__name__}>"]
+        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        return [f"<error {type(err).__name__}: {first}>"]
     return out
 
 

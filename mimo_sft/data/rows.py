@@ -27,6 +27,10 @@ VIDEO_MARKER = "<video>"
 VIDEO_COLUMNS = ("video", "videos")  # LLaVA-Video's clip column in ShareGPT rows
 
 
+class _UnnamedImages(UserError):
+    """Image placeholders in a row of a dataset without an images column whose content names no image."""
+
+
 class SFTSource:
     """Rows of a dataset as ``(messages, image_refs)``; picklable for DataLoader workers.
 
@@ -75,7 +79,9 @@ class SFTSource:
             raise
         except UserError as err:
             reason = re.sub(rf"^(--dataset-path[^:]*: )?sample {int(idx)}( of [^:]+)?: ", "", str(err))
-            raise BadRowError(int(idx), self.row_where(idx), reason) from None
+            bad = BadRowError(int(idx), self.row_where(idx), reason)
+            bad.unnamed_images = isinstance(err, _UnnamedImages)  # checked(): the dataset's layout, maybe
+            raise bad from None
 
     def row_where(self, idx: int) -> str:
         """Where row ``idx`` is, for a message: the source and its row."""
@@ -144,8 +150,8 @@ class SFTSource:
             raise UserError(f"{where} only {len(refs)} of them name an image; give every image part an "
                             "'image', 'url' or 'path' key")
         if self.images_column is None:
-            raise UserError(f"{where} the dataset has no images column; name it with --images-column, or name "
-                            "each image in its content part ({\"type\": \"image\", \"image\": \"a.png\"})")
+            raise _UnnamedImages(f"{where} the dataset has no images column; name it with --images-column, or name "
+                                 "each image in its content part ({\"type\": \"image\", \"image\": \"a.png\"})")
         raise UserError(f"{where} {len(refs)} image(s) in column '{self.images_column}'; fix the row or point "
                         f"--images-column at the images")
 
@@ -327,7 +333,17 @@ def checked(source, *, check_files: bool):
         if verdict is not None:
             raise UserError(verdict)
     if images_column is None:
-        # Fail now, not mid-training, if the text asks for images the dataset does not have.
+        # Fail now, not mid-training, if the text asks for images the dataset names nowhere (no images column, no
+        # image named in any of the first rows' content): that is the dataset's layout. A row bad on its own is the
+        # loader's and check-data's, as in a dataset with an images column (skipped with --max-bad-samples, listed).
+        unnamed = None
         for i in range(min(len(source), 64)):
-            source[i]
+            try:
+                if source[i][1]:
+                    return source
+            except BadRowError as err:
+                if getattr(err, "unnamed_images", False) and unnamed is None:
+                    unnamed = err
+        if unnamed is not None:
+            raise UserError(str(unnamed))
     return source
