@@ -114,6 +114,7 @@ HOST_SITES = {
     "mimo_sft/train/packing.py": "packing reads the host rows; cu_seqlens stay on the host",
     "mimo_sft/model/segments.py": "segments of a host cu_seqlens",
     "mimo_sft/model/vision_attention.py": "the tower's plan from the host image_grid_thw",
+    "mimo_sft/model/pixels.py": "each item's kind (image or clip) from the host image_grid_thw",
     "transformers/vision_utils.py": "called by vision_attention on the host image_grid_thw",
     "megatron/core/models/common/embeddings/rope_utils.py:_apply_rotary_pos_emb_thd": "host cu_seqlens (packing)",
     "mimo_sft/train/step.py:global_tokens": "a float64 host tensor reduced over gloo",

@@ -270,8 +270,8 @@ def _tar_samples(path, samples: list[tuple[str, dict, list[bytes]]]) -> None:
 
 
 def test_bad_rows_are_skipped_counted_and_named_by_shard_and_row(tmp_path, tiny_ckpt):
-    """Issue 42 item 2: a video part, an image part without its member and a path that is not there are known
-    from the row; each is skipped (the next row stands in), counted against --max-bad-samples, and named by
+    """Issue 42 item 2: a video part that names no clip, an image part without its member and a path that is
+    not there are known from the row; each is skipped (the next row stands in), counted against --max-bad-samples, and named by
     shard and row in words that fit a tar; with --max-bad-samples 0 the first stops the run in one line."""
     from PIL import Image
 
@@ -289,7 +289,7 @@ def test_bad_rows_are_skipped_counted_and_named_by_shard_and_row(tmp_path, tiny_
     _tar_samples(tmp_path / "shard-00000.tar", [
         ("k0", row(image_q), [png]),
         ("k1", row(image_q), []),                                        # its image member is missing
-        ("k2", row([{"type": "video"}, {"type": "text", "text": "and this?"}]), []),  # a clip
+        ("k2", row([{"type": "video"}, {"type": "text", "text": "and this?"}]), []),  # a clip part naming no clip
         ("k3", row(image_q, ["missing.png"]), []),                       # a path that is not there
         ("k4", row("just text"), []), ("k5", row(image_q), [png]), ("k6", row("more text"), []),
         ("k7", row(image_q), [png])])
@@ -305,7 +305,7 @@ def test_bad_rows_are_skipped_counted_and_named_by_shard_and_row(tmp_path, tiny_
     assert served.bad_by_stage["row"] == 2 and served.bad_by_stage["header"] == 1
     (where1, why1), (where2, why2), (where3, why3) = (served.bad_samples[i] for i in (1, 2, 3))
     assert where1.endswith("shard-00000.tar, row 1") and "image member(s)" in why1 and "column" not in why1
-    assert where2.endswith("shard-00000.tar, row 2") and "content part type 'video'" in why2
+    assert where2.endswith("shard-00000.tar, row 2") and "a video part" in why2 and "names no clip" in why2
     assert where3.endswith("missing.png") and "image file not found" in why3 and "column" not in why3
     # rows 1 and 2 stand in with the next row that reads (3, itself text-only: its file is not there)
     assert batch["sample_ids"].tolist() == [0, 3, 3, 3], batch["sample_ids"]

@@ -249,9 +249,9 @@ class _MetaDataset(torch.utils.data.Dataset):
 
     def one(self, i: int) -> SampleMeta:
         messages, refs = self.source[i]
-        grids = [s.grid for s in self.pre.image_specs(refs, i)]
-        ids, _ = self.pre.tokens(messages, grids, i)
-        is_img = (ids == self.pre.image_token_id).nonzero()
+        specs, (ids, _) = self.pre.fitted_specs(messages, refs, i)  # a clip planned as training plans it
+        grids = [s.grid for s in specs]
+        is_img = ((ids == self.pre.image_token_id) | (ids == self.pre.video_token_id)).nonzero()
         last = int(is_img[-1]) + 1 if len(is_img) else 0
         merge2 = self.pre.merge_size ** 2
         patches = [t * h * w for t, h, w in grids]

@@ -66,7 +66,7 @@ def model_grid_thw(grid_thw: torch.Tensor, temporal: int) -> torch.Tensor:
     """The model's ``(t, h, w)`` of each vision item from the pixel grid the data path carries: an image
     has one frame row (``t == 1``); a clip carries its ``temporal`` frames per patch as rows, so its pixel
     grid's first side is ``t * temporal`` (``data.video``)."""
-    if grid_thw.shape[0] == 0 or not bool((grid_thw[:, 0] > 1).any()):
+    if grid_thw.shape[0] == 0 or max(grid_thw[:, 0].tolist()) <= 1:  # the host grid: no device read
         return grid_thw
     out = grid_thw.clone()
     clip = out[:, 0] > 1
@@ -113,7 +113,7 @@ def tower_patches(pixel_values: torch.Tensor, norm: PixelNorm | None, dtype: tor
     ``grid_thw`` is the carried pixel grid (host): with clips in it, each item is converted by its kind."""
     if pixel_values.dtype == torch.uint8:
         assert norm is not None, "uint8 pixels need the checkpoint's pixel_norm (model.builder sets it)"
-        if grid_thw is None or grid_thw.shape[0] == 0 or not bool((grid_thw[:, 0] > 1).any()):
+        if grid_thw is None or grid_thw.shape[0] == 0 or max(grid_thw[:, 0].tolist()) <= 1:
             pixel_values = float_patches(pixel_values, norm)
         else:
             parts, at = [], 0
