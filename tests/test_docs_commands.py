@@ -403,3 +403,27 @@ def test_doc_command(cmd: DocCommand, inputs, tmp_path, monkeypatch):
     assert code == cmd.exit, f"{cmd.where}: `{cmd.line}` exited {code}, the page says {cmd.exit}:\n{out[-3000:]}"
     missing = [line for line in cmd.output if not _shows(out, line)]
     assert not missing, f"{cmd.where}: `{cmd.line}` did not print {missing}; it printed:\n{out[-3000:]}"
+
+
+#: pages linked before they exist: docs/cluster.md is being written beside this change (issue 44 item 6)
+PENDING_PAGES = {ROOT / "docs/cluster.md"}
+
+
+def _anchors(page: Path) -> set[str]:
+    """GitHub's anchors of a page's headings: lower case, punctuation but ``-`` and ``_`` dropped, spaces to ``-``."""
+    heads = re.findall(r"^#+ (.+)$", re.sub(r"^```.*?^```", "", page.read_text(), flags=re.M | re.S), re.M)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in heads}
+
+
+def test_links_between_the_pages_resolve():
+    broken = []
+    for page in PAGES:
+        for target, anchor in re.findall(r"\]\(([^)#\s]*\.md)?(?:#([^)\s]+))?\)", page.read_text()):
+            path = (page.parent / target).resolve() if target else page
+            if not target and not anchor:
+                continue
+            if path in PENDING_PAGES and not path.exists():
+                continue
+            if not path.exists() or (anchor and anchor not in _anchors(path)):
+                broken.append(f"{page.relative_to(ROOT)}: {target}#{anchor}")
+    assert not broken, "links to pages or headings that do not exist:\n" + "\n".join(broken)
