@@ -74,6 +74,12 @@ class LaunchOptions:
     def world_size(self) -> int:
         return self.nproc_per_node * self.nnodes
 
+    @property
+    def started_by(self) -> str:
+        """The flags that set the number of processes, as a refusal names them."""
+        one = f"--nproc-per-node {self.nproc_per_node}"
+        return one if self.nnodes == 1 else f"--nnodes {self.nnodes} x {one}"
+
 
 def split_launch_flags(args: list[str]) -> tuple[LaunchOptions | None, list[str]]:
     """``(launch options, the other args)``; None when ``--nproc-per-node`` is absent (a rank's own start)."""
