@@ -17,7 +17,7 @@ import traceback
 from mimo_sft.config.loader import load_config
 from mimo_sft.errors import UserError
 from mimo_sft.parallel.bootstrap import launch_rank_world, launched_by_torchrun, require_launcher
-from mimo_sft.train.elastic import failed_first_start, record_error
+from mimo_sft.train.elastic import failed_first_start, record_error, record_pid
 from mimo_sft.validate import require_valid
 
 
@@ -56,6 +56,7 @@ def launch_checked(args: list[str], body, *, refuse_reused_output_dir: bool = Fa
     """Load and check the config on every rank, then ``body(cfg, layout)``; errors as described above
     (shared by ``finetune`` and ``evaluate``)."""
     rank, world = launch_rank_world()
+    record_pid(rank)  # under mimo-sft's launcher: the parent forwards a scheduler's SIGUSR1 to it
     try:
         if failed_first_start(rank):
             raise UserError("the first start of the workers fails (test hook MIMO_SFT_TEST_FAIL_FIRST_START)")
