@@ -139,3 +139,21 @@ def test_summarize_prints_the_per_rank_table_and_writes_the_plot(tmp_path):
 
     with pytest.raises(UserError, match="metrics.jsonl not found"):
         summarize(str(tmp_path))
+
+
+def test_the_peers_median_of_a_large_world_agrees_with_the_plain_definition():
+    """ratios() sorts each role once (O(n log n)); against the median of every rank's peers, computed plainly."""
+    import random
+    import statistics
+
+    rng = random.Random(3)
+    for n in (2, 3, 4, 9, 64):
+        role = [("a",) if rng.random() < 0.5 else ("b",) for _ in range(n)]
+        table = [_row(1.0, encoder_forward=round(rng.random(), 1), bridge=0.0) for _ in range(n)]  # with ties
+        work = [work_s(row) for row in table]
+        plain = {}
+        for r in range(n):
+            peers = [work[q] for q in range(n) if q != r and role[q] == role[r]]
+            if peers and statistics.median(peers) > 0:
+                plain[r] = work[r] / statistics.median(peers)
+        assert ratios(table, role) == pytest.approx(plain), n

@@ -28,11 +28,12 @@ from __future__ import annotations
 
 import os
 import socket
-import statistics
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from mimo_sft.progress import COMPUTE
+import numpy as np
+
+from mimo_sft.progress import COMPUTE, PROGRESS
 
 #: the booked phases, in the order of a rank's row (after its step time); any other phase is booked as compute
 PHASES = ("data wait", "reorder wait", "encoder forward", "encoder backward", "bridge", "language forward",
@@ -61,20 +62,47 @@ def work_s(row: Sequence[float]) -> float:
     return max(0.0, row[0] - sum(row[1 + i] for i, p in enumerate(PHASES) if p in WAITS))
 
 
+_WAIT_COLUMNS = [1 + i for i, p in enumerate(PHASES) if p in WAITS]
+
+
+def works(table) -> np.ndarray:
+    """:func:`work_s` of every row of ``table`` (ranks x :data:`ROW`)."""
+    t = np.asarray(table, dtype=np.float64).reshape(-1, ROW)
+    return np.maximum(0.0, t[:, 0] - t[:, _WAIT_COLUMNS].sum(axis=1))
+
+
 def roles(layout) -> list[tuple[str, ...]]:
     """Each rank's modules: the ranks of equal roles are peers."""
     return [tuple(sorted(layout.coords(r))) for r in range(layout.world_size)]
 
 
-def ratios(table: Sequence[Sequence[float]], role: Sequence[tuple]) -> dict[int, float]:
+def _medians_without(ordered: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """For each of ``values`` (members of the sorted ``ordered``), the median of ``ordered`` with one copy of it
+    left out."""
+    n = len(ordered)
+    m = n - 1
+    pos = np.searchsorted(ordered, values, side="left")
+
+    def at(k: int) -> np.ndarray:  # the k-th of the list without position pos (k <= m - 1 < n - 1)
+        return np.where(k < pos, ordered[k], ordered[k + 1])
+
+    return at(m // 2) if m % 2 else (at(m // 2 - 1) + at(m // 2)) / 2
+
+
+def ratios(table, role: Sequence[tuple]) -> dict[int, float]:
     """Each rank's work over the median work of its peers (the other ranks of its role); ranks without peers, or
-    whose peers did no measurable work, are left out."""
-    work = [work_s(row) for row in table]
+    whose peers did no measurable work, are left out. One sort per role: a world of thousands takes milliseconds."""
+    work = works(table)
+    members: dict[tuple, list[int]] = {}
+    for r, key in enumerate(role):
+        members.setdefault(key, []).append(r)
     out = {}
-    for r, w in enumerate(work):
-        peers = [work[q] for q in range(len(table)) if q != r and role[q] == role[r]]
-        if peers and statistics.median(peers) > 0:
-            out[r] = w / statistics.median(peers)
+    for idx in members.values():
+        if len(idx) < 2:
+            continue
+        mine = work[idx]
+        medians = _medians_without(np.sort(mine), mine)
+        out.update({r: float(w / md) for r, w, md in zip(idx, mine, medians) if md > 0})
     return out
 
 
@@ -86,22 +114,25 @@ class Slowest:
     phase_excess_s: float
 
 
-def excess_phase(table: Sequence[Sequence[float]], role: Sequence[tuple], rank: int) -> tuple[str, float]:
+def excess_phase(table, role: Sequence[tuple], rank: int) -> tuple[str, float]:
     """The phase of ``rank`` (waits left out) with the most seconds over its peers' median of that phase."""
-    peers = [q for q in range(len(table)) if q != rank and role[q] == role[rank]]
+    t = np.asarray(table, dtype=np.float64).reshape(-1, ROW)
+    peers = [q for q in range(len(t)) if q != rank and role[q] == role[rank]]
     best, best_s = COMPUTE, float("-inf")
     for i, name in enumerate(PHASES):
         if name in WAITS or not peers:
             continue
-        extra = table[rank][1 + i] - statistics.median(table[q][1 + i] for q in peers)
+        extra = float(t[rank, 1 + i] - np.median(t[peers, 1 + i]))
         if extra > best_s:
             best, best_s = name, extra
     return best, best_s
 
 
-def slowest(table: Sequence[Sequence[float]], role: Sequence[tuple]) -> Optional[Slowest]:
-    """The rank with the largest work over its peers' median, and the phase its excess is in (pure)."""
-    r_of = ratios(table, role)
+def slowest(table: Sequence[Sequence[float]], role: Sequence[tuple],
+            r_of: dict[int, float] | None = None) -> Optional[Slowest]:
+    """The rank with the largest work over its peers' median (``r_of``: :func:`ratios`, when known), and the phase
+    its excess is in (pure)."""
+    r_of = ratios(table, role) if r_of is None else r_of
     if not r_of:
         return None
     rank = max(r_of, key=lambda r: (r_of[r], -r))
@@ -121,9 +152,10 @@ class Flagger:
         self.threshold, self.hosts, self.intervals = threshold, list(hosts), intervals
         self.counts: dict[int, int] = {}
 
-    def see(self, table: Sequence[Sequence[float]], role: Sequence[tuple], step: int) -> list[str]:
+    def see(self, table: Sequence[Sequence[float]], role: Sequence[tuple], step: int,
+            r_of: dict[int, float] | None = None) -> list[str]:
         lines = []
-        for rank, ratio in sorted(ratios(table, role).items()):
+        for rank, ratio in sorted((ratios(table, role) if r_of is None else r_of).items()):
             self.counts[rank] = self.counts.get(rank, 0) + 1 if ratio > self.threshold else 0
             if self.counts[rank] == self.intervals:
                 host = self.hosts[rank] if rank < len(self.hosts) else "?"
@@ -172,13 +204,13 @@ class StragglerReport:
         none), and any warning printed."""
         if not block:
             return {}
-        table = [list(block[r * ROW:(r + 1) * ROW]) for r in range(self.world_size)]
-        for line in self.flagger.see(table, self.role, step):
+        table = np.asarray(block, dtype=np.float64).reshape(self.world_size, ROW)
+        r_of = ratios(table, self.role)
+        for line in self.flagger.see(table, self.role, step, r_of):
             print(line, flush=True)
-        out = {"rank_step_s": [round(row[0], 4) for row in table],
-               "rank_work_s": [round(work_s(row), 4) for row in table],
-               "rank_phase_s": {p: [round(row[1 + i], 4) for row in table] for i, p in enumerate(PHASES)}}
-        s = slowest(table, self.role)
+        out = {"rank_step_s": np.round(table[:, 0], 4).tolist(), "rank_work_s": np.round(works(table), 4).tolist(),
+               "rank_phase_s": {p: np.round(table[:, 1 + i], 4).tolist() for i, p in enumerate(PHASES)}}
+        s = slowest(table, self.role, r_of)
         if s is not None:
             out.update(slowest_rank=s.rank, slowest_excess=round(s.excess, 4), slowest_phase=s.phase)
         return out
@@ -197,8 +229,6 @@ def host_names(group) -> list[str]:
 
 def install_test_hook(rank: int) -> None:
     """The :data:`SLOW_ENV` hook, set on this rank's progress record."""
-    from mimo_sft.progress import PROGRESS
-
     hook = os.environ.get(SLOW_ENV)
     if hook:
         r, s = hook.split(":")

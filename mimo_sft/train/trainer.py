@@ -45,6 +45,7 @@ from mimo_sft.parallel import runtime
 from mimo_sft.parallel.bootstrap import start_world
 from mimo_sft.parallel.groups import ParallelState
 from mimo_sft.parallel.layout import LANGUAGE, Layout
+from mimo_sft.progress import PROGRESS
 from mimo_sft.train.checkpoint.save import restore, save_checkpoint, save_gradients
 from mimo_sft.train.checkpoint.files import BEST, latest_name, mark_best, read_meta, resolve_checkpoint
 from mimo_sft.train.checkpoint.write import PendingSaves
@@ -57,7 +58,7 @@ from mimo_sft.train.metrics import AnswerTally, MetricsLogger
 from mimo_sft.train.profile import ModulePhases, StepProfiler, phase
 from mimo_sft.train.step_log import log_step
 from mimo_sft.train.straggler import StragglerReport, host_names, install_test_hook
-from mimo_sft.train.watchdog import PROGRESS, start_watchdog
+from mimo_sft.train.watchdog import start_watchdog
 from mimo_sft.train.setup import TrainContext, build_model_and_optimizer, build_state
 from mimo_sft.train.step import StepOutput, StepRunner
 from mimo_sft.train.stopping import REASONS, StopPolicy, agree, resume_command
