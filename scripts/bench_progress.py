@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import json
 import os
 import sys
 import time
@@ -81,15 +82,16 @@ def hooks(reps: int) -> list[tuple[str, float]]:
     return [("forward + backward, no hooks", plain), ("with the module-phase hooks", hooked)]
 
 
-def report(world: int, reps: int) -> float:
-    """Seconds per log step of add + figures (every rank) and analyse (the metrics rank) at ``world`` ranks."""
+def report(world: int, reps: int) -> tuple[float, int]:
+    """Seconds per log step of add + figures (every rank) and analyse (the metrics rank) at ``world`` ranks, and
+    the bytes its figures add to a metrics.jsonl row."""
     half = world // 2
     layout = Layout.from_specs([parse_component(f"language=dp={half}"),
                                 parse_component(f"images=dp={world - half},rank_offset={half}")])
     rep = StragglerReport(rank=0, world_size=world, layout=layout, log_interval=1, total_steps=10 ** 9,
                           threshold=1.5, hosts=[f"n{r // 8}" for r in range(world)])
     seconds = {"data wait": 0.01, "encoder forward": 0.1, "bridge": 0.05, "optimizer": 0.02, "compute": 0.01}
-    block = [0.1] * (world * ROW)
+    block = [0.1 + 0.01 * (i % 97) for i in range(world * ROW)]  # varied: some ranks above the threshold
 
     def once():
         with contextlib.redirect_stdout(io.StringIO()):
@@ -98,7 +100,8 @@ def report(world: int, reps: int) -> float:
                 rep.figures(step)
                 rep.analyse(step, block)
 
-    return best(once, 3) / reps
+    row = json.dumps(rep.analyse(1, block))
+    return best(once, 3) / reps, len(row)
 
 
 def _allreduce(rank: int, world: int, port: int, sizes: list[int], reps: int, out) -> None:
@@ -155,10 +158,10 @@ def main() -> int:
         print(f"| {name} | {s * 1e6:.1f} us |")
     print("\n(c) the straggler report per log step on the metrics rank (every rank: add + figures; metrics rank: "
           "analyse)")
-    print("| ranks | per log step | block in the all-reduce |\n|---|---|---|")
+    print("| ranks | per log step | block in the all-reduce | metrics.jsonl row grows by |\n|---|---|---|---|")
     for world in (8, 64, 256, 1024):
-        reps = max(10, 20_000 // world)
-        print(f"| {world} | {report(world, reps) * 1e3:.3f} ms | {world * ROW * 8 / 1024:.1f} KiB |")
+        seconds, size = report(world, max(10, 20_000 // world))
+        print(f"| {world} | {seconds * 1e3:.3f} ms | {world * ROW * 8 / 1024:.1f} KiB | {size / 1024:.1f} KiB |")
     print("\n(d) the model-FLOPs all-reduce over 4 gloo processes on this machine")
     print("| payload | per all-reduce |\n|---|---|")
     names = {4: "the step's 4 figures (every step)", 4 + 4 * ROW: "+ the block of 4 ranks (log steps)",
