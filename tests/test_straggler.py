@@ -5,6 +5,8 @@ table and plot. The real run that slows one rank on purpose is tests/test_stream
 
 import json
 import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -134,11 +136,17 @@ def test_summarize_prints_the_per_rank_table_and_writes_the_plot(tmp_path):
     assert table[0].split()[-1] == "0/6"
     png = tmp_path / "rank_spread.png"
     assert f"spread of work per step over the run: {png}" in lines and png.read_bytes()[:4] == b"\x89PNG"
-    os.remove(tmp_path / "metrics.jsonl")
-    from mimo_sft.errors import UserError
+    def python_m(args):  # the command imports no torch: a fresh interpreter is quick
+        return subprocess.run([sys.executable, "-m", "mimo_sft", *args], capture_output=True, text=True, timeout=120)
 
-    with pytest.raises(UserError, match="metrics.jsonl not found"):
-        summarize(str(tmp_path))
+    proc = python_m(["summarize", str(tmp_path), "--png", str(tmp_path / "spread.png")])
+    assert proc.returncode == 0 and proc.stdout.splitlines() == [*lines[:-2], f"spread of work per step over the run: "
+                                                                 f"{tmp_path / 'spread.png'}", lines[-1]], proc.stderr
+    os.remove(tmp_path / "metrics.jsonl")
+    proc = python_m(["summarize", str(tmp_path)])
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        f"error: {tmp_path / 'metrics.jsonl'} not found: the fine-tune did not log any step (give the run's "
+        f"--output-dir)"]
 
 
 def test_the_peers_median_of_a_large_world_agrees_with_the_plain_definition():
