@@ -13,7 +13,7 @@ docs/benchmarks.md ("The hang watchdog's and the straggler report's cost").
       4-rank and of a 1024-rank world (the payload; the ranks are 4).
 
 Usage: python scripts/bench_progress.py [--reps 200000]
-Timings are the best of 5 repetitions (the machine is shared). CPU only.
+Timings are the best of 7 repetitions (the machine is shared). CPU only.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from mimo_sft.train.profile import ModulePhases, phase  # noqa: E402
 from mimo_sft.train.straggler import ROW, StragglerReport  # noqa: E402
 
 
-def best(fn, repeat: int = 5) -> float:
+def best(fn, repeat: int = 7) -> float:
     times = []
     for _ in range(repeat):
         t0 = time.perf_counter()
