@@ -46,8 +46,8 @@ def course_lines(run: str, rows: list[dict]) -> list[str]:
     last = sum(r["loss"] for r in rows[-k:]) / k
     out = [f"steps: {len(rows)}   loss: {first:.3f} (mean of first {k}) -> {last:.3f} (mean of last {k})"
            f"   {'falling' if last < first else 'NOT falling'}"]
-    before = [r["vision_load_max_over_mean_before"] for r in rows if r.get("vision_load_max_over_mean_before") is not None]
-    after = [r["vision_load_max_over_mean_after"] for r in rows if r.get("vision_load_max_over_mean_after") is not None]
+    before = [v for r in rows if (v := r.get("vision_load_max_over_mean_before")) is not None]
+    after = [v for r in rows if (v := r.get("vision_load_max_over_mean_after")) is not None]
     if before:
         line = f"heaviest vision rank / mean vision load: {sum(before) / len(before):.3f} without reordering"
         if after:
@@ -66,7 +66,8 @@ def course_lines(run: str, rows: list[dict]) -> list[str]:
     if tflops:
         mfu = [r["mfu"] for r in steady if r.get("mfu") is not None]
         out.append(f"model {sum(tflops) / len(tflops):.2f} TFLOP/s per GPU"
-                   + (f", MFU {100 * sum(mfu) / len(mfu):.1f} %" if mfu else " (MFU: unknown peak; pass --peak-tflops)"))
+                   + (f", MFU {100 * sum(mfu) / len(mfu):.1f} %" if mfu
+                      else " (MFU: unknown peak; pass --peak-tflops)"))
     peaks = {k[len("peak_memory_bytes_"):]: max(r.get(k, 0) for r in rows) for k in rows[-1]
              if k.startswith("peak_memory_bytes_")}
     if peaks:

@@ -125,7 +125,8 @@ def test_summarize_prints_the_per_rank_table_and_writes_the_plot(tmp_path):
     for step in range(1, 7):
         rows.append({"step": step, "loss": 2.0 - step / 10, "step_time_s": 1.0, "tokens_per_s": 100.0,
                      "rank_step_s": [1.0, 1.0, 1.0], "rank_work_s": [0.3, 0.3, 0.9],
-                     "rank_phase_s": {"data wait": [0.1, 0.1, 0.7], "optimizer": [0.2, 0.2, 0.2], "bridge": [0.7, 0.7, 0.1]},
+                     "rank_phase_s": {"data wait": [0.1, 0.1, 0.7], "optimizer": [0.2, 0.2, 0.2],
+                                      "bridge": [0.7, 0.7, 0.1]},
                      "slowest_rank": 2, "slowest_excess": 2.0, "slowest_phase": "data wait"})
     rows.insert(3, {"step": 3, "valid_loss": 1.5, "valid_ppl": 4.5})
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))

@@ -131,8 +131,9 @@ def _two_nodes(out: str, flags: list[str], env: dict, timeout: float = 400) -> l
         for node in (0, 1):
             o, e = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
             files.append((o, e))
-            cmd = [sys.executable, "-m", "mimo_sft", "finetune", "--nproc-per-node", "2", "--nnodes", "2", "--node-rank",
-                   str(node), "--master-addr", "127.0.0.1", "--master-port", str(port), *flags, "--output-dir", out]
+            cmd = [sys.executable, "-m", "mimo_sft", "finetune", "--nproc-per-node", "2", "--nnodes", "2",
+                   "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(port), *flags,
+                   "--output-dir", out]
             procs.append(subprocess.Popen(cmd, stdout=o, stderr=e, text=True, cwd=str(ROOT),
                                           env=_run_env(marker, env), start_new_session=True))
         codes = [p.wait(timeout=timeout) for p in procs]
