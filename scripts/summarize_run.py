@@ -7,10 +7,13 @@ Exits non-zero if the run has no metrics (so `make demo` fails loudly when train
 
 from __future__ import annotations
 
+import os
 import sys
 
-from mimo_sft.errors import UserError
-from mimo_sft.summary import summarize
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from mimo_sft.errors import UserError  # noqa: E402
+from mimo_sft.summary import summarize  # noqa: E402
 
 
 def main() -> int:
