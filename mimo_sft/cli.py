@@ -274,6 +274,22 @@ def check_data(ctx: typer.Context) -> None:
     _run_flag_command("check-data", ctx, run_check_data, CHECK_DATA_FLAGS)
 
 
+@app.command()
+def summarize(
+    run: str = typer.Argument(..., help="a run folder (the finetune's --output-dir)"),
+    png: Optional[str] = typer.Option(None, "--png", help="where to write the plot of the ranks' work per step "
+                                      "(default: RUN/rank_spread.png)"),
+) -> None:
+    """A run's metrics.jsonl in a few lines, a per-rank table of where the time went, and a plot of its spread."""
+    from mimo_sft.summary import summarize as run_summary
+
+    try:
+        lines = run_summary(run, png)
+    except UserError as e:
+        _fail(e)
+    print("\n".join(lines))
+
+
 def main() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")

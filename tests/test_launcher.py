@@ -65,11 +65,16 @@ def test_the_first_rank_to_fail_for_its_own_reason_is_reported(tmp_path):
 
 
 def test_a_refused_config_is_its_lines_before_any_worker_starts(tmp_path):
-    proc = _launch(new_dir("launch_refused"), components=["--component", "language=dp=2",
-                                                          "--component", "images=dp=1,rank_offset=2"])  # 3 ranks
+    proc = _launch(new_dir("launch_refused"), "--micro-batch-size", "0")
     errors = _no_traceback(proc)
     assert proc.returncode == 2 and errors and all(e.startswith("error: [") for e in errors), proc.stderr[-2000:]
     assert "[rank" not in proc.stderr  # the parent's check, not a worker's
+    # nodes x processes that are not the components' ranks: one line naming the flags, before any rendezvous
+    # (node 1 of 2 alone: it would wait for node 0 otherwise)
+    proc = _launch(new_dir("launch_nodes"), "--nnodes", "2", "--node-rank", "1", "--master-port", "29999")
+    assert proc.returncode == 2 and _no_traceback(proc) == [
+        "error: --nnodes 2 x --nproc-per-node 2 start 4 processes, but the components use 2 ranks; make --nnodes x "
+        "--nproc-per-node 2, or change the components' dp/tp/pp/rank_offset"], proc.stderr[-2000:]
 
 
 def test_a_launch_trains_as_torchrun_does_and_a_failing_rank_is_one_line(tmp_path):

@@ -1,13 +1,19 @@
 """Streamed sources end to end (torchrun, gloo, CPU): a mixture of parquet shards and WebDataset tars
 read in place trains bit for bit as the same rows loaded through ``datasets``, records each source's
 shard position in the checkpoint, and resumes from it -- bit for bit on the same layout, to the
-reduction order (relative 1e-5) on 2 ranks after 4."""
+reduction order (relative 1e-5) on 2 ranks after 4. The same 4-rank run started as two nodes of 2 on this
+machine (issue 45 item 4) trains bit for bit as the one-node run, with one rank slowed on purpose that the
+straggler report names (item 2)."""
 
 from __future__ import annotations
 
 import functools
 import json
 import os
+import socket
+import subprocess
+import sys
+import tempfile
 
 import pytest
 
@@ -109,3 +115,75 @@ def test_a_resumed_streamed_mixture_continues_the_same_order():
     for step in (3, 4):  # the same samples of each source on 2 ranks
         assert [c[step][f"samples/{n}"] for n in ("docs", "chat")] == [a[step][f"samples/{n}"] for n in ("docs", "chat")]
     print(f"4 -> 2 ranks: relative loss differences {diffs}")
+
+
+def _two_nodes(out: str, flags: list[str], env: dict, timeout: float = 400) -> list[subprocess.CompletedProcess]:
+    """``mimo-sft finetune --nnodes 2 --node-rank 0|1 --nproc-per-node 2`` as two launcher agents on this machine
+    (a c10d rendezvous on localhost), each in a session of its own; both killed, with every process they
+    started, once they return."""
+    import preloaded
+    from dist_utils import free_port
+    from train_helpers import ROOT, _kill_marked, _run_env
+
+    port, marker = free_port(), f"two-nodes-{os.getpid()}"
+    procs, files = [], []
+    try:
+        for node in (0, 1):
+            o, e = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+            files.append((o, e))
+            cmd = [sys.executable, "-m", "mimo_sft", "finetune", "--nproc-per-node", "2", "--nnodes", "2",
+                   "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(port), *flags,
+                   "--output-dir", out]
+            procs.append(subprocess.Popen(cmd, stdout=o, stderr=e, text=True, cwd=str(ROOT),
+                                          env=_run_env(marker, env), start_new_session=True))
+        codes = [p.wait(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:
+            preloaded.kill_session(p.pid)
+        _kill_marked(marker)
+    done = []
+    for (o, e), code, p in zip(files, codes, procs):
+        o.seek(0)
+        e.seek(0)
+        done.append(subprocess.CompletedProcess(p.args, code, o.read(), e.read()))
+        o.close()
+        e.close()
+    return done
+
+
+def test_two_nodes_train_as_one_and_the_slowed_rank_is_named():
+    """Issue 45 items 4 and 2: two launcher agents of 2 workers each train the streamed 4-rank run (non-colocated,
+    index-mode reordering, packing) bit for bit; every node's ranks write their checkpoint shards and the export
+    runs once, on global rank 0. Rank 3 (an encoder rank) sleeps 0.4 s in each data wait (a test-only hook): every
+    progress line names it against its encoder peer, metrics.jsonl has its per-phase seconds, the warning names
+    its host after 3 intervals, and ``mimo-sft summarize`` prints the per-rank table and writes the plot."""
+    from mimo_sft.summary import summarize
+    from train_helpers import tiny_model
+
+    d = _data()
+    out = new_dir("two_nodes")
+    flags = ["--hf-model", tiny_model(), "--dataset-path", d["docs_shards"], *FLAGS, "--dataset-path",
+             d["chat_shards"], "--streaming", "--export-hf", out + "/hf",
+             *[a for c in NON_COLOCATED_4 for a in ("--component", c)]]
+    nodes = _two_nodes(out, flags, {"MIMO_SFT_TEST_SLOW_RANK": "3:0.4"})
+    text = "".join(p.stdout + p.stderr for p in nodes)
+    assert [p.returncode for p in nodes] == [0, 0], text[-4000:]
+    assert "Traceback" not in text
+    assert _train(out) == _train(_streamed().out)  # bit for bit, per source too
+    for step in (2, 4):  # every rank, on either node, wrote its part
+        ckpt = os.path.join(out, "checkpoints", f"iter_{step:07d}")
+        assert sorted(f for f in os.listdir(ckpt) if f.startswith("rank_")) == [f"rank_{r:05d}.pt" for r in range(4)]
+    assert text.count("exported Hugging Face checkpoint") == 1 and os.path.isfile(out + "/hf/config.json")
+    # the straggler report
+    lines = [ln for ln in text.splitlines() if ln.startswith("step ")]
+    assert len(lines) == 4 and all("| slowest rank 3 +" in ln and "% (data wait) |" in ln for ln in lines), lines
+    warned = [ln for ln in text.splitlines() if "warning: straggler" in ln]
+    assert len(warned) == 1 and warned[0].startswith(f"mimo-sft: warning: straggler: rank 3 on host "
+                                                     f"{socket.gethostname()} has worked"), warned
+    assert "up to step 3, most in data wait" in warned[0]
+    rows = [m for m in metrics(out) if "loss" in m]
+    assert all(m["slowest_rank"] == 3 and m["slowest_phase"] == "data wait" for m in rows)
+    assert all(m["rank_phase_s"]["data wait"][3] >= 0.8 > m["rank_phase_s"]["data wait"][2] for m in rows)  # 2 waits
+    report = summarize(out)
+    assert any(ln.split()[:1] == ["3"] and ln.split()[-1] == "4/4" for ln in report), report
+    assert os.path.getsize(os.path.join(out, "rank_spread.png")) > 0

@@ -175,6 +175,7 @@ class CheckpointConfig:
 class LoggingConfig:
     output_dir: str = opt("runs/mimo-sft", "--output-dir", "metrics.jsonl, TensorBoard events, resolved config, checkpoints")
     log_interval: int = opt(1, "--log-interval", "print a progress line every N steps")
+    straggler_threshold: float = opt(1.5, "--straggler-threshold", "warn (once, with its host) about a rank whose work per step (its step time less its waits on other ranks) stays above this many times the median of its peers' (ranks of the same modules) for 3 log intervals in a row; the progress line names the slowest rank at every log interval")
     tensorboard: bool = opt(True, "--tensorboard", "write TensorBoard event files", negatable=True)
     peak_tflops: Optional[float] = opt(None, "--peak-tflops", "dense bf16 peak TFLOP/s of one GPU, for MFU (default: looked up from the GPU's name; docs/benchmarks.md has the table)")
     wandb_project: Optional[str] = opt(None, "--wandb-project", "log the config and every metric to this Weights & Biases project (WANDB_MODE=offline works without network; needs: pip install wandb)")

@@ -45,6 +45,7 @@ there the shard is the micro-batch, or there is no one to gather from.
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
@@ -56,6 +57,7 @@ from mimo_sft.data.reorder import window_plan
 from mimo_sft.data.reorder.cost_gather import gather_shard_costs
 from mimo_sft.data.sampler import CanonicalSampler
 from mimo_sft.errors import BadSampleError, UserError
+from mimo_sft.progress import PROGRESS
 
 _PLAN_ONLY = ("order", "global_costs")  # plan internals the feed does not log
 CostFn = Callable[[Mapping], list[float]]
@@ -208,8 +210,11 @@ class IndexPlanner:
         item = next(self.costs)
         t0 = time.perf_counter()
         error = item.get(ERROR_KEY)
-        got = gather_shard_costs(item.get("indices", ()), item.get("costs", ()), item.get("loads", ()),
-                                 per=self.per, dp_size=self.dp_size, group=self.group, error=error)
+        # inline, the training thread waits here for its DP peers: a phase of its own (the watchdog, the
+        # straggler report), not this rank's data work; the planner thread marks nothing
+        with PROGRESS.nested("reorder wait") if not self.threaded else contextlib.nullcontext():
+            got = gather_shard_costs(item.get("indices", ()), item.get("costs", ()), item.get("loads", ()),
+                                     per=self.per, dp_size=self.dp_size, group=self.group, error=error)
         if isinstance(got, str):
             return {"error": got}
         indices, costs, loads = got

@@ -10,12 +10,16 @@ their lines over each other. Here the parent:
 1. loads the config and runs every check once (``require_valid`` for the world it is about to start), before
    any worker exists: a bad config is its problems, one line each, exit 2;
 2. starts the workers (``python -u -m mimo_sft COMMAND ARGS``, each checking again as under torchrun) with the
-   rendezvous torchrun --standalone uses (``c10d`` at ``--master-addr:--master-port``, node ``--node-rank`` of
-   ``--nnodes``; a free local port on one node) and ``--max-restarts``;
+   rendezvous torchrun --standalone uses (``c10d`` at ``--master-addr:--master-port``, ``--nnodes`` nodes, the one
+   of ``--node-rank`` 0 hosting its store; a free local port on one node) and ``--max-restarts``. The rendezvous,
+   not ``--node-rank``, orders the nodes: which node's workers get global ranks 0.. is its choice, as under
+   torchrun with ``c10d``;
 3. on failure, prints the line of the rank that failed first for a reason of its own (a rank that only saw
    its peer die says so, and is passed over), once, and exits with that rank's code. Each worker writes its
    last line to a file in a folder the parent names (``MIMO_SFT_ERROR_DIR``, :func:`record_error`) instead of
-   the console; the parent reads them.
+   the console; the parent reads them;
+4. with ``--exit-signal-handler``, passes a SIGUSR1 it receives on to its workers (each leaves its pid in the same
+   folder): a scheduler's warning before the time limit reaches the ranks that save and stop (:func:`launch`).
 
 ``torchrun ... -m mimo_sft finetune`` works exactly as before.
 """
@@ -25,6 +29,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import socket
 import sys
 import tempfile
@@ -73,6 +78,12 @@ class LaunchOptions:
     @property
     def world_size(self) -> int:
         return self.nproc_per_node * self.nnodes
+
+    @property
+    def started_by(self) -> str:
+        """The flags that set the number of processes, as a refusal names them."""
+        one = f"--nproc-per-node {self.nproc_per_node}"
+        return one if self.nnodes == 1 else f"--nnodes {self.nnodes} x {one}"
 
 
 def split_launch_flags(args: list[str]) -> tuple[LaunchOptions | None, list[str]]:
@@ -162,13 +173,43 @@ def first_failure(folder: str) -> dict | None:
     return min(found, key=lambda f: (-f.get("attempt", 0), f["peer"], f["time"], f["rank"])) if found else None
 
 
+def record_pid(rank: int) -> None:
+    """Under mimo-sft's launcher, leave this worker's pid for the parent (:func:`forward_signal`)."""
+    folder = os.environ.get(ERROR_DIR_ENV)
+    if folder:
+        with open(os.path.join(folder, f"pid_{rank:05d}"), "w") as fh:
+            fh.write(str(os.getpid()))
+
+
+def forward_signal(folder: str, sig: int) -> list[int]:
+    """Send ``sig`` to every worker of this node that left its pid in ``folder``; the pids reached."""
+    reached = []
+    for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
+        if not name.startswith("pid_"):
+            continue
+        try:
+            with open(os.path.join(folder, name)) as fh:
+                pid = int(fh.read())
+            os.kill(pid, sig)
+            reached.append(pid)
+        except (OSError, ValueError):  # a worker that has ended, or a file being written
+            continue
+    return reached
+
+
 def launch(command: str, opts: LaunchOptions, args: list[str], *, check) -> int:
-    """Check once (``check(args, world_size)`` raises ``UserError``), start the workers, report; the exit code."""
+    """Check once (``check(args, world_size)`` raises ``UserError``), start the workers, report; the exit code.
+
+    With ``--exit-signal-handler`` a SIGUSR1 to this process (a scheduler's warning before its time limit, e.g.
+    SLURM's ``--signal``, forwarded by ``srun``) is passed on to this node's workers, which finish the step, save
+    and exit 0 (``train.stopping``); without it SIGUSR1 ends this process as it would any program."""
     try:
-        check(args, opts.world_size)
+        checked = check(args, opts.world_size)
     except UserError as err:
         sys.stderr.write("".join(f"error: {p}\n" for p in err.problems))
         return 2
+    cfg = checked[0] if isinstance(checked, tuple) else None
+    forward = bool(cfg is not None and cfg.train.exit_signal_handler)
     import logging
 
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -177,6 +218,7 @@ def launch(command: str, opts: LaunchOptions, args: list[str], *, check) -> int:
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)  # the agent's own lines: ours says it
     folder = tempfile.mkdtemp(prefix="mimo_sft_errors_")
     os.environ[ERROR_DIR_ENV] = folder  # the workers inherit it
+    previous = signal.signal(signal.SIGUSR1, lambda sig, _frame: forward_signal(folder, sig)) if forward else None
     try:
         elastic_launch(launch_config(opts), sys.executable)("-u", "-m", "mimo_sft", command, *args)
         return 0
@@ -190,5 +232,7 @@ def launch(command: str, opts: LaunchOptions, args: list[str], *, check) -> int:
                          f"(killed, or out of memory?)\n")
         return int(proc.exitcode) if proc.exitcode and proc.exitcode > 0 else 1
     finally:
+        if forward:
+            signal.signal(signal.SIGUSR1, previous)
         os.environ.pop(ERROR_DIR_ENV, None)
         shutil.rmtree(folder, ignore_errors=True)

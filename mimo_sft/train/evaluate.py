@@ -181,7 +181,8 @@ def evaluate_command(args: list[str]) -> int:
         base = read_meta(resolve_checkpoint(args[i])).get("hf_model") if i < len(args) else None
         args += ["--hf-model", base] if base else []
     if opts is not None:  # mimo-sft's own launcher: check once, start the workers (train.elastic)
-        return launch("evaluate", opts, worker_args, check=lambda _args, world: checked_config(args, world))
+        return launch("evaluate", opts, worker_args,
+                      check=lambda _args, world: checked_config(args, world, started_by=opts.started_by))
     return launch_checked(args, lambda cfg, layout: _evaluate(cfg, layout, as_json))
 
 

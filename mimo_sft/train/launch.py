@@ -17,18 +17,24 @@ import traceback
 from mimo_sft.config.loader import load_config
 from mimo_sft.errors import UserError
 from mimo_sft.parallel.bootstrap import launch_rank_world, launched_by_torchrun, require_launcher
-from mimo_sft.train.elastic import failed_first_start, record_error
+from mimo_sft.train.elastic import failed_first_start, record_error, record_pid
 from mimo_sft.validate import require_valid
 
 
-def checked_config(args: list[str], world: int | None, *, refuse_reused_output_dir: bool = False):
+def checked_config(args: list[str], world: int | None, *, refuse_reused_output_dir: bool = False,
+                   started_by: str | None = None):
     """``(cfg, check result)`` of ``args`` for a run of ``world`` ranks (None: one rank without a launcher), or the
     ``UserError`` that lists every problem: what every rank checks, and what ``mimo-sft ... --nproc-per-node``
-    checks once before it starts them (``train.elastic``)."""
+    checks once before it starts them (``train.elastic``; ``started_by``: its flags, named when the processes
+    they start are not the ranks the components use)."""
     cfg = load_config(args)
     if world is not None and cfg.parallel.world_size not in (None, world):
         raise UserError(f"--world-size {cfg.parallel.world_size} but {world} processes were started; "
                         f"drop --world-size or start {cfg.parallel.world_size} processes")
+    implied = _implied_world(cfg) if started_by is not None and cfg.parallel.world_size is None else None
+    if implied is not None and implied != world:
+        raise UserError(f"{started_by} start {world} processes, but the components use {implied} ranks; make "
+                        f"--nnodes x --nproc-per-node {implied}, or change the components' dp/tp/pp/rank_offset")
     result = require_valid(cfg, world_size=world, for_run=True)
     if world is None:
         require_launcher(result.layout.world_size)
@@ -37,10 +43,20 @@ def checked_config(args: list[str], world: int | None, *, refuse_reused_output_d
     return cfg, result
 
 
+def _implied_world(cfg) -> int | None:
+    """The ranks the components use (None when they are not readable: the checks then say why)."""
+    try:
+        specs = cfg.parallel.specs()
+    except UserError:
+        return None
+    return max((s.rank_offset + s.size for s in specs), default=None)
+
+
 def launch_checked(args: list[str], body, *, refuse_reused_output_dir: bool = False) -> int:
     """Load and check the config on every rank, then ``body(cfg, layout)``; errors as described above
     (shared by ``finetune`` and ``evaluate``)."""
     rank, world = launch_rank_world()
+    record_pid(rank)  # under mimo-sft's launcher: the parent forwards a scheduler's SIGUSR1 to it
     try:
         if failed_first_start(rank):
             raise UserError("the first start of the workers fails (test hook MIMO_SFT_TEST_FAIL_FIRST_START)")

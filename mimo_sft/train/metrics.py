@@ -75,6 +75,10 @@ class StepMetrics:
     #: a dataset mixture's per-source figures, written as ``loss/<name>``, ``tokens/<name>`` (supervised) and
     #: ``samples/<name>``; ``loss/<name>`` absent in a step without that source's tokens; empty for one dataset
     sources: dict = field(default_factory=dict, metadata={"flatten_as": "", "per_module": False})
+    #: at a log step of a run of several ranks, the straggler report's per-rank figures (``train.straggler``):
+    #: ``rank_step_s``, ``rank_work_s``, ``rank_phase_s``; ``slowest_rank``, ``slowest_excess``, ``slowest_phase``
+    #: where a rank has peers; empty at other steps
+    ranks: dict = field(default_factory=dict, metadata={"flatten_as": "", "per_module": False})
 
     def to_json(self) -> dict:
         """The ``metrics.jsonl`` object: every field, dict fields flattened to ``<prefix><key>``."""
@@ -292,6 +296,9 @@ class MetricsLogger:
             mfu = f" | MFU {100 * record.mfu:.1f}%" if record.mfu is not None else ""
             if "moe_load_max_over_mean" in record.moe:
                 load += f" | experts max/mean {record.moe['moe_load_max_over_mean']:.2f}"
+            if "slowest_rank" in record.ranks:  # the straggler report: work over its peers' median, and where
+                r = record.ranks
+                load += f" | slowest rank {r['slowest_rank']} {100 * r['slowest_excess']:+.0f} % ({r['slowest_phase']})"
             self.console.print(
                 f"step {step:>5}/{self.total_steps} | loss {record.loss:.4f} | lr {record.lr:.2e} | "
                 f"grad norm {record.grad_norm:.3f} | {record.step_time_s:.2f} s/step | "

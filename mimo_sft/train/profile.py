@@ -27,8 +27,10 @@ range                  where it is opened
 ``optimizer``          ``train.trainer.Trainer.train_step``: megatron's optimizer step
 =====================  ===========================================================================
 
-Ranges of the module phases are opened by hooks that exist only while the profiler runs; the other
-ranges are always entered (a few per micro-batch, microseconds each when no profiler records them).
+The module phases come from hooks the trainer installs for the whole run (:class:`ModulePhases`): every
+phase, module phases included, is entered in ``mimo_sft.progress.PROGRESS`` (the hang watchdog's progress and
+the straggler report's seconds per phase); the module phases open a profiler range only while torch's profiler
+records. A few phases per micro-batch, microseconds each (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -40,23 +42,31 @@ import torch
 from torch.autograd.profiler import record_function
 
 from mimo_sft.config.checks.overlap import parse_profile_ranks, parse_profile_steps, profile_folder
-from mimo_sft.train.watchdog import PROGRESS
+from mimo_sft.progress import PROGRESS
 
 
 class _OpenRange:
     """At most one module phase open at a time on this thread: a backward range has no closing event
-    of its own where its module's input carries no gradient, so opening the next phase closes it."""
+    of its own where its module's input carries no gradient, so opening the next phase closes it.
+    The phase is always entered in ``PROGRESS`` (the watchdog's progress, the straggler report's seconds); a
+    profiler range is opened only while torch's profiler records."""
 
     def __init__(self):
         self._current = None
+        self._name: Optional[str] = None
 
     def open(self, name: str) -> None:
         self.close()
         PROGRESS.enter(name)
-        self._current = record_function(name)
-        self._current.__enter__()
+        self._name = name
+        if torch.autograd._profiler_enabled():
+            self._current = record_function(name)
+            self._current.__enter__()
 
     def close(self) -> None:
+        if self._name is not None:
+            PROGRESS.leave(self._name)
+            self._name = None
         if self._current is not None:
             current, self._current = self._current, None
             current.__exit__(None, None, None)
@@ -150,7 +160,8 @@ class StepProfiler:
     """Starts torch.profiler before step A and writes the trace after step B on the chosen ranks.
 
     ``steps`` are 1-based step numbers of the whole run; a run resumed past A profiles what is left
-    of A..B. ``modules``: label ("encoder", "language") -> the module whose phases are ranges.
+    of A..B. ``modules``: label ("encoder", "language") -> the module whose phases are ranges, hooked while the
+    profile records; the trainer passes none, its :class:`ModulePhases` hooks stay for the whole run.
     """
 
     def __init__(self, *, steps: Optional[tuple[int, int]], ranks: Optional[frozenset[int]], rank: int,
@@ -192,7 +203,8 @@ class StepProfiler:
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
             self._profiler = torch.profiler.profile(activities=activities)
             self._profiler.start()
-            self._phases = ModulePhases(self.modules)
+            # the trainer's hooks are installed for the whole run (modules={}); standalone use brings its own
+            self._phases = ModulePhases(self.modules) if self.modules else None
         self._step_range = record_function(f"step {step}")
         self._step_range.__enter__()
 
@@ -200,7 +212,7 @@ class StepProfiler:
         """After step ``step``'s optimizer step: close its range; after the last one, write the trace."""
         if self._profiler is None or self._step_range is None:
             return
-        self._phases.range.close()
+        _OPEN.close()
         self._step_range.__exit__(None, None, None)
         self._step_range = None
         if step >= self.steps[1]:
@@ -213,7 +225,9 @@ class StepProfiler:
         if self._step_range is not None:
             self._step_range.__exit__(None, None, None)
             self._step_range = None
-        self._phases.remove()
+        if self._phases is not None:
+            self._phases.remove()
+        _OPEN.close()
         self._profiler.stop()
         os.makedirs(self.folder, exist_ok=True)
         before = set(os.listdir(self.folder))

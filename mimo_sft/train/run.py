@@ -12,7 +12,8 @@ def finetune(args: list[str]) -> int:
     opts, args = split_launch_flags(args)
     if opts is not None:  # mimo-sft's own launcher: check once, start the workers (train.elastic)
         return launch("finetune", opts, args,
-                      check=lambda a, world: checked_config(a, world, refuse_reused_output_dir=True))
+                      check=lambda a, world: checked_config(a, world, refuse_reused_output_dir=True,
+                                                           started_by=opts.started_by))
     return launch_checked(args, _train, refuse_reused_output_dir=True)
 
 

@@ -30,10 +30,9 @@ from __future__ import annotations
 import gc
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
-import torch
 import torch.distributed as dist
 
 from mimo_sft.config.loader import config_to_dict, dump_config
@@ -46,6 +45,7 @@ from mimo_sft.parallel import runtime
 from mimo_sft.parallel.bootstrap import start_world
 from mimo_sft.parallel.groups import ParallelState
 from mimo_sft.parallel.layout import LANGUAGE, Layout
+from mimo_sft.progress import PROGRESS
 from mimo_sft.train.checkpoint.save import restore, save_checkpoint, save_gradients
 from mimo_sft.train.checkpoint.files import BEST, latest_name, mark_best, read_meta, resolve_checkpoint
 from mimo_sft.train.checkpoint.write import PendingSaves
@@ -54,9 +54,11 @@ from mimo_sft.train.feed import Feed, build_feed, checked_source
 from mimo_sft.train.flops import peak_tflops_for
 from mimo_sft.train.lr import apply_schedule, lr_at
 from mimo_sft.train.expert_load import ExpertLoad, expert_load_for
-from mimo_sft.train.metrics import AnswerTally, MetricsLogger, StepMetrics, peak_memory_by_module, step_model_flops, throughput
-from mimo_sft.train.profile import StepProfiler, phase
-from mimo_sft.train.watchdog import PROGRESS, start_watchdog
+from mimo_sft.train.metrics import AnswerTally, MetricsLogger
+from mimo_sft.train.profile import ModulePhases, StepProfiler, phase
+from mimo_sft.train.step_log import log_step
+from mimo_sft.train.straggler import StragglerReport, host_names, install_test_hook
+from mimo_sft.train.watchdog import start_watchdog
 from mimo_sft.train.setup import TrainContext, build_model_and_optimizer, build_state
 from mimo_sft.train.step import StepOutput, StepRunner
 from mimo_sft.train.stopping import REASONS, StopPolicy, agree, resume_command
@@ -72,6 +74,7 @@ class StepResult:
     grad_norm: Optional[float]
     update_ok: bool
     step_time_s: float
+    phase_s: dict = field(default_factory=dict)  # this rank's seconds per phase (mimo_sft.progress)
 
 
 class Trainer:
@@ -95,6 +98,8 @@ class Trainer:
     peak_tflops: Optional[float]
     stop: StopPolicy
     profiler: StepProfiler  # --profile-steps (inactive without it)
+    phases: ModulePhases  # each module's forward and backward entered as phases (watchdog, straggler report)
+    straggler: StragglerReport  # per-rank phase times every --log-interval steps
     expert_load: Optional[ExpertLoad]  # a mixture-of-experts model's routing figures (None: dense)
     mixture_order: Optional[MixtureOrder] = None  # a mixture's interleave, for its sources' epochs (built once)
 
@@ -192,14 +197,19 @@ class Trainer:
                           Evaluator(cfg, layout, self.pstate, self.ctx, self.runner, valid_source, flag=valid_flag(cfg.data)))
         best = latest_name(self.save_dir, BEST) if cfg.checkpoint.save_best else None
         self.best_loss = read_meta(os.path.join(self.save_dir, best)).get("valid_loss") if best else None
-        self.profiler = StepProfiler.from_config(cfg, rank=self.rank, world_size=layout.world_size,
-                                                 modules=self._profiled_modules())
+        self.phases = ModulePhases(self._profiled_modules())
+        self.profiler = StepProfiler.from_config(cfg, rank=self.rank, world_size=layout.world_size, modules={})
+        self.straggler = StragglerReport(rank=self.rank, world_size=layout.world_size, layout=layout,
+                                         log_interval=cfg.logging.log_interval, total_steps=t.train_iters,
+                                         threshold=cfg.logging.straggler_threshold,
+                                         hosts=host_names(self.pstate.world_gloo))
+        install_test_hook(self.rank)
         self.profiler.say_if_passed(self.step)  # after resume(): a range the checkpoint is already past
         self.peak_tflops = cfg.logging.peak_tflops or (peak_tflops_for(runtime.device_name()) if runtime.on_gpu() else None)
         self._announce()
 
     def _profiled_modules(self) -> dict:
-        """The modules whose forward and backward are ranges in a ``--profile-steps`` trace (the
+        """The modules whose forward and backward are phases, and ranges in a ``--profile-steps`` trace (the
         modules megatron's DDP wraps, on this rank)."""
         return {("language" if name == LANGUAGE else "encoder"): module.module
                 for name, module in self.ctx.modules.items()}
@@ -316,74 +326,11 @@ class Trainer:
         self.step += 1
         self.consumed += self.global_batch_size
         return StepResult(lr=lr, output=out, grad_norm=float(grad_norm) if grad_norm is not None else None,
-                          update_ok=bool(ok), step_time_s=time.perf_counter() - t0)
+                          update_ok=bool(ok), step_time_s=time.perf_counter() - t0, phase_s=PROGRESS.take_seconds())
 
     def log_step(self, result: StepResult) -> None:
-        """The step's collectives, then (metrics rank) one ``StepMetrics`` record.
-
-        Every rank: peak memory per module and model FLOPs (world). The metrics rank's language DP
-        group: the vision-load figures (one all-gather, only without reordering). Every last-stage
-        language rank: loss and token counts over its DP group; a non-finite loss stops the run.
-        """
-        peaks = peak_memory_by_module(self.pstate)
-        c = self.feed.end_step()
-        model_flops, reorder_bytes, images, bad, frames, video_s = step_model_flops(
-            self.feed.flops.step_flops, self.pstate,
-            (c.reorder_bytes, c.images_decoded, c.bad_samples_skipped, c.video_frames_decoded, c.video_decode_s))
-        load = self.feed.load_stats
-        before, after = load.step_figures() if load is not None else (None, None)
-        moe = self.expert_load.step_figures(self.pstate.world_gloo) if self.expert_load is not None else {}
-        if not self.is_last_language_stage:
-            return
-        out = result.output
-        n_src = self.runner.n_sources  # a mixture: per-source loss sums, tokens, samples after the 7 figures
-        sums = self.runner.source_sums or [[0.0] * n_src, [0.0] * n_src]
-        t = torch.tensor([out.loss_sum, out.num_tokens, c.real_tokens, float(c.samples), c.computed_positions,
-                          c.truncated_samples, c.empty_answers, *sums[0], *sums[1],
-                          *(c.source_samples or [0] * n_src)], dtype=torch.float64)
-        no_index = float(2 ** 62)  # "none seen" for the MIN reduction of the first flagged sample
-        firsts = torch.tensor([c.first_truncated if c.first_truncated >= 0 else no_index,
-                               c.first_empty if c.first_empty >= 0 else no_index], dtype=torch.float64)
-        lang_dp = self.pstate.modules[LANGUAGE].dp_gloo
-        if lang_dp is not None and dist.get_world_size(lang_dp) > 1:
-            dist.all_reduce(t, group=lang_dp)
-            dist.all_reduce(firsts, op=dist.ReduceOp.MIN, group=lang_dp)
-        self.answers.add(self.step, {"truncated": int(t[5]), "empty": int(t[6])},
-                         {"truncated": int(firsts[0]), "empty": int(firsts[1])})
-        loss = float(t[0] / max(t[1], 1.0))
-        if not torch.isfinite(torch.tensor(loss)):
-            raise UserError(f"loss became {loss} at step {self.step}; lower --lr or check the data")
-        step_time = result.step_time_s
-        tflops, mfu = throughput(model_flops, step_time, self.layout.world_size, self.peak_tflops)
-        self.logger.log(StepMetrics(
-            step=self.step, loss=loss, grad_norm=result.grad_norm, lr=result.lr, step_time_s=step_time,
-            tokens_per_s=float(t[2]) / step_time, samples_per_s=float(t[3]) / step_time,
-            supervised_tokens=float(t[1]),
-            vision_load_max_over_mean_before=before, vision_load_max_over_mean_after=after,
-            padding_fraction=1.0 - float(t[2]) / max(float(t[4]), 1.0),
-            reorder_exchange_s=c.exchange_s, reorder_wait_s=c.reorder_wait_s, data_wait_s=c.data_wait_s,
-            reorder_bytes=reorder_bytes, images_decoded=int(images), bad_samples_skipped=int(bad),
-            video_frames_decoded=int(frames), video_decode_s=float(video_s),
-            peak_memory_bytes=max(peaks.values()), peak_memory_bytes_by_module=peaks,
-            model_flops=model_flops, model_tflops_per_gpu=tflops, mfu=mfu,
-            update_ok=result.update_ok, consumed_samples=self.consumed,
-            truncated_samples=int(t[5]), empty_answers=int(t[6]), moe=moe, sources=self._source_figures(t[7:])))
-
-    def _source_figures(self, t: torch.Tensor) -> dict:
-        """``loss/<name>``, ``tokens/<name>``, ``samples/<name>`` from the reduced per-source sums, and
-        ``epochs/<name>``: how many times the source has been read so far (from the interleave, no collective)."""
-        mixture = self.feed.mixture
-        if mixture is None:
-            return {}
-        if self.mixture_order is None:
-            self.mixture_order = mixture.order(seed=self.cfg.train.seed, shuffle=False)
-        names, n, out = mixture.names, len(mixture.names), {}
-        for i, (name, epochs) in enumerate(zip(names, mixture.epochs(self.mixture_order, self.consumed))):
-            loss_sum, tokens, samples = float(t[i]), float(t[n + i]), int(t[2 * n + i])
-            if tokens > 0:
-                out[f"loss/{name}"] = loss_sum / tokens
-            out[f"tokens/{name}"], out[f"samples/{name}"], out[f"epochs/{name}"] = tokens, samples, round(epochs, 6)
-        return out
+        """The step's collectives, then (metrics rank) one ``StepMetrics`` record (``train.step_log``)."""
+        log_step(self, result)
 
     def maybe_evaluate(self) -> Optional[EvalResult]:
         """Evaluate every ``--eval-interval`` steps and after the last step (collective)."""
@@ -459,6 +406,8 @@ class Trainer:
             self.watchdog.close()
         if getattr(self, "profiler", None) is not None:
             self.profiler.finish()
+        if getattr(self, "phases", None) is not None:
+            self.phases.remove()
         if getattr(self, "feed", None) is not None:
             self.feed.close()
         if getattr(self, "logger", None) is not None:

@@ -1,9 +1,9 @@
 """The hang watchdog (``--hang-timeout``): a run that stops making progress says which rank stopped, where, and
 exits with a code a scheduler can requeue on, before ``--dist-timeout`` fails every rank without a word.
 
-How progress is seen: the training thread enters named phases (``train.profile.phase``: data wait, reorder wait,
-bridge, schedule, gradient finalize, optimizer, evaluation, checkpoint save, and the module phases while a profile
-runs); each entry is progress. A thread on every rank publishes this rank's step, phase and the time of its last
+How progress is seen: the training thread enters named phases (``mimo_sft.progress``: data wait, reorder wait,
+bridge, gradient finalize, optimizer, evaluation, checkpoint save, and each module's forward and backward); each
+entry is progress. A thread on every rank publishes this rank's step, phase and the time of its last
 progress to the run's store (torchrun's TCP store; the world group's) every few seconds. When a rank has made no
 progress for the timeout:
 
@@ -31,6 +31,7 @@ import threading
 import time
 import traceback
 
+from mimo_sft.progress import PROGRESS
 from mimo_sft.train.elastic import record_error
 
 #: the exit code of a run the watchdog ended (EX_TEMPFAIL): schedulers requeue on it (docs/troubleshooting.md)
@@ -41,40 +42,6 @@ DIST_MARGIN_S = 60.0
 #: test hook: ``RANK:STEP`` -- that rank stops in its data wait of that step (sleeps), as a stuck rank would
 HANG_AT_ENV = "MIMO_SFT_TEST_HANG_AT"
 _KEY = "mimo_sft/hb/"
-
-
-class Progress:
-    """What the training thread last did; written by it (cheap attribute stores), read by the watchdog thread."""
-
-    def __init__(self):
-        self.step, self.microbatch, self.phase, self.entries = 0, 0, "start-up", 0
-        self.last = time.monotonic()
-        self.history: list[tuple[float, str]] = []  # this step's phases (time, name)
-        self.rank = 0
-        self._hang_at: tuple[int, int] | None = None  # the test hook, read when the watchdog starts
-    def begin_step(self, step: int) -> None:
-        self.step, self.microbatch, self.history, self.entries = step, 0, [], 0
-        self.enter("step start")
-
-    def leave(self, name: str) -> None:
-        """A phase with an end of its own ended: the thread computes until the next one (progress too)."""
-        self.phase, self.last = f"compute after {name}", time.monotonic()
-
-    def enter(self, name: str) -> None:
-        now = time.monotonic()
-        self.phase, self.last = name, now
-        self.entries += 1
-        if len(self.history) < 200:
-            self.history.append((now, name))
-        if name == "data wait":
-            self.microbatch += 1
-            if self._hang_at == (self.rank, self.step):  # the fault the tests inject
-                while True:
-                    time.sleep(3600)
-
-
-#: the process's progress (``train.profile.phase`` enters it)
-PROGRESS = Progress()
 
 
 def hang_timeout_s(setting: int, step_times: list[float], dist_timeout_s: float) -> float:
@@ -97,11 +64,12 @@ LOCAL_PHASES = ("step start", "data wait", "optimizer", "checkpoint save", "eval
 
 
 def _suspicion(phase: str) -> int:
-    """2: inside a phase that waits on nobody; 1: computing after a phase (perhaps in a collective no phase
-    names, such as a parameter gather); 0: in a communicating phase (bridge, gradient finalize, reorder wait)."""
+    """2: inside a phase that waits on nobody; 1: computing (a module's forward or backward, or after a phase:
+    perhaps in a collective no phase names, such as a parameter gather); 0: in a communicating phase (bridge,
+    gradient finalize, reorder wait)."""
     if phase in LOCAL_PHASES:
         return 2
-    return 1 if phase.startswith("compute after") else 0
+    return 1 if phase.startswith("compute after") or phase.endswith((" forward", " backward")) else 0
 
 
 def behind(beats: dict[int, dict], now: float, timeout: float) -> tuple[list[int], list[int], dict | None]:

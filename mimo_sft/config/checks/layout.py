@@ -30,6 +30,9 @@ def c01_positive_sizes(ctx):
         yield (f"--hang-timeout {hang} is not shorter than --dist-timeout {t.dist_timeout_s} by 30 s: the collective "
                f"would time out first and the watchdog could not say which rank hung; lower --hang-timeout or raise "
                f"--dist-timeout")
+    if not ctx.cfg.logging.straggler_threshold > 1:
+        yield (f"--straggler-threshold={ctx.cfg.logging.straggler_threshold} must be > 1 (a multiple of the median "
+               f"work per step of a rank's peers, e.g. 1.5)")
     if t.exit_interval is not None and t.exit_interval < 1:
         yield f"--exit-interval={t.exit_interval} must be >= 1"
     if t.exit_duration_in_mins is not None and t.exit_duration_in_mins <= 0:

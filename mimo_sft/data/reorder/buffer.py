@@ -28,6 +28,7 @@ from torch.autograd.profiler import record_function
 
 from mimo_sft.data.reorder import exchange
 from mimo_sft.errors import UserError
+from mimo_sft.progress import PROGRESS
 
 _DONE = object()
 
@@ -192,7 +193,7 @@ class ReorderingBuffer:
         if self._thread is None:
             self._start_thread()
         t0 = time.perf_counter()
-        with record_function("reorder wait"):
+        with record_function("reorder wait"), PROGRESS.nested("reorder wait"):  # waits for the exchange thread
             item = self._producer.queue.get()
         wait = time.perf_counter() - t0
         if item is _DONE:
