@@ -40,8 +40,6 @@ from mimo_sft.errors import UserError
 
 #: set by the parent for its workers: where each writes its failure line (read by :func:`first_failure`)
 ERROR_DIR_ENV = "MIMO_SFT_ERROR_DIR"
-#: test hook: rank 0 refuses its first start (``TORCHELASTIC_RESTART_COUNT`` 0), so ``--max-restarts`` is seen to work
-FAIL_FIRST_START_ENV = "MIMO_SFT_TEST_FAIL_FIRST_START"
 
 
 def attempt() -> int:
@@ -49,9 +47,6 @@ def attempt() -> int:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
 
 
-def failed_first_start(rank: int) -> bool:
-    """The test hook of :data:`FAIL_FIRST_START_ENV`."""
-    return bool(os.environ.get(FAIL_FIRST_START_ENV)) and rank == 0 and attempt() == 0
 
 
 #: the launcher's flags (as torchrun spells them), each with a value

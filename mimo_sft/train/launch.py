@@ -17,7 +17,7 @@ import traceback
 from mimo_sft.config.loader import load_config
 from mimo_sft.errors import UserError
 from mimo_sft.parallel.bootstrap import launch_rank_world, launched_by_torchrun, require_launcher
-from mimo_sft.train.elastic import failed_first_start, record_error, record_pid
+from mimo_sft.train.elastic import record_error, record_pid
 from mimo_sft.validate import require_valid
 
 
@@ -58,8 +58,6 @@ def launch_checked(args: list[str], body, *, refuse_reused_output_dir: bool = Fa
     rank, world = launch_rank_world()
     record_pid(rank)  # under mimo-sft's launcher: the parent forwards a scheduler's SIGUSR1 to it
     try:
-        if failed_first_start(rank):
-            raise UserError("the first start of the workers fails (test hook MIMO_SFT_TEST_FAIL_FIRST_START)")
         cfg, result = checked_config(args, world if launched_by_torchrun() else None,
                                      refuse_reused_output_dir=refuse_reused_output_dir)
     except UserError as e:
