@@ -171,6 +171,8 @@ def test_webm_frame_count_and_transformers_failure(ckpts, clips):
     ref = VideoRef(clips["webm"])
     header = read_header(ref, 0)
     assert header.frames == 20 and header.fps == pytest.approx(12.5)
+    odd = read_header(VideoRef(clips["mp4"]), 0)  # H.264 in 4:4:4 keeps the odd sides the processor resizes
+    assert (odd.width, odd.height, odd.frames) == (97, 61, 31)
     with pytest.raises(IndexError):
         load_video(str(clips["webm"]), backend="pyav", sample_indices_fn=lambda metadata, **k: np.arange(0))
     frames = decode_frames(ref, [0, 5, 19], 0)

@@ -37,8 +37,11 @@ def write_clip(path: str | Path, *, frames: int, width: int, height: int, fps: f
     rate = Fraction(fps).limit_denominator(1001)
     with av.open(str(path), "w") as out:
         stream = out.add_stream(codec, rate=rate)
-        stream.width, stream.height = width + (width % 2), height + (height % 2)  # yuv420p needs even sides
-        stream.pix_fmt = "yuv420p"
+        odd = bool(width % 2 or height % 2)
+        if odd and codec != "libx264":  # VP9's 4:2:0 needs even sides
+            width, height = width + (width % 2), height + (height % 2)
+        stream.width, stream.height = width, height
+        stream.pix_fmt = "yuv444p" if odd else "yuv420p"  # H.264 takes odd sides in 4:4:4
         if gop:
             stream.codec_context.gop_size = gop  # a keyframe every ``gop`` frames: what seeking lands on
         if variable_rate:
