@@ -305,7 +305,7 @@ def test_bad_rows_are_skipped_counted_and_named_by_shard_and_row(tmp_path, tiny_
     assert served.bad_by_stage["row"] == 2 and served.bad_by_stage["header"] == 1
     (where1, why1), (where2, why2), (where3, why3) = (served.bad_samples[i] for i in (1, 2, 3))
     assert where1.endswith("shard-00000.tar, row 1") and "image member(s)" in why1 and "column" not in why1
-    assert where2.endswith("shard-00000.tar, row 2") and "a video part" in why2 and "names no clip" in why2
+    assert where2.endswith("shard-00000.tar, row 2") and "1 video part" in why2 and "0 clip(s) named" in why2
     assert where3.endswith("missing.png") and "image file not found" in why3 and "column" not in why3
     # rows 1 and 2 stand in with the next row that reads (3, itself text-only: its file is not there)
     assert batch["sample_ids"].tolist() == [0, 3, 3, 3], batch["sample_ids"]

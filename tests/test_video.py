@@ -357,3 +357,30 @@ def test_streamed_shards_hold_clips_as_a_loaded_file_does(ckpts, tmp_path):
         for key in ("input_ids", "labels", "position_ids", "mm_token_type_ids", "pixel_values", "image_grid_thw"):
             assert (key in a) == (key in b) and (key not in a or torch.equal(a[key], b[key])), (i, key)
     assert clips_seen >= 6
+
+
+def test_webdataset_clip_members(ckpts, clips, tmp_path):
+    """A tar sample's ``<key>.mp4`` member is its video part's clip (as ``<key>.png`` is an image part's image):
+    read in place, it gives the tensors the same clip gives named by path."""
+    import io
+    import tarfile
+
+    from mimo_sft.config.schema import DataConfig
+    from mimo_sft.data.sources import load_sft_dataset
+
+    row = {"messages": [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "What happens?"}]},
+                        {"role": "assistant", "content": [{"type": "text", "text": "A bar moves."}]}]}
+    with tarfile.open(tmp_path / "shard-00000.tar", "w") as tar:
+        for name, data in (("s0.json", json.dumps(row).encode()), ("s0.mp4", clips["mp4"].read_bytes()),
+                           ("s1.json", json.dumps(row).encode()), ("s1.webm", clips["webm"].read_bytes())):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    source = load_sft_dataset(DataConfig(dataset_path=str(tmp_path / "shard-00000.tar"), dataloader_type="single"))
+    pre = _pre(ckpts["qwen2_5_vl"], seq_length=512)
+    for i, clip in enumerate((clips["mp4"], clips["webm"])):
+        messages, refs = source[i]
+        assert isinstance(refs[0], VideoRef) and isinstance(refs[0].source, bytes)
+        a = pre.encode(messages, refs, i, need_pixels=True)
+        b = pre.encode(messages, [VideoRef(clip)], i, need_pixels=True)
+        assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["pixel_values"], b["pixel_values"])

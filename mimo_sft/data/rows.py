@@ -93,7 +93,7 @@ class SFTSource:
         text = self._text_value(idx)
         if self.schema == "messages":
             messages, inline = _canonical_messages(text, idx, self.text_column)
-            clips = [c for k, c in inline if k == "video"]
+            clips = [c for k, c in inline if k == "video"] or self._column_clips(idx)
             inline = [r for k, r in inline if k == "image"]
         else:
             messages, inline = _sharegpt_messages(text, idx, self.text_column), []
@@ -106,7 +106,8 @@ class SFTSource:
         self._check_count([{"content": [{"type": t} for t in vision if t == "image"]}], refs, idx, inline=bool(inline))
         if vision.count("video") != len(clips):
             raise UserError(f"sample {idx} of {self.dataset_path}: {vision.count('video')} video part(s) or <video> "
-                            f"marker(s) in the text but {len(clips)} clip(s) named; name each clip once")
+                            f"marker(s) in the text but {len(clips)} clip(s) named; name each clip once (a part's "
+                            f"'video' key, a 'video' column, or a tar sample's <key>.mp4 members)")
         images, videos = iter(refs), iter(self._video_ref(c, idx) for c in clips)
         return messages, [next(images) if t == "image" else next(videos) for t in vision]
 
@@ -229,10 +230,7 @@ def _clean_part(part, idx, col) -> dict:
     if kind == "image" or (kind is None and part.get("image") is not None):
         return {"type": "image"}
     if kind == "video" or (kind is None and part.get("video") is not None):
-        if part.get("video") in (None, "", []):
-            raise UserError(f"sample {idx}: a video part in column '{col}' names no clip; give it a 'video' key "
-                            "(a file, or a list of frame images)")
-        return {"type": "video"}
+        return {"type": "video"}  # its clip: the part's 'video', else the row's video column or tar members
     if kind == "text" or (kind is None and part.get("text") is not None):
         return {"type": "text", "text": part.get("text") or ""}
     raise UserError(f"sample {idx}: content part type '{kind}' in column '{col}' is not supported; use 'text', 'image' or 'video'")
@@ -251,7 +249,7 @@ def _canonical_messages(messages, idx, col) -> tuple[list[dict], list]:
         raw = [content] if isinstance(content, str) else list(content or [])
         parts = [_clean_part(p, idx, col) for p in raw]
         for p, c in zip(raw, parts):
-            if c["type"] == "video":
+            if c["type"] == "video" and isinstance(p, dict) and p.get("video") not in (None, "", []):
                 inline.append(("video", p))
             elif c["type"] == "image" and (r := part_ref(p)) is not None:
                 inline.append(("image", r))

@@ -45,6 +45,10 @@ from mimo_sft.errors import UserError
 CACHED_GROUPS = 2
 #: image members of a WebDataset sample, by their last suffix
 IMAGE_EXTS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff")
+#: clip members of a WebDataset sample (a sample's ``<key>.mp4``: its video parts' clips, in field order)
+VIDEO_EXTS = (".mp4", ".webm", ".mkv", ".mov", ".avi")
+#: the tar index's layout version (part of its cache key): media rows are (offset, size, kind: 0 image, 1 clip)
+TAR_INDEX_VERSION = 2
 _KINDS = {".parquet": "parquet", ".tar": "webdataset"}
 _COMPRESSED = (".tar.gz", ".tgz", ".tar.bz2", ".tar.xz", ".tar.zst")
 
@@ -225,7 +229,7 @@ def _tar_index(path: str) -> dict:
     """A tar's samples from its member headers: per sample the ``.json`` member's offset and size and
     its image members' (WebDataset grouping: the key is the name up to its basename's first dot;
     consecutive members with one key are one sample; images ordered by their field name)."""
-    json_off, json_size, img_off, img_size, img_start = [], [], [], [], [0]
+    json_off, json_size, img_off, img_size, img_kind, img_start = [], [], [], [], [], [0]
     key, fields = None, {}
 
     def close() -> None:
@@ -236,10 +240,11 @@ def _tar_index(path: str) -> dict:
                             f"{', '.join(sorted(fields)) or 'none'}); every sample needs its row as <key>.json")
         json_off.append(fields["json"][0])
         json_size.append(fields["json"][1])
-        for name in sorted((n for n in fields if Path("x." + n).suffix.lower() in IMAGE_EXTS),
+        for name in sorted((n for n in fields if Path("x." + n).suffix.lower() in IMAGE_EXTS + VIDEO_EXTS),
                            key=lambda n: [int(t) if t.isdigit() else t for t in n.split(".")]):
             img_off.append(fields[name][0])
             img_size.append(fields[name][1])
+            img_kind.append(int(Path("x." + name).suffix.lower() in VIDEO_EXTS))
         img_start.append(len(img_off))
 
     try:
@@ -262,7 +267,8 @@ def _tar_index(path: str) -> dict:
                         ".tar files") from None
     samples = np.asarray([json_off, json_size, img_start[:-1]], dtype=np.int64).T.reshape(-1, 3)
     samples = np.concatenate([samples, [[0, 0, len(img_off)]]]).astype(np.int64)
-    return {"samples": samples, "images": np.asarray([img_off, img_size], dtype=np.int64).T.reshape(-1, 2)}
+    return {"samples": samples,
+            "images": np.asarray([img_off, img_size, img_kind], dtype=np.int64).T.reshape(-1, 3)}
 
 
 def _index_cache_dir() -> Path:
@@ -280,7 +286,7 @@ def cached_tar_index(path: str) -> dict:
     index cache (the node's ranks and workers share one copy in the page cache) or built and written
     there atomically."""
     st = os.stat(path)
-    key = hashlib.sha256(f"{os.path.abspath(path)}\0{st.st_size}\0{st.st_mtime_ns}".encode()).hexdigest()[:32]
+    key = hashlib.sha256(f"{TAR_INDEX_VERSION}\0{os.path.abspath(path)}\0{st.st_size}\0{st.st_mtime_ns}".encode()).hexdigest()[:32]
     folder = _index_cache_dir()
     files = {name: folder / f"{key}.{name}.npy" for name in ("samples", "images")}
     if all(f.is_file() for f in files.values()):
@@ -343,10 +349,17 @@ class TarShards(_Rows):
 
     def images(self, i: int) -> list[bytes]:
         """Row ``i``'s image members' bytes, in field order."""
+        return self._members(i, 0)
+
+    def videos(self, i: int) -> list[bytes]:
+        """Row ``i``'s clip members' bytes (``<key>.mp4``, ``<key>.1.webm``, ...), in field order."""
+        return self._members(i, 1)
+
+    def _members(self, i: int, kind: int) -> list[bytes]:
         s, r = self.locate(i)
-        samples, images = self.index[s]["samples"], self.index[s]["images"]
+        samples, media = self.index[s]["samples"], self.index[s]["images"]
         a, b = int(samples[r][2]), int(samples[r + 1][2])
-        return [self._read(s, *images[j]) for j in range(a, b)]
+        return [self._read(s, int(media[j][0]), int(media[j][1])) for j in range(a, b) if int(media[j][2]) == kind]
 
     def first_row(self) -> dict:
         return self.row(0) if len(self) else {}

@@ -58,6 +58,12 @@ class StreamedSource(SFTSource):
             return image_list(self.shards.row(idx).get(self.images_column))
         return image_list(self.shards.value(idx, self.images_column))
 
+    def _column_clips(self, idx: int) -> list:
+        """A tar sample's clip members (``<key>.mp4``, ...) as its clips; parquet rows name theirs inline."""
+        if self.shards.kind != "webdataset":
+            return []
+        return [{"video": member} for member in self.shards.videos(idx)]
+
     def column_chunks(self, column: str):
         """Parquet: the column row group by row group. WebDataset: nothing (a sample's images are its
         members; paths inside its ``.json`` are checked when the sample is read)."""
