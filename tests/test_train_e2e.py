@@ -84,6 +84,37 @@ def test_colocated_equal_dp_matches_single_process(reference_variable):
     assert_same_step(reference_variable, run)
 
 
+def _balanced_like_unbalanced(reference, on, off):
+    """Balancing on: the reference's step (every gradient), the unbalanced run's loss at 1e-6 (the
+    same samples, placed on other GPUs), and a vision load spread no wider than before -- strictly
+    narrower on this data, so samples did move."""
+    assert_same_step(reference, on)
+    assert math.isclose(train_rows(on)[0]["loss"], train_rows(off)[0]["loss"], rel_tol=1e-6)
+    m = metrics(on)[0]
+    assert m["vision_load_max_over_mean_after"] < m["vision_load_max_over_mean_before"], m
+    assert metrics(off)[0]["vision_load_max_over_mean_after"] is None
+
+
+def test_colocated_equal_dp_balanced_matches_single_process(reference_variable):
+    """--intra-microbatch-reorder on colocated equal DP (index mode, the per-GPU plan of
+    data.reorder.colocated_plan): each rank reads its balanced shard and splits it as before."""
+    on = layout_run("co_equal_reorder", 2, ["language=dp=2", "images=dp=2"],
+                    extra=["--scalable-dp", "--intra-microbatch-reorder"])
+    off = layout_run("co_equal", 2, ["language=dp=2", "images=dp=2"], extra=["--scalable-dp"])
+    _balanced_like_unbalanced(reference_variable, on, off)
+
+
+def test_colocated_fan_in_balanced_matches_single_process(reference_variable):
+    """Fan-in over two gather groups (language tp 2 x dp 2, images dp 4), 2 samples per GPU in one
+    micro-batch, the language term weighed in: the coupled plan moves samples between the language
+    DP ranks too (their padded bridges cut the new shards), and the step is still the reference's."""
+    on = layout_run("co_fanin_4_reorder", 4, ["language=tp=2,dp=2", "images=dp=4"],
+                    extra=["--scalable-dp", "--intra-microbatch-reorder", "--reorder-language-cost-weight", "1",
+                           "--micro-batch-size", "8"])
+    off = layout_run("co_fanin_4", 4, ["language=tp=2,dp=2", "images=dp=4"], extra=["--scalable-dp"])
+    _balanced_like_unbalanced(reference_variable, on, off)
+
+
 def test_failing_rank_ends_job_with_clear_error():
     data = fixed_size_data(16, broken_image=5)
     proc = torchrun(4, ["--hf-model", tiny_model(), "--dataset-path", data, "--seq-length", "128",
