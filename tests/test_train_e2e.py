@@ -13,11 +13,11 @@ import os
 
 import pytest
 
-from e2e_runs import (CORNER, GROUP_LAYOUTS, NON_COLOCATED_4, PACKED, SINGLE, assert_packed_equals_padded,
+from e2e_runs import (CORNER, GROUP_LAYOUTS, NON_COLOCATED_4, PACKED, SINGLE, STEP, assert_packed_equals_padded,
                       assert_same_step, colocated_fan_in, language_pp2, layout_run, non_colocated_reordered,
                       packed_non_colocated, reference, train_rows)
-from train_helpers import (BRIDGE_CORNER_IMAGES, bridge_corner_data, checkpoint_tensors, fixed_size_data, metrics,
-                           new_dir, tiny_model, torchrun)
+from train_helpers import (BRIDGE_CORNER_IMAGES, bridge_corner_data, checkpoint_tensors, demo_data, fixed_size_data,
+                           metrics, new_dir, tiny_model, torchrun)
 
 pytestmark = [pytest.mark.e2e, GROUP_LAYOUTS]
 
@@ -108,11 +108,26 @@ def test_colocated_fan_in_balanced_matches_single_process(reference_variable):
     """Fan-in over two gather groups (language tp 2 x dp 2, images dp 4), 2 samples per GPU in one
     micro-batch, the language term weighed in: the coupled plan moves samples between the language
     DP ranks too (their padded bridges cut the new shards), and the step is still the reference's."""
-    on = layout_run("co_fanin_4_reorder", 4, ["language=tp=2,dp=2", "images=dp=4"],
-                    extra=["--scalable-dp", "--intra-microbatch-reorder", "--reorder-language-cost-weight", "1",
-                           "--micro-batch-size", "8"])
-    off = layout_run("co_fanin_4", 4, ["language=tp=2,dp=2", "images=dp=4"], extra=["--scalable-dp"])
+    from mimo_sft.config.loader import load_config
+    from mimo_sft.plan.build import build_plan
+    from mimo_sft.plan.flags import PlanOptions
+
+    layout = ["language=tp=2,dp=2", "images=dp=4"]
+    extra = ["--scalable-dp", "--intra-microbatch-reorder", "--reorder-language-cost-weight", "1",
+             "--micro-batch-size", "8"]
+    on = layout_run("co_fanin_4_reorder", 4, layout, extra=extra)
+    off = layout_run("co_fanin_4", 4, layout, extra=["--scalable-dp"])
     _balanced_like_unbalanced(reference_variable, on, off)
+    # the run laid its micro-batch out as `plan` does (the logged vision figures are the plan's), and
+    # that plan moved samples between the two language DP ranks (their token loads changed)
+    plan = build_plan(load_config(["--hf-model", tiny_model(), "--dataset-path", demo_data(), *STEP,
+                                   *[a for c in layout for a in ("--component", c)], *extra]), PlanOptions(steps=1))
+    (want,) = plan["train_steps"]["vision_load_max_over_mean"]
+    m = metrics(on)[0]
+    for when in ("before", "after"):
+        assert math.isclose(m[f"vision_load_max_over_mean_{when}"], want[f"max_over_mean_{when}"], rel_tol=1e-12)
+    lang = plan["modules"]["language"]["per_micro_batch"]
+    assert lang["max_after"][0] < lang["max_before"][0], lang
 
 
 def test_failing_rank_ends_job_with_clear_error():
