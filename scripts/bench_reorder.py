@@ -11,13 +11,17 @@
       of ``balanced_index_order`` against plain heap LPT of the same costs, quality against the
       lower bounds, and the work the planner counted (candidate swaps examined per sample).
 
+  (f) colocated layouts (issue 46): the per-GPU plan (``colocated_plan.colocated_order``) at 64 and 256
+      groups x 8 samples, equal DP, fan-in and fan-out, against heap LPT of the combined costs, and
+      its heaviest GPU over the mean GPU (a lower bound) against the layout as read.
+
   (e) with ``--baseline FILE``: plan time and quality of another ``assign.py`` (or of the
       ``planning.py`` it was split from, say the one before issue 16, taken from git) against
       ours, dp 8-256 x 8 samples per rank.
 
 Usage: python scripts/bench_reorder.py [--trials 200] [--iters 10] [--scale-trials 10]
                                        [--skip-balance] [--skip-exchange] [--skip-scale] [--scale-only]
-                                       [--baseline PLANNING_PY]
+                                       [--baseline PLANNING_PY] [--colocated-only]
 
 Timings are best-of-N (the machine these ran on is shared); quality figures are exact.
 """
@@ -113,6 +117,40 @@ def table_scale(trials: int, seed: int) -> None:
             print(f"| {dp} | {per} | {dp * per} | {1e3 * statistics.median(plan_t):.2f} | {1e3 * statistics.median(lpt_t):.2f} "
                   f"| {statistics.median(ratio):.1f} | {statistics.mean(ours):.5f} | {max(ours):.5f} "
                   f"| {statistics.mean(ours_pig):.5f} | {statistics.mean(lpt):.4f} | {statistics.mean(work):.0f} |")
+
+
+def table_colocated(trials: int, seed: int) -> None:
+    from mimo_sft.data.reorder.colocated_plan import ColocatedGrid, colocated_order, group_loads, sample_terms
+
+    print("\n(f) colocated layouts: the per-GPU plan, bimodal patches, tokens 100-3000, one core "
+          f"({trials} micro-batches per row; times: best of 3 calls per micro-batch, median over micro-batches)")
+    print("| layout | groups | samples | language weight | plan ms | LPT ms | plan / LPT | heaviest GPU / mean, as read "
+          "| heaviest GPU / mean, planned (worst) |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for G in (64, 256):
+        for name, grid in (("equal DP", ColocatedGrid(G, G, 1)), ("fan-in, language tp 2", ColocatedGrid(G, G // 2, 2)),
+                           ("fan-in, language tp 4", ColocatedGrid(G, G // 4, 4)),
+                           ("fan-out, images tp 2", ColocatedGrid(G // 2, G, 1))):
+            for wl in (0.0, 1.0):
+                rng = random.Random(seed * 1_000_003 + G * 101 + grid.block * 7 + int(wl))
+                plan_t, lpt_t, ratio, before, after = [], [], [], [], []
+                for _ in range(trials):
+                    n = G * 8
+                    v, lang = sample_terms(bimodal(rng, n), [float(rng.randint(100, 3000)) for _ in range(n)], grid,
+                                           encoder_cost_weight=1.0, language_cost_weight=wl)
+                    both = (v + lang).tolist()
+                    tp = _time(lambda: colocated_order(v, lang, grid), 3)
+                    tl = _time(lambda: assign.lpt_equal_count(both, G), 3)
+                    plan_t.append(tp)
+                    lpt_t.append(tl)
+                    ratio.append(tp / tl)
+                    loads = group_loads(v, lang, grid, colocated_order(v, lang, grid))
+                    mean = sum(loads) / len(loads)
+                    after.append(max(loads) / mean)
+                    before.append(max(group_loads(v, lang, grid)) / mean)
+                print(f"| {name} | {G} | {G * 8} | {wl:g} | {1e3 * statistics.median(plan_t):.2f} "
+                      f"| {1e3 * statistics.median(lpt_t):.2f} | {statistics.median(ratio):.1f} "
+                      f"| {statistics.mean(before):.3f} | {statistics.mean(after):.5f} ({max(after):.5f}) |")
 
 
 def table_baseline(path: str, seed: int) -> None:
@@ -310,18 +348,23 @@ def main() -> None:
     ap.add_argument("--scale-trials", type=int, default=10)
     ap.add_argument("--skip-scale", action="store_true")
     ap.add_argument("--scale-only", action="store_true", help="only table (d) (and (e) with --baseline)")
+    ap.add_argument("--colocated-only", action="store_true", help="only table (f), colocated layouts")
     ap.add_argument("--baseline", metavar="PLANNING_PY",
                     help="table (e): compare with another assign.py or an older planning.py, e.g. "
                          "`git show <rev>:mimo_sft/data/reorder/planning.py > /tmp/old_planning.py`")
     args = ap.parse_args()
     torch.set_num_threads(1)
     print(f"torch {torch.__version__}, numpy {np.__version__}, {os.cpu_count()} CPUs")
+    if args.colocated_only:
+        return table_colocated(args.scale_trials, args.seed)
     if not args.scale_only:
         if not args.skip_balance:
             table_balance(args.trials, args.seed)
         table_timing()
     if not args.skip_scale:
         table_scale(args.scale_trials, args.seed)
+    if not args.skip_scale:
+        table_colocated(args.scale_trials, args.seed)
     if args.baseline:
         table_baseline(args.baseline, args.seed)
     if not args.skip_exchange and not args.scale_only:

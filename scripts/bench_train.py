@@ -2,6 +2,7 @@
 
     .venv/bin/python scripts/bench_train.py [--steps 30] [--micro-batch-size 8]
     .venv/bin/python scripts/bench_train.py --suite packing [--steps 20] [--seq-length 384]
+    .venv/bin/python scripts/bench_train.py --colocated [--nproc 4] [--steps 20]
 
 Runs real 4-process CPU fine-tunes (language dp 2 on ranks 0-1, images dp 2 on ranks 2-3) on a
 tiny Qwen2.5-VL and the synthetic document dataset, then prints one table row per setting from
@@ -13,6 +14,12 @@ not GPU stragglers; the vision-load columns are what reordering changes.
 core) on the same dataset with long-tailed answers (``make_demo_data.py --long-answers``) and a
 wider language model, padded to ``--seq-length`` with megatron's local attention, padded with the
 SDPA core, and packed (``--in-batch-packing``, SDPA). Real tokens/s counts only non-padding tokens.
+
+``--colocated``: every process runs both modules (``--nproc 4``: language tp 2 x dp 2 and images dp 4,
+fan-in; ``--nproc 2``: language dp 2 and images dp 2), a vision tower heavy enough to gate the step,
+the synthetic pages of mixed sizes; reordering off against on (the per-GPU plan,
+``data.reorder.colocated_plan``). The heaviest GPU over the mean comes from ``mimo-sft plan --json``
+on the same flags (its ``gpus`` rows: the same micro-batches, as the run lays them out).
 """
 
 from __future__ import annotations
@@ -68,9 +75,52 @@ def packing_suite(args) -> None:
         print(f"| {name} | {st:.3f} | {tps:.0f} ({tps / base:.2f}x) | {pad:.3f} | {mem:.0f} | {loss:.4f} |")
 
 
+COLOCATED_LAYOUTS = {4: ["language=tp=2,dp=2", "images=dp=4"], 2: ["language=dp=2", "images=dp=2"]}
+
+
+def colocated_suite(args) -> None:
+    import json
+    import subprocess
+
+    env = bench_env()
+    work = tempfile.mkdtemp(prefix="bench_colocated_")
+    model, data = write_inputs(work, root=ROOT, env=env, data_flags=["--samples", str(args.samples)],
+                               model_flags=["--vision-hidden", str(args.vision_hidden),
+                                            "--vision-depth", str(args.vision_depth)])
+    layout = [a for c in COLOCATED_LAYOUTS[args.nproc] for a in ("--component", c)]
+    common = ["--hf-model", model, "--dataset-path", data, *layout, "--scalable-dp", "--micro-batch-size",
+              str(args.micro_batch_size), "--global-batch-size", str(2 * args.micro_batch_size), "--dataloader-type",
+              "cyclic", "--no-in-batch-packing", "--seq-length", str(args.seq_length)]
+    plan = subprocess.run([sys.executable, "-m", "mimo_sft", "plan", *common, "--steps", str(2 * args.steps), "--json"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, check=True)
+    gpus = json.loads(plan.stdout.strip().splitlines()[-1])["modules"]["gpus"]
+    rows = []
+    for name, flags in (("reorder off", ["--no-intra-microbatch-reorder"]),
+                        ("reorder on (per-GPU plan)", ["--intra-microbatch-reorder"])):
+        out = os.path.join(work, name.split(" (")[0].replace(" ", "_"))
+        cmd = finetune_command(args.nproc, [*common, *flags, "--output-dir", out, "--train-iters", str(args.steps),
+                                            "--lr", "1e-4", "--no-tensorboard", "--save-interval", str(10**9)])
+        run_session(cmd, cwd=ROOT, env=env, log=out + ".log")
+        m = read_metrics(out)
+        after = [r["vision_load_max_over_mean_after"] for r in m if r["vision_load_max_over_mean_after"] is not None]
+        rows.append((name, statistics.median(r["step_time_s"] for r in m),
+                     statistics.mean(r["vision_load_max_over_mean_before"] for r in m),
+                     statistics.mean(after) if after else None))
+    print(f"{args.nproc} CPU processes, colocated ({' + '.join(COLOCATED_LAYOUTS[args.nproc])}), vision tower "
+          f"{args.vision_hidden} wide x {args.vision_depth} deep, micro-batch {args.micro_batch_size}, "
+          f"--seq-length {args.seq_length}, {args.steps} steps, medians/means over steps 2..{args.steps}")
+    print("| setting | step time (s, median) | heaviest GPU / mean (plan) | vision max/mean (metrics) |")
+    print("|---|---|---|---|")
+    for (name, st, b, a), when in zip(rows, ("before", "after")):
+        vision = f"{b:.3f}" if a is None else f"{a:.3f}"
+        print(f"| {name} | {st:.3f} | {gpus[f'max_over_mean_{when}']:.3f} | {vision} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--suite", choices=("reorder", "packing"), default="reorder")
+    ap.add_argument("--colocated", action="store_true", help="colocated layouts: reordering off vs on per GPU")
+    ap.add_argument("--nproc", type=int, choices=(2, 4), default=4, help="--colocated: processes (GPUs)")
     ap.add_argument("--seq-length", type=int, default=384, help="packing suite: tokens per padded sample")
     ap.add_argument("--text-hidden", type=int, default=256, help="packing suite: language model width")
     ap.add_argument("--text-layers", type=int, default=4, help="packing suite: language model depth")
@@ -82,6 +132,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.suite == "packing":
         return packing_suite(args)
+    if args.colocated:
+        return colocated_suite(args)
     env = bench_env()
     work = tempfile.mkdtemp(prefix="bench_train_")
     model, data = write_inputs(work, root=ROOT, env=env, data_flags=["--samples", str(args.samples)],

@@ -32,6 +32,15 @@ def test_colocated_fan_in_and_fan_out_pass_without_an_image_size_condition(layou
     assert not any("image" in str(n) and "token" in str(n) for n in res.notes), res.notes
 
 
+@pytest.mark.parametrize("layout", [("language=dp=2", "images=dp=2"), ("language=tp=2,dp=2", "images=dp=4"),
+                                    ("language=dp=4", "images=tp=2,dp=2")])
+def test_colocated_layouts_balance_by_index(layout):
+    """Check 11 lets colocated equal DP, fan-in and fan-out reorder (by index, the default mode)."""
+    probs, res = problems(comp(*layout) + ["--micro-batch-size", "8", "--global-batch-size", "8", "--scalable-dp",
+                                           "--intra-microbatch-reorder"])
+    assert probs == [] and res.ok and res.layout.colocated
+
+
 def test_checks_are_numbered_uniquely():
     numbers = [n for n, _, _ in CHECKS]
     assert numbers == sorted(set(numbers))
@@ -72,7 +81,14 @@ CASES = [
     ("window", GOOD + ["--reorder-window-size", "0"], "--reorder-window-size=0 must be >= 1"),
     ("colocated pp", comp("language=dp=2,pp=2", "images=dp=4") + ["--micro-batch-size", "4"],
      "ColocatedBridgeCommunicator needs pp=1 and cp=1"),
-    ("colocated reorder", comp("language=dp=2", "images=dp=2") + GOOD[4:], "on a colocated layout is not supported"),
+    ("colocated reorder by exchange", comp("language=dp=2", "images=dp=2") + GOOD[4:] + ["--reorder-mode", "exchange"],
+     "--reorder-mode exchange with --intra-microbatch-reorder on a colocated layout is not supported"),
+    ("colocated reorder dp", comp("language=tp=2,dp=3", "images=tp=3,dp=2") + GOOD[4:] + ["--micro-batch-size", "6",
+                                                                                          "--global-batch-size", "6"],
+     "--intra-microbatch-reorder on a colocated layout needs DP sizes that divide one another (got 2 and 3)"),
+    ("colocated reorder weights", comp("language=dp=2", "images=dp=2") + GOOD[4:] + ["--reorder-encoder-cost-weight",
+                                                                                    "0"],
+     "both reorder cost weights are 0; set --reorder-encoder-cost-weight"),
     ("language cp", comp("language=dp=1,cp=2", "images=dp=1,rank_offset=2"), "language.cp=2"),
 ]
 

@@ -283,8 +283,36 @@ def test_invalid_layout_is_one_line():
     err = _one_line_error(runner.invoke(app, _args("--micro-batch-size", "3", "--global-batch-size", "6")))
     assert "canonical grid" in err
     assert "--steps" in _one_line_error(runner.invoke(app, _args("--steps", "-2")))
-    assert "--intra-microbatch-reorder" in _one_line_error(runner.invoke(app, _args("--component", "language=dp=2",
-                                                                                   "--component", "images=dp=2")))
+    assert "--reorder-mode exchange" in _one_line_error(runner.invoke(app, _args(
+        "--component", "language=dp=2", "--component", "images=dp=2", "--reorder-mode", "exchange")))
+
+
+def test_colocated_plan_shows_every_gpu_before_and_after():
+    """Fan-in (language tp 2 x dp 2, images dp 4): the ``gpus`` rows are each GPU's load -- its vision
+    slice's patches plus its language DP rank's tokens over tp -- as read (recomputed here from the
+    planned samples' numbers and the read shards) and as the per-GPU plan lays the samples out."""
+    from mimo_sft.config.loader import load_config
+    from mimo_sft.plan.build import build_plan
+    from mimo_sft.plan.flags import PlanOptions
+    from mimo_sft.plan.build import _valid_layout as validate_layout
+    from mimo_sft.plan.inputs import load_micro_batches
+
+    args = _args("--component", "language=tp=2,dp=2", "--component", "images=dp=4", "--micro-batch-size", "8",
+                 "--global-batch-size", "16", "--reorder-language-cost-weight", "0.5")
+    res = runner.invoke(app, [*args, "--steps", "6"])
+    assert res.exit_code == 0, res.output
+    assert "gpus" in res.output and "heaviest GPU" in res.output
+    cfg = load_config(args[1:])
+    plan = build_plan(cfg, PlanOptions(steps=6))
+    mbs_list, _ = load_micro_batches(cfg, validate_layout(cfg), 6)
+    gpus = plan["modules"]["gpus"]["per_micro_batch"]
+    for k, mb in enumerate(mbs_list):
+        vision = [sum(mb.patches[2 * r:2 * r + 2]) for r in range(4)]          # images dp 4: 2 samples each
+        language = [0.5 * sum(mb.tokens[4 * d:4 * d + 4]) / 2 for d in range(2)]  # dp 2, over tp 2
+        before = [vision[g] + language[g // 2] for g in range(4)]
+        assert gpus["max_before"][k] == pytest.approx(max(before), rel=1e-12)
+        assert gpus["max_after"][k] <= gpus["max_before"][k]
+    assert plan["modules"]["gpus"]["max_over_mean_after"] < plan["modules"]["gpus"]["max_over_mean_before"]
 
 
 # ------------------------------------------------------------------------------- end to end

@@ -177,7 +177,8 @@ def test_pure_modules_import_no_collectives():
     import mimo_sft.data.reorder as pkg
 
     root = pathlib.Path(pkg.__file__).parent
-    for name in ("cost_model.py", "assign.py", "window_plan.py", "load_bounds.py", "balance.py", "serialize.py"):
+    for name in ("cost_model.py", "assign.py", "window_plan.py", "load_bounds.py", "balance.py", "serialize.py",
+                 "colocated_plan.py", "coupled.py"):
         tree = ast.parse((root / name).read_text())
         mods = set()
         for node in ast.walk(tree):

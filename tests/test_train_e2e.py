@@ -13,11 +13,11 @@ import os
 
 import pytest
 
-from e2e_runs import (CORNER, GROUP_LAYOUTS, NON_COLOCATED_4, PACKED, SINGLE, assert_packed_equals_padded,
+from e2e_runs import (CORNER, GROUP_LAYOUTS, NON_COLOCATED_4, PACKED, SINGLE, STEP, assert_packed_equals_padded,
                       assert_same_step, colocated_fan_in, language_pp2, layout_run, non_colocated_reordered,
                       packed_non_colocated, reference, train_rows)
-from train_helpers import (BRIDGE_CORNER_IMAGES, bridge_corner_data, checkpoint_tensors, fixed_size_data, metrics,
-                           new_dir, tiny_model, torchrun)
+from train_helpers import (BRIDGE_CORNER_IMAGES, bridge_corner_data, checkpoint_tensors, demo_data, fixed_size_data,
+                           metrics, new_dir, tiny_model, torchrun)
 
 pytestmark = [pytest.mark.e2e, GROUP_LAYOUTS]
 
@@ -85,6 +85,52 @@ def test_colocated_fan_in_matches_single_process(reference_variable):
 def test_colocated_equal_dp_matches_single_process(reference_variable):
     run = layout_run("co_equal", 2, ["language=dp=2", "images=dp=2"], extra=["--scalable-dp"])
     assert_same_step(reference_variable, run)
+
+
+def _balanced_like_unbalanced(reference, on, off):
+    """Balancing on: the reference's step (every gradient), the unbalanced run's loss at 1e-6 (the
+    same samples, placed on other GPUs), and a vision load spread no wider than before -- strictly
+    narrower on this data, so samples did move."""
+    assert_same_step(reference, on)
+    assert math.isclose(train_rows(on)[0]["loss"], train_rows(off)[0]["loss"], rel_tol=1e-6)
+    m = metrics(on)[0]
+    assert m["vision_load_max_over_mean_after"] < m["vision_load_max_over_mean_before"], m
+    assert metrics(off)[0]["vision_load_max_over_mean_after"] is None
+
+
+def test_colocated_equal_dp_balanced_matches_single_process(reference_variable):
+    """--intra-microbatch-reorder on colocated equal DP (index mode, the per-GPU plan of
+    data.reorder.colocated_plan): each rank reads its balanced shard and splits it as before."""
+    on = layout_run("co_equal_reorder", 2, ["language=dp=2", "images=dp=2"],
+                    extra=["--scalable-dp", "--intra-microbatch-reorder"])
+    off = layout_run("co_equal", 2, ["language=dp=2", "images=dp=2"], extra=["--scalable-dp"])
+    _balanced_like_unbalanced(reference_variable, on, off)
+
+
+def test_colocated_fan_in_balanced_matches_single_process(reference_variable):
+    """Fan-in over two gather groups (language tp 2 x dp 2, images dp 4), 2 samples per GPU in one
+    micro-batch, the language term weighed in: the coupled plan moves samples between the language
+    DP ranks too (their padded bridges cut the new shards), and the step is still the reference's."""
+    from mimo_sft.config.loader import load_config
+    from mimo_sft.plan.build import build_plan
+    from mimo_sft.plan.flags import PlanOptions
+
+    layout = ["language=tp=2,dp=2", "images=dp=4"]
+    extra = ["--scalable-dp", "--intra-microbatch-reorder", "--reorder-language-cost-weight", "1",
+             "--micro-batch-size", "8"]
+    on = layout_run("co_fanin_4_reorder", 4, layout, extra=extra)
+    off = layout_run("co_fanin_4", 4, layout, extra=["--scalable-dp"])
+    _balanced_like_unbalanced(reference_variable, on, off)
+    # the run laid its micro-batch out as `plan` does (the logged vision figures are the plan's), and
+    # that plan moved samples between the two language DP ranks (their token loads changed)
+    plan = build_plan(load_config(["--hf-model", tiny_model(), "--dataset-path", demo_data(), *STEP,
+                                   *[a for c in layout for a in ("--component", c)], *extra]), PlanOptions(steps=1))
+    (want,) = plan["train_steps"]["vision_load_max_over_mean"]
+    m = metrics(on)[0]
+    for when in ("before", "after"):
+        assert math.isclose(m[f"vision_load_max_over_mean_{when}"], want[f"max_over_mean_{when}"], rel_tol=1e-12)
+    lang = plan["modules"]["language"]["per_micro_batch"]
+    assert lang["max_after"][0] < lang["max_before"][0], lang
 
 
 def test_failing_rank_ends_job_with_clear_error():

@@ -10,6 +10,10 @@ two DP layouts; where the DP sizes differ (:func:`bridge_pads`) the split also h
 ``train.bridge.PaddedBridge`` needs to cut that output on sample boundaries: the image tokens of
 each sample of the encoder slice and the most image tokens of any sample of the read shard.
 
+With ``--intra-microbatch-reorder`` (index mode) the shard a rank reads is its part of the
+micro-batch laid out by the per-GPU plan (``data.reorder.colocated_plan``) instead of as sampled; the
+slices and the split are the same.
+
 Everything here is pure (no collective).
 """
 

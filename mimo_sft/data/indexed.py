@@ -49,6 +49,7 @@ import contextlib
 import queue
 import threading
 import time
+from functools import partial
 from typing import Any, Callable, Iterator, Mapping
 
 from mimo_sft.data.microbatch import (ERROR_KEY, STATS_KEY, MicroBatchDataset, MicroBatchIterator, data_loader)
@@ -61,6 +62,16 @@ from mimo_sft.progress import PROGRESS
 
 _PLAN_ONLY = ("order", "global_costs")  # plan internals the feed does not log
 CostFn = Callable[[Mapping], list[float]]
+#: ``plan_fn(costs, loads) -> info``: one micro-batch's plan from its GLOBAL per-sample numbers, with
+#: ``window_plan.window_plan_info``'s keys (colocated layouts: ``colocated_plan.colocated_plan_info``)
+PlanFn = Callable[[list, list], dict]
+
+
+def window_plan_one(costs: list, loads: list, *, n_groups: int, dp_size: int,
+                    stats_dp_sizes: Mapping[str, int] | None) -> dict:
+    """The default plan: ``window_plan.window_plan_info`` of a one-slot window."""
+    return window_plan.window_plan_info([costs], [loads], n_groups=n_groups, dp_size=dp_size,
+                                        stats_dp_sizes=stats_dp_sizes)[0]
 
 
 def _plan_stats(info: dict, exchange_s: float) -> dict:
@@ -78,21 +89,23 @@ class IndexReorderedDataset(MicroBatchDataset):
     """
 
     def __init__(self, source, pre, *, dp_rank: int, dp_size: int, n_groups: int, cost_fn: CostFn,
-                 load_fn: CostFn | None = None, stats_dp_sizes: Mapping[str, int] | None = None, **kw):
+                 load_fn: CostFn | None = None, stats_dp_sizes: Mapping[str, int] | None = None,
+                 plan_fn: PlanFn | None = None, **kw):
         super().__init__(source, pre, **kw)
         if n_groups % dp_size:
             raise ValueError(f"DP size {dp_size} does not divide the canonical grid {n_groups}")
         self.dp_rank, self.dp_size, self.n_groups = dp_rank, dp_size, n_groups
         self.cost_fn, self.load_fn = cost_fn, load_fn
         self.stats_dp_sizes = dict(stats_dp_sizes or {})
+        self.plan_fn = plan_fn or partial(window_plan_one, n_groups=n_groups, dp_size=dp_size,
+                                          stats_dp_sizes=self.stats_dp_sizes)
 
     def plan(self, texts: list[dict]) -> dict:
         """The exchange's plan for this micro-batch, from the text path of all its samples."""
         fields = self.collate(texts, need_pixels=False)
         costs = [float(c) for c in self.cost_fn(fields)]
         loads = [float(c) for c in self.load_fn(fields)] if self.load_fn else costs
-        return window_plan.window_plan_info([costs], [loads], n_groups=self.n_groups, dp_size=self.dp_size,
-                                            stats_dp_sizes=self.stats_dp_sizes)[0]
+        return self.plan_fn(costs, loads)
 
     def add_pixels(self, sample: dict) -> dict:
         """Decode the images of one (owned) sample; a text-only stand-in has none to decode."""
@@ -121,8 +134,9 @@ class IndexReorderedDataset(MicroBatchDataset):
             owned = {s["sample_id"] for s in mine}
             # every rank read them; count each once (a bad row: where the row that stood in for it is owned)
             self._bad = [b for b in self._bad if self.stand_in(b[0]) in owned]
-            if self.need_pixels:
-                mine = [self.add_pixels(s) for s in mine]
+            if self.need_pixels:  # colocated: only this rank's encoder slice (pixel_slice) is decoded
+                lo, hi = self.pixel_slice or (0, len(mine))
+                mine = [self.add_pixels(s) if lo <= k < hi else s for k, s in enumerate(mine)]
         except UserError as err:  # crosses worker processes as data, re-raised as one line
             return {ERROR_KEY: str(err)}
         batch = self.collate(mine, self.need_pixels)
@@ -196,10 +210,13 @@ class IndexPlanner:
     training thread's."""
 
     def __init__(self, costs: Iterator[dict], *, group: Any, dp_rank: int, dp_size: int, n_groups: int, per: int,
-                 stats_dp_sizes: Mapping[str, int] | None, threaded: bool, depth: int = 2):
+                 stats_dp_sizes: Mapping[str, int] | None, threaded: bool, depth: int = 2,
+                 plan_fn: PlanFn | None = None):
         self.costs, self.group = costs, group
         self.dp_rank, self.dp_size, self.n_groups, self.per = dp_rank, dp_size, n_groups, per
         self.stats_dp_sizes = dict(stats_dp_sizes or {})
+        self.plan_fn = plan_fn or partial(window_plan_one, n_groups=n_groups, dp_size=dp_size,
+                                          stats_dp_sizes=self.stats_dp_sizes)
         self.threaded = threaded
         self.queue: queue.Queue = queue.Queue(maxsize=depth)
         self.stop = threading.Event()
@@ -218,8 +235,7 @@ class IndexPlanner:
         if isinstance(got, str):
             return {"error": got}
         indices, costs, loads = got
-        info = window_plan.window_plan_info([costs], [loads], n_groups=self.n_groups, dp_size=self.dp_size,
-                                            stats_dp_sizes=self.stats_dp_sizes)[0]
+        info = self.plan_fn(costs, loads)
         mine = info["order"][self.dp_rank * self.per: (self.dp_rank + 1) * self.per]
         return {"indices": [indices[p] for p in mine], "stats": _plan_stats(info, time.perf_counter() - t0)}
 
@@ -293,16 +309,19 @@ def build_index_iterator(source, pre, *, sampler_kw: dict, group: Any, dp_rank: 
                          n_groups: int, cost_fn: CostFn, load_fn: CostFn | None = None,
                          stats_dp_sizes: Mapping[str, int] | None = None, workers: int, seed: int,
                          pin_memory: bool = False, cost_folder=None, count_costs=None,
-                         **common) -> MicroBatchIterator:
+                         plan_fn: PlanFn | None = None, **common) -> MicroBatchIterator:
     """This rank's index-mode iterator. ``sampler_kw``: this rank's :class:`CanonicalSampler`
     arguments; ``group``: the gloo DP group for the cost gather (None, or a DP-1 module: the
     whole-read path); ``workers``: the sample loader's workers, the cost loader gets half of them (at
     least one when there are any); ``common``: the :class:`MicroBatchDataset` options;
     ``cost_folder``/``count_costs``: where ``check-data --write-costs`` put the sources' counts, and
-    their cost formula (``data.cost_file``: a source with a file is planned without reading rows)."""
+    their cost formula (``data.cost_file``: a source with a file is planned without reading rows);
+    ``plan_fn``: the plan of one micro-batch from the gathered numbers (default: the window plan of a
+    module of ``dp_size``; colocated layouts: the per-GPU plan, ``data.reorder.colocated_plan``)."""
     if n_groups % dp_size:
         raise ValueError(f"DP size {dp_size} does not divide the canonical grid {n_groups}")
-    plan_kw = dict(n_groups=n_groups, cost_fn=cost_fn, load_fn=load_fn, stats_dp_sizes=stats_dp_sizes)
+    plan_kw = dict(n_groups=n_groups, cost_fn=cost_fn, load_fn=load_fn, stats_dp_sizes=stats_dp_sizes,
+                   plan_fn=plan_fn)
     whole = group is None or dp_size == 1  # then every rank reads the whole micro-batch's text path
     sampler = CanonicalSampler(dp_size=dp_size, dp_rank=dp_rank, whole_micro_batch=whole, seed=seed, **sampler_kw)
     if whole:
@@ -310,7 +329,7 @@ def build_index_iterator(source, pre, *, sampler_kw: dict, group: Any, dp_rank: 
         loader = data_loader(dataset, sampler, workers=workers, seed=seed, pin_memory=pin_memory)
         return MicroBatchIterator(loader, sampler, dataset)
     cost_workers = max(1, workers // 2) if workers > 0 else 0
-    cost_common = {k: v for k, v in common.items() if k != "need_pixels"}
+    cost_common = {k: v for k, v in common.items() if k not in ("need_pixels", "pixel_slice")}
     counts, stale = None, []
     if cost_folder is not None and count_costs is not None:
         from mimo_sft.data.cost_file import SourceCounts, load_cost_tables, other_settings, parts_of
@@ -323,7 +342,8 @@ def build_index_iterator(source, pre, *, sampler_kw: dict, group: Any, dp_rank: 
                              **cost_common)
     cost_loader = data_loader(costs, sampler, workers=cost_workers, seed=seed)
     planner = IndexPlanner(iter(cost_loader), group=group, dp_rank=dp_rank, dp_size=dp_size, n_groups=n_groups,
-                           per=sampler.mbs // dp_size, stats_dp_sizes=stats_dp_sizes, threaded=cost_workers > 0)
+                           per=sampler.mbs // dp_size, stats_dp_sizes=stats_dp_sizes, threaded=cost_workers > 0,
+                           plan_fn=plan_fn)
     owned = OwnedSamplesDataset(source, pre, **common)
     plans = PlanSampler(planner)
     loader = data_loader(owned, plans, workers=workers, seed=seed, pin_memory=pin_memory)

@@ -141,15 +141,15 @@ def build_microbatch_iterator(data_cfg, *, model_dir, micro_batch_size: int, can
     warning = shm_warning(workers, micro_batch_bytes=mb_bytes)
     if warning:
         log.warning(warning)
+    cut = (pixel_slice.start, pixel_slice.stop) if pixel_slice is not None else None
     if index_reorder is not None:
         from mimo_sft.data.indexed import build_index_iterator
 
         return build_index_iterator(source, pre, sampler_kw=sampler_kw, dp_rank=dp_rank, dp_size=dp_size,
-                                    workers=workers, seed=seed, pin_memory=pin_memory,
+                                    workers=workers, seed=seed, pin_memory=pin_memory, pixel_slice=cut,
                                     **{"group": None, **index_reorder}, **common)
     sampler = CanonicalSampler(dp_size=dp_size, dp_rank=dp_rank, seed=seed, whole_micro_batch=not scalable_dp,
                                **sampler_kw)
-    cut = (pixel_slice.start, pixel_slice.stop) if pixel_slice is not None else None
     dataset = MicroBatchDataset(source, pre, keep_slice=None if scalable_dp else sampler.slice, pixel_slice=cut,
                                 **common)
     loader = data_loader(dataset, sampler, workers=workers, seed=seed, pin_memory=pin_memory)

@@ -20,7 +20,8 @@ def build_plan(cfg, opts: PlanOptions) -> dict:
 
     Keys: ``steps``, ``modules.{images,language}`` (``max_over_mean_before/_after``, their ``_p95``,
     ``spread_*`` = mean heaviest-minus-lightest rank, ``wait_share_*`` = mean 1 - mean/max, and
-    ``per_micro_batch`` series), ``train_steps`` (what metrics.jsonl logs per optimizer step),
+    ``per_micro_batch`` series; colocated layouts add ``gpus``: each canonical group's GPU load, its
+    vision slice plus its share of its language DP rank, ``data.reorder.colocated_plan``), ``train_steps`` (what metrics.jsonl logs per optimizer step),
     ``compare`` (one summary per extra window / language weight), ``language_positions`` (positions
     each language rank computes per micro-batch, padded vs packed: ``plan.positions``), ``sample_ids``, ``layout``,
     ``reorder``, ``data``, ``note``, ``memory`` (check 23's forecast per module on the heaviest planned
@@ -75,9 +76,6 @@ def _valid_layout(cfg):
         more = f" (+{len(msgs) - 1} more; `mimo-sft validate` lists them all)" if len(msgs) > 1 else ""
         raise UserError(f"invalid config: {msgs[0]}{more}", problems=msgs)
     layout = result.layout
-    if layout.colocated:
-        raise UserError("plan: the layout is colocated; intra-microbatch reordering balances encoder ranks that run "
-                        "apart from the language model, so there is nothing to plan; give the modules disjoint ranks")
     if IMAGES not in layout.names:
         raise UserError("plan: the layout has no 'images' module; add --component 'images=tp=1,dp=N,rank_offset=R'")
     return layout
@@ -108,10 +106,16 @@ def _simulate(cfg, layout, mbs_list, opts: PlanOptions) -> tuple[dict, list[dict
 
     r = cfg.reorder
 
+    colocated = None
+    if layout.colocated:  # every GPU runs both modules: the per-GPU plan (data.reorder.colocated_plan)
+        from mimo_sft.data.reorder.colocated_plan import ColocatedGrid
+
+        colocated = ColocatedGrid.from_layout(layout)
+
     def run(window: int, lang_w: float) -> dict:
         return simulate.trace(mbs_list, n_groups=layout.canonical_grid, dp_sizes=_dp_sizes(layout),
                               encoder_cost_weight=r.encoder_cost_weight, language_cost_weight=lang_w,
-                              window_size=window)
+                              window_size=window, colocated=colocated)
 
     main = run(r.window_size, r.language_cost_weight)
     compare = [_compare_row("window", w, r.language_cost_weight, run(w, r.language_cost_weight)) for w in opts.windows]
@@ -149,11 +153,13 @@ def _reorder_figures(cfg, layout, mbs_list, main: dict, patch_bytes) -> dict:
     from mimo_sft.plan import simulate
 
     r = cfg.reorder
-    moved = simulate.exchange_bytes(mbs_list, main[LANGUAGE].orders, dp_sizes=_dp_sizes(layout),
-                                    seq_length=cfg.data.seq_length, patch_bytes=patch_bytes)
+    exchange = None  # colocated layouts reorder by index only (check 11)
+    if not layout.colocated:
+        exchange = _mean(simulate.exchange_bytes(mbs_list, main[LANGUAGE].orders, dp_sizes=_dp_sizes(layout),
+                                                 seq_length=cfg.data.seq_length, patch_bytes=patch_bytes))
     return {"enabled_in_config": r.enabled, "encoder_cost_weight": r.encoder_cost_weight,
             "language_cost_weight": r.language_cost_weight, "window_size": r.window_size,
-            "mode": r.mode, "bytes_per_micro_batch": {"index": 0.0, "exchange": _mean(moved)}}
+            "mode": r.mode, "bytes_per_micro_batch": {"index": 0.0, "exchange": exchange}}
 
 
 def _language_positions(cfg, layout, mbs_list, main: dict) -> dict:

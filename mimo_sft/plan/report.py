@@ -12,7 +12,7 @@ from rich.table import Table
 
 from mimo_sft.console import make_console
 
-UNITS = {"images": "patches", "language": "tokens"}
+UNITS = {"images": "patches", "language": "tokens", "gpus": "weighted load"}
 CAPTION = ("max/mean: heaviest DP rank's load over the mean rank's, averaged over micro-batches (1.000 = "
            "balanced); p95 over micro-batches; max-min: heaviest minus lightest rank; idle: 1 - mean/max, the "
            "share of each micro-batch the average rank waits for the heaviest")
@@ -40,8 +40,10 @@ def print_plan(plan: dict, console: Console | None = None) -> None:
     weights = (f"encoder weight {r['encoder_cost_weight']:g} · language weight {r['language_cost_weight']:g} · "
                f"window {r['window_size']}")
     moved = r["bytes_per_micro_batch"]
+    exchange = ("n/a (colocated: index only)" if moved["exchange"] is None else
+                f"{moved['exchange'] / 1e6:.2f} MB")
     console.print(f"mode    --reorder-mode {r['mode']} · bytes between ranks per micro-batch: index 0, exchange "
-                  f"{moved['exchange'] / 1e6:.2f} MB")
+                  f"{exchange}")
     if r["enabled_in_config"]:
         console.print(f"reorder [green]ON[/green] in config · {weights}")
     else:
@@ -53,16 +55,22 @@ def print_plan(plan: dict, console: Console | None = None) -> None:
         table.add_column(col, justify="left" if col in ("module", "reorder") else "right", no_wrap=True)
     for name, m in plan["modules"].items():
         for when, label in (("before", "off"), ("after", "on")):
-            first = f"[bold]{name}[/bold]" if when == "before" else f"{UNITS[name]}, dp={m['dp']}"
+            unit = f"{UNITS[name]}, dp={m['dp']}" if name != "gpus" else f"vision + language / tp, {m['dp']} groups"
+            first = f"[bold]{name}[/bold]" if when == "before" else unit
             table.add_row(first, label, f"{m[f'max_over_mean_{when}']:.3f}", f"{m[f'max_over_mean_p95_{when}']:.3f}",
                           _num(m[f"spread_{when}"]), _num(m[f"spread_p95_{when}"]), _pct(m[f"wait_share_{when}"]),
-                          style="bold green" if when == "after" and name == "images" else None)
+                          style="bold green" if when == "after" and name == _balanced_row(plan) else None)
         if name != list(plan["modules"])[-1]:
             table.add_section()
     console.print(table)
     img = plan["modules"]["images"]
     console.print(f"images: heaviest encoder rank {img['max_over_mean_before']:.2f}x -> {img['max_over_mean_after']:.2f}x "
                   f"the mean; idle {_pct(img['wait_share_before'])} -> {_pct(img['wait_share_after'])}")
+    if "gpus" in plan["modules"]:
+        g = plan["modules"]["gpus"]
+        console.print(f"gpus (colocated: each GPU encodes its vision slice, then computes its share of its language "
+                      f"DP rank): heaviest GPU {g['max_over_mean_before']:.2f}x -> {g['max_over_mean_after']:.2f}x "
+                      f"the mean; idle {_pct(g['wait_share_before'])} -> {_pct(g['wait_share_after'])}")
     pos = plan["language_positions"]
     console.print(f"language: positions computed per rank per micro-batch: padded {_num(pos['padded_per_rank'])} "
                   f"({_pct(pos['padding_fraction'])} padding) · packed {_num(pos['packed_per_rank'])} "
@@ -73,6 +81,11 @@ def print_plan(plan: dict, console: Console | None = None) -> None:
         console.print(f"plot: {plan['png']}")
     if plan.get("not_checked"):
         console.print(f"note: {plan['not_checked']}")
+
+
+def _balanced_row(plan: dict) -> str:
+    """The row reordering balances: the encoder ranks, or on colocated layouts every GPU."""
+    return "gpus" if "gpus" in plan["modules"] else "images"
 
 
 def _print_compare(plan: dict, console: Console) -> None:

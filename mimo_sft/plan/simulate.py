@@ -22,9 +22,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from mimo_sft.data.reorder import cost_model, load_bounds, window_plan
+from mimo_sft.data.reorder import colocated_plan, cost_model, load_bounds, window_plan
 
 IMAGES, LANGUAGE = "images", "language"
+#: colocated layouts: the per-GPU load (its vision slice plus its share of its language DP rank,
+#: ``colocated_plan.group_loads``), one value per canonical group
+GPUS = "gpus"
 
 
 @dataclass
@@ -84,13 +87,31 @@ def orders_for(micro_batches: Sequence[MicroBatchLoad], *, n_groups: int, encode
 
 
 def trace(micro_batches: Sequence[MicroBatchLoad], *, n_groups: int, dp_sizes: dict[str, int],
-          encoder_cost_weight: float, language_cost_weight: float, window_size: int) -> dict[str, ModuleTrace]:
-    """Per-rank loads of ``images`` (patches) and ``language`` (tokens), before and after."""
-    orders = orders_for(micro_batches, n_groups=n_groups, encoder_cost_weight=encoder_cost_weight,
-                        language_cost_weight=language_cost_weight, window_size=window_size)
+          encoder_cost_weight: float, language_cost_weight: float, window_size: int,
+          colocated=None) -> dict[str, ModuleTrace]:
+    """Per-rank loads of ``images`` (patches) and ``language`` (tokens), before and after.
+
+    ``colocated`` (a ``colocated_plan.ColocatedGrid``): the orders are the per-GPU plan's
+    (``colocated_plan_info``, what index mode lays out there) and a :data:`GPUS` trace is added.
+    """
+    if colocated is None:
+        orders = orders_for(micro_batches, n_groups=n_groups, encoder_cost_weight=encoder_cost_weight,
+                            language_cost_weight=language_cost_weight, window_size=window_size)
+    else:
+        check_weights(encoder_cost_weight, language_cost_weight)
+        infos = [colocated_plan.colocated_plan_info(mb.tokens, mb.patches, grid=colocated,
+                                                    encoder_cost_weight=encoder_cost_weight,
+                                                    language_cost_weight=language_cost_weight)
+                 for mb in micro_batches]
+        orders = [info["order"] for info in infos]
     out = {name: ModuleTrace(dp, orders=orders) for name, dp in dp_sizes.items()}
+    if colocated is not None:
+        out[GPUS] = ModuleTrace(colocated.n_groups, orders=orders, before=[i["cost_before"] for i in infos],
+                                after=[i["cost_after"] for i in infos])
     for mb, order in zip(micro_batches, orders):
         for name, tr in out.items():
+            if name == GPUS:
+                continue
             loads = mb.patches if name == IMAGES else mb.tokens
             before, after = load_bounds.loads_before_after(loads, order, n_groups, tr.dp)
             tr.before.append(before)

@@ -199,14 +199,15 @@ def _build_feed(cfg, layout, pstate, info, *, consumed_samples: int, source) -> 
     coords = layout.coords(rank)
     if layout.colocated:
         plan = colocated_read_plan(layout, rank, mbs)
+        index = _colocated_index(cfg, layout, pstate, info, plan.module) if cfg.reorder.enabled else None
         it = build_microbatch_iterator(cfg.data, dp_size=plan.dp_size, dp_rank=plan.dp_rank, need_pixels=True,
-                                       pixel_slice=plan.encoder, **common)
+                                       pixel_slice=plan.encoder, index_reorder=index, **common)
         split = ColocatedSplit.for_plan(plan, layout, image_token_id=info.image_token_id)
         # ranks that read the same shard all see its bad samples: the first language slice of the
         # shard on language tp 0 counts them
         counts = plan.language.start == 0 and coords[LANGUAGE].tp == 0
-        return Feed(it, split=split, load_stats=load_stats, flops=flops, packed=packed,
-                    count_bad=("header", "pixels") if counts else ())
+        return Feed(it, reorder=it if index is not None else None, split=split, load_stats=load_stats, flops=flops,
+                    packed=packed, count_bad=("header", "pixels") if counts else ())
     (module,) = pstate.mine()
     coord = coords[module]
     spec = layout.spec(module)
@@ -242,6 +243,28 @@ def _build_feed(cfg, layout, pstate, info, *, consumed_samples: int, source) -> 
             cost_fn=cost_fn, group=groups.dp_gloo, side_group=groups.reorder_side_gloo, overlap=r.overlap,
             window_size=r.window_size, load_fn=load_fn, stats_dp_sizes=stats_dp)
     return Feed(it, reorder=reorder, load_stats=load_stats, flops=flops, packed=packed, count_bad=count_bad)
+
+
+def _colocated_index(cfg, layout, pstate, info, module: str) -> dict:
+    """Index-mode reordering on a colocated layout (``data.reorder.colocated_plan``): the ranks of the
+    read module's DP group gather each sample's real tokens and patches and lay the micro-batch out so
+    that the heaviest GPU -- its vision slice plus its share of its language DP rank -- is as light as
+    they can make it; each rank then reads its (coarse) shard of that order and splits it as before."""
+    from functools import partial
+
+    from mimo_sft.data.cost_file import cost_dir
+    from mimo_sft.data.reorder.colocated_plan import ColocatedGrid, colocated_plan_info
+    from mimo_sft.data.reorder.cost_model import make_count_fn, make_real_token_fn
+
+    r = cfg.reorder
+    grid = ColocatedGrid.from_layout(layout)
+    stats_dp = {"vision": grid.vision_dp}
+    plan_fn = partial(colocated_plan_info, grid=grid, encoder_cost_weight=r.encoder_cost_weight,
+                      language_cost_weight=r.language_cost_weight, stats_dp_sizes=stats_dp)
+    return dict(n_groups=layout.canonical_grid, cost_fn=make_real_token_fn(), load_fn=_patch_fn(info),
+                stats_dp_sizes=stats_dp, plan_fn=plan_fn, cost_folder=cost_dir(cfg.data),
+                count_costs=make_count_fn(merge_size=info.spatial_merge_size),
+                group=pstate.modules[module].reorder_side_gloo)
 
 
 def checked_source(cfg, pstate, data_cfg=None, *, cache_verdict: bool = True):

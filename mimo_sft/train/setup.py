@@ -321,7 +321,8 @@ def _without_empty_optimizers(optimizer, modules: dict):
 
 def build_state(cfg: ExperimentConfig, layout: Layout) -> ParallelState:
     """The layout's grids and process groups (collective), with the reorder thread's own gloo DP
-    group where the exchange overlaps the step or index mode gathers its shard costs."""
+    group where the exchange overlaps the step or index mode gathers its shard costs (colocated
+    layouts reorder by index only: check 11)."""
     r = cfg.reorder
-    reorder_side = r.enabled and (r.overlap or r.mode == "index") and not layout.colocated
+    reorder_side = r.enabled and (r.overlap or r.mode == "index")
     return build_parallel_state(layout, reorder_side_group=reorder_side)

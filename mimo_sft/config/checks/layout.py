@@ -165,9 +165,19 @@ def c11_colocated(ctx):
         if s.pp > 1 or s.cp > 1:
             yield (f"colocated layout with {s.name}.pp={s.pp}, cp={s.cp}: megatron's "
                    f"ColocatedBridgeCommunicator needs pp=1 and cp=1; set both to 1 or give the modules disjoint ranks")
-    if ctx.cfg.reorder.enabled:
-        yield ("--intra-microbatch-reorder on a colocated layout is not supported (mimo-sft's own limit: "
-               "it balances encoder ranks that run apart from the language model); drop the flag")
+    r = ctx.cfg.reorder
+    if not r.enabled:
+        return
+    # colocated balancing (data.reorder.colocated_plan) places samples on the canonical grid of two DP
+    # sizes that divide one another, and reads them by index
+    if r.mode != "index":
+        yield (f"--reorder-mode {r.mode} with --intra-microbatch-reorder on a colocated layout is not supported "
+               "(mimo-sft's own limit: colocated balancing reads each rank's samples by index); use --reorder-mode index")
+    dps = sorted({s.dp for s in ctx.specs if s.dp >= 1})
+    if len(dps) == 2 and dps[1] % dps[0]:
+        yield (f"--intra-microbatch-reorder on a colocated layout needs DP sizes that divide one another "
+               f"(got {dps[0]} and {dps[1]}): the balanced micro-batch is laid out on the canonical grid both "
+               f"modules read; make one DP size a multiple of the other or drop the flag")
 
 
 def c12_language_partition(ctx):

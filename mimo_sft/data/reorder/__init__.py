@@ -4,7 +4,8 @@ Pure planning imports no collectives, so every module computes the same plan fro
 without talking to the others: :mod:`.cost_model` (per-sample costs, the one formula), :mod:`.assign`
 (equal-count balancing onto the canonical grid; kernels in :mod:`.balance`), :mod:`.window_plan`
 (each window's orders, routes and logged statistics), :mod:`.load_bounds` (per-rank loads, spread,
-lower bound and exact optimum) and :mod:`.routing` (where every sample goes). Byte packing
+lower bound and exact optimum), :mod:`.routing` (where every sample goes) and, on colocated layouts,
+:mod:`.colocated_plan` (the per-GPU plan; its swap kernel :mod:`.coupled`). Byte packing
 (:mod:`.serialize`) is pure too; :mod:`.exchange` only moves bytes: the one all-gather + one ragged
 all-to-all per window; :mod:`.buffer` wraps the data iterator (optionally overlapping the next
 window's exchange on a background thread). Index mode (``data.indexed``) moves no sample: its one

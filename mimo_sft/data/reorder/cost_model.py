@@ -145,3 +145,26 @@ def make_count_cost_fn(
         return costs, [float(p) for p in patches.tolist()]
 
     return fn
+
+
+def make_real_token_fn() -> Callable[[Mapping[str, torch.Tensor]], list[float]]:
+    """A ``cost_fn(batch)`` giving each sample's real tokens (``attention_mask.sum()``): on colocated
+    layouts index mode gathers the raw counts, tokens and patches, and the planner weighs them per GPU
+    (``colocated_plan.sample_terms``: the language term is shared by the language tp ranks)."""
+    return _real_tokens
+
+
+def _real_tokens(batch: Mapping[str, torch.Tensor]) -> list[float]:
+    mask = batch["attention_mask"]
+    mask = mask.unsqueeze(0) if mask.dim() == 1 else mask
+    return [float(t) for t in mask.to(torch.float64).sum(dim=-1).tolist()]
+
+
+def make_count_fn(*, merge_size: int) -> Callable[[Sequence[int], Sequence[int]], tuple[list[float], list[float]]]:
+    """``fn(real tokens, image tokens) -> (tokens, patches)``: :func:`make_real_token_fn` and
+    :func:`make_patch_count_fn` from a cost file's counts (``data.cost_file``), for colocated plans."""
+
+    def fn(tokens: Sequence[int], image_tokens: Sequence[int]) -> tuple[list[float], list[float]]:
+        return [float(t) for t in tokens], [float(i * merge_size * merge_size) for i in image_tokens]
+
+    return fn
