@@ -151,7 +151,8 @@ def test_vision_overlap_in_bucket_order_equals_no_overlap_when_encoder_ranks_hav
             "--profile-steps", "1:1", "--profile-ranks", "2,3"]
     ref = _run("ovl_vision_off", 4, [*args, "--no-overlap-grad-reduce"], iters=3, data=bridge_corner_data())
     run = _run("ovl_vision_on", 4, [*args, *SMALL_BUCKETS], iters=3, data=bridge_corner_data())
-    _assert_same_steps(ref, run, (1, 2))
+    # bucketed reductions sum in another order: a tower gradient lands 1.2e-6 of its largest entry away (fp32)
+    _assert_same_steps(ref, run, (1, 2), rel=2e-6)
     assert math.isclose(metrics(run)[2]["loss"], metrics(ref)[2]["loss"], rel_tol=1e-6)
     assert_same_gradients(ref, run, step=3, rel=1e-6, most_nonzero=False)  # text only: the tower's are 0
     on2, off2, on3, off3 = _trace(run, 2), _trace(ref, 2), _trace(run, 3), _trace(ref, 3)

@@ -65,7 +65,7 @@ def hf_valid_loss(dataset_path: str, rows=None, *, model_dir=None) -> tuple[floa
             continue
         pixels = s.get("pixel_values")
         if pixels is not None:  # the data path's uint8 patches, as the processor's float ones (model.pixels)
-            pixels = float_patches(pixels, pixel_norm_from(model_dir or tiny_model()))
+            pixels = float_patches(pixels, pixel_norm_from(model_dir or tiny_model(), pre.image_backend))
         with torch.no_grad():
             out = hf(input_ids=ids, attention_mask=torch.ones_like(ids), pixel_values=pixels,
                      image_grid_thw=s.get("image_grid_thw"), mm_token_type_ids=s["mm_token_type_ids"][None],
