@@ -19,8 +19,9 @@ globals that megatron or mimo-sft bound to an original before :func:`install` ra
   never sets (its pipeline batches them: ``batch_isend_irecv`` is recorded, with each op's direction and peer);
 * collectives torch runs inside its own functions (the ``all_gather`` inside ``all_gather_object`` is seen as
   ``all_gather_object``), and anything bound before start-up by a library other than megatron;
-* the wait: an async op (``async_op=True``, ``batch_isend_irecv``) is recorded when issued (state ``issued``);
-  its ``wait()`` is not, so a rank stuck in that wait shows the op as issued, and its stack shows the wait.
+* the wait: an async op (``async_op=True`` by keyword, as megatron passes it; ``batch_isend_irecv``) is recorded
+  when issued (state ``issued``); its ``wait()`` is not, so a rank stuck in that wait shows the op as issued, and
+  its stack shows the wait.
 """
 
 from __future__ import annotations
@@ -152,8 +153,8 @@ def describe(slot: list | None) -> dict | None:
     text = op
     if peers:
         text += " (" + ", ".join(f"{d} rank {r}" for d, r in peers) + ")"
-    where = f"{name} " if name else ""
-    text += f" on {where}(ranks {','.join(map(str, ranks))})"
+    members = ",".join(map(str, ranks))
+    text += f" on {name} (ranks {members})" if name else f" on a group of ranks {members}"
     return {"seq": seq, "op": op, "group": name, "ranks": ranks, "peers": peers, "state": state or "in",
             "text": text}
 

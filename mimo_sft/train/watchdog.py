@@ -125,7 +125,7 @@ def _where(b: dict) -> str:
 def report_line(beats: dict[int, dict], now: float, timeout: float, world_size: int, folder: str) -> str:
     """The watchdog's one line (pure; tested without processes): each rank that stopped (:func:`behind`), the
     collective the others wait in that it never reached, where it is; then where the rest wait."""
-    stuck, silent, ahead = behind(beats, now, timeout)
+    stuck, silent, _ = behind(beats, now, timeout)
     missing = sorted(set(range(world_size)) - set(beats))
     waiting = sorted(set(beats) - set(stuck) - set(silent))
     parts, named = [], set()
@@ -141,11 +141,13 @@ def report_line(beats: dict[int, dict], now: float, timeout: float, world_size: 
         else:
             parts.append(f"{who} stopped publishing (frozen or dead)")
     rest = [r for r in waiting if r not in named]
-    if ahead and rest and (stuck or silent or missing):
-        c = ahead.get("collective")
-        inside = f", {c['text']} ({c['state']})" if c else ""
-        parts.append(f"rank(s) {','.join(map(str, rest))} wait for them (rank {ahead['rank']} in {ahead['phase']} "
-                     f"of step {ahead['step']}{inside})")
+    if rest and parts:
+        by: dict[str, list[int]] = {}
+        for r in rest:
+            b, c = beats[r], beats[r].get("collective")
+            inside = f" ({c['text']}, {c['state']})" if c and c["state"] != "returned" else ""
+            by.setdefault(f"{b['phase']} of step {b['step']}{inside}", []).append(r)
+        parts += [f"rank(s) {','.join(map(str, rs))} wait for them in {where}" for where, rs in by.items()]
     elif not parts:
         inflight = {}
         for r, b in sorted(beats.items()):
@@ -270,7 +272,8 @@ class Watchdog:
             c = describe(slot)
             lines.append(f"  {names.get(ident, ident)}: #{c['seq']} {c['text']}, {c['state']}")
         lines += [f"data loader: {w['text']}" for w in waiting_on()]
-        for ident, frame in sys._current_frames().items():
+        frames = sorted(sys._current_frames().items(), key=lambda kv: kv[0] != self.train_thread)  # training first
+        for ident, frame in frames:
             lines.append(f"\n--- thread {names.get(ident, ident)} ---")
             lines += [ln.rstrip("\n") for ln in traceback.format_stack(frame)]
         with open(path, "w") as fh:
