@@ -6,7 +6,7 @@ entry points once per process (``bootstrap.start_world``, before the CPU shims b
 the groups exist); each call stores ``[sequence number, op, group, peer, state]`` in its thread's slot
 of :data:`LAST` and calls the original. The group stays an object until someone asks (:func:`describe`, the
 watchdog's thread every few seconds): its name (:func:`name_group`, given by ``parallel.groups``) and ranks are
-looked up then, never on the training thread. About 0.3 microseconds per call on the CPU (docs/benchmarks.md).
+looked up then, never on the training thread. About 0.4 microseconds per call on the CPU (docs/benchmarks.md).
 
 What is seen: every call through the ``torch.distributed`` module attribute (megatron's DDP bucket all-reduce,
 finalize_model_grads, tensor-parallel mappings, the pipeline's and the bridges' ``batch_isend_irecv``, the bridge's
