@@ -8,11 +8,15 @@ of :data:`LAST` and calls the original. The group stays an object until someone 
 watchdog's thread every few seconds): its name (:func:`name_group`, given by ``parallel.groups``) and ranks are
 looked up then, never on the training thread. About 0.4 microseconds per call on the CPU (docs/benchmarks.md).
 
-What is seen: every call through the ``torch.distributed`` module attribute (megatron's DDP bucket all-reduce,
-finalize_model_grads, tensor-parallel mappings, the pipeline's and the bridges' ``batch_isend_irecv``, the bridge's
-``send``/``recv``/``broadcast``, the colocated bridge's ``all_gather_into_tensor``, mimo-sft's own), and module
-globals that megatron or mimo-sft bound to an original before :func:`install` ran (megatron's
-``dist_all_gather_func``/``dist_reduce_scatter_func``, rebound here). What is not:
+What is seen: every call through the ``torch.distributed`` module attribute, and module globals that megatron or
+mimo-sft bound to an original before :func:`install` ran (rebound here). Counted per call site in a 2-rank
+non-colocated and a colocated run (about 25 collectives per rank per step): the distributed optimizer's
+``reduce_scatter_tensor`` and ``all_gather_into_tensor`` (megatron's ``dist_reduce_scatter_func`` /
+``dist_all_gather_func`` aliases), the cross-entropy's tensor-parallel ``all_reduce``, the grad-norm and optimizer
+``all_reduce``s, the bridge's ``batch_isend_irecv``, ``send``, ``recv`` and ``broadcast``, and mimo-sft's own
+(metrics, token counts, start-up checks); a pp 2 run adds the pipeline's ``batch_isend_irecv``. By reading megatron,
+also through the attribute: ``finalize_model_grads``' reductions, the tensor-parallel mappings (``all_gather``,
+``reduce_scatter``, ``all_to_all_single``), the colocated bridge's ``all_gather_into_tensor``. What is not:
 
 * ``isend``/``irecv`` called on their own: torch's ``P2POp`` accepts only the original functions (it compares by
   identity), so they stay unwrapped; megatron calls them alone only with ``batch_p2p_comm`` off, which mimo-sft
