@@ -34,12 +34,14 @@ import inspect
 import itertools
 import sys
 import threading
+import weakref
 
 #: thread id -> [seq, op, group, peer, state]; state: None while inside a synchronous call, "returned" after it,
 #: "issued" for an async one
 LAST: dict[int, list] = {}
-#: process group -> its name in mimo-sft's layout ("language dp", "world gloo"); :func:`name_group`
-_NAMES: dict = {}
+#: process group -> its name in mimo-sft's layout ("language dp", "world gloo"); :func:`name_group`. Weak: a
+#: destroyed group (``finetune --export-hf`` ends the training groups) is not kept alive by its name
+_NAMES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _ORIGINALS: dict[str, object] = {}
 _SEQ = itertools.count(1)
 _P2P = "batch_isend_irecv"
