@@ -2,6 +2,8 @@
 
 Every entry point goes through here, in the same order:
 
+0. for ``finetune`` and ``evaluate`` (:func:`start_world`): the collective recorder
+   (``parallel.collectives``: the last collective each thread entered, for the hang watchdog);
 1. this process's device (``runtime.use_device``: before the process group, NCCL needs it set);
 2. the world group, created by ``parallel.groups`` (the only module that creates process groups):
    from torchrun's environment, or -- without torchrun, and for the 1-rank tools -- as one rank whose
@@ -57,9 +59,10 @@ def start_world(*, timeout_s: float = 600.0, prefer: str = "auto") -> tuple[int,
     """
     import torch.distributed as dist
 
-    from mimo_sft.parallel import runtime
+    from mimo_sft.parallel import collectives, runtime
 
     if not dist.is_initialized():
+        collectives.install()  # before the CPU shims bind all_gather (the hang watchdog names collectives)
         _choose_device(prefer)
         timeout = runtime.set_default_group_timeout(timeout_s)
         _start(runtime.backend(), in_process=not launched_by_torchrun(), timeout=timeout)

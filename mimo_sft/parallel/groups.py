@@ -23,7 +23,8 @@ of files on a shared filesystem) does not kill the waiting ranks. The world (def
 here too (``start_world_group``), when ``parallel.bootstrap`` starts the process. Nothing else in
 mimo-sft calls ``init_process_group`` or ``new_group``; megatron's own bridge communicators create
 their groups inside megatron. Every group gets the run's ``--dist-timeout`` (megatron's through
-torch's default, see ``runtime.set_default_group_timeout``).
+torch's default, see ``runtime.set_default_group_timeout``). Each group gets its name for the hang
+watchdog's reports (``parallel.collectives.name_group``: "language dp", "images tp", "world gloo").
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from megatron.core.hyper_comm_grid import HyperCommGrid
 from megatron.core.process_groups_config import ProcessGroupCollection
 
 from mimo_sft.parallel import runtime
+from mimo_sft.parallel.collectives import name_group
 from mimo_sft.parallel.layout import Layout, rank_of
 
 EXPERT_VIEW = "expert"  # megatron.core.models.mimo.optimizer._EXPERT_VIEW
@@ -165,15 +167,18 @@ def build_parallel_state(layout: Layout, *, reorder_side_group: bool = False) ->
     for spec in layout.components:
         grid = build_grid(spec)
         for dims in BASE_GROUPS:
-            grid.create_pg(dims, timeout=_timeout())
+            name_group(grid.create_pg(dims, timeout=_timeout()), f"{spec.name} {'-'.join(dims)}")
         for dims in EXPERT_GROUPS:
-            grid.create_pg(dims, view=EXPERT_VIEW, timeout=_timeout())
+            name_group(grid.create_pg(dims, view=EXPERT_VIEW, timeout=_timeout()), f"{spec.name} {'-'.join(dims)}")
         embd_lists, pos_lists = _embedding_rank_lists(spec)
         embd = _enum_groups(embd_lists)
         pos_embd = _enum_groups(pos_lists)
         dp_lists = _dp_rank_lists(spec)
         dp_gloo = _enum_groups(dp_lists, backend="gloo")
         side_gloo = _enum_groups(dp_lists, backend="gloo") if reorder_side_group else None
+        for group, what in ((embd, "embedding"), (pos_embd, "position embedding"), (dp_gloo, "dp gloo"),
+                            (side_gloo, "dp gloo (reorder thread)")):
+            name_group(group, f"{spec.name} {what}")
         member = rank in spec.ranks
         pgc = None
         if member:
@@ -200,6 +205,8 @@ def build_parallel_state(layout: Layout, *, reorder_side_group: bool = False) ->
                                                 side_gloo if member else None, member)
     state.world_gloo = dist.new_group(backend="gloo", timeout=_timeout())
     state.startup_gloo = dist.new_group(backend="gloo", timeout=max(STARTUP_WAIT, _timeout()))
+    name_group(state.world_gloo, "world gloo")
+    name_group(state.startup_gloo, "world gloo (start-up)")
     _register_language_dp_rank(layout, rank)
     return state
 

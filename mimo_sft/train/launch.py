@@ -2,7 +2,8 @@
 any process group exists, so a bad layout is refused on every rank with the same message), check how it was
 launched (a multi-rank layout needs torchrun; one rank also runs without it), then run the body. A user
 error on any rank is printed as one line and the rank exits with status 2; torchrun then stops the others,
-so nothing hangs.
+so nothing hangs. A DataLoader worker that died is one line too (``data.loader_workers``: which worker, how it
+ended), exit 1.
 
 Apart from ``train.run`` (the ``finetune`` entry) so that ``train.evaluate`` can start the same way without
 importing the trainer that imports it.
@@ -15,6 +16,7 @@ import sys
 import traceback
 
 from mimo_sft.config.loader import load_config
+from mimo_sft.data.loader_workers import worker_failure
 from mimo_sft.errors import UserError
 from mimo_sft.parallel.bootstrap import launch_rank_world, launched_by_torchrun, require_launcher
 from mimo_sft.train.elastic import record_error, record_pid
@@ -75,8 +77,11 @@ def launch_checked(args: list[str], body, *, refuse_reused_output_dir: bool = Fa
         _abort(f"error: [rank {rank}] {e}", 2)
     except KeyboardInterrupt:
         _abort(f"[rank {rank}] interrupted", 130)
-    except Exception as e:  # noqa: BLE001 - decide between "a peer died" and "our bug"
+    except Exception as e:  # noqa: BLE001 - decide between "a dead loader worker", "a peer died" and "our bug"
         text = str(e)
+        worker = worker_failure(e)
+        if worker is not None:
+            _abort(f"error: [rank {rank}] {worker}", 1)
         if any(s in text for s in PEER_FAILURE_MARKERS):
             _abort(f"error: [rank {rank}] stopped because another rank failed (see its error above)", 1)
         traceback.print_exc()

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from mimo_sft.parallel import runtime  # first: importing mimo_sft.parallel makes megatron importable
+from mimo_sft.parallel.collectives import name_group
 from mimo_sft.parallel.megatron_patches import guard_bridge_debug_logging, start_pending_grad_reductions
 from mimo_sft.train.bridge import padded_bridges
 from mimo_sft.train.packing import pack_micro_batch
@@ -135,6 +136,18 @@ class _BridgeRanges(MultiModulePipelineCommunicator):
     send_backward = _in_bridge_range(MultiModulePipelineCommunicator.send_backward)
 
 
+def name_bridge_groups(communicator, model) -> None:
+    """Name the groups megatron's bridges made for themselves, for the hang watchdog's reports
+    (``parallel.collectives``): "bridge images->language", its broadcast groups, the colocated gather groups."""
+    for bc in getattr(communicator, "bridge_comms", ()):
+        pair = f"bridge {bc.src_module_name}->{bc.dest_module_name}"
+        name_group(bc.bridge_pg, pair)
+        name_group(bc.src_grid_broadcast_pg, f"{pair} broadcast ({bc.src_module_name} side)")
+        name_group(bc.dest_grid_broadcast_pg, f"{pair} broadcast ({bc.dest_module_name} side)")
+    for (encoder, language), comm in getattr(model, "colocated_comms", {}).items():
+        name_group(getattr(comm, "gather_pg", None), f"bridge {encoder}<->{language} gather")
+
+
 class StepRunner:
     """Owns the schedule wiring for one run (built once, called every step)."""
 
@@ -179,6 +192,7 @@ class StepRunner:
                 module_pgs={n: pstate.modules[n].pg_collection for n in self.mine},
                 language_model_module_name=LANGUAGE if LANGUAGE in self.mine else None,
             )
+        name_bridge_groups(self.communicator, model)
 
     # ---- hooks megatron's schedule calls ----------------------------------------------------
     @contextmanager

@@ -3,15 +3,18 @@ exits with a code a scheduler can requeue on, before ``--dist-timeout`` fails ev
 
 How progress is seen: the training thread enters named phases (``mimo_sft.progress``: data wait, reorder wait,
 bridge, gradient finalize, optimizer, evaluation, checkpoint save, and each module's forward and backward); each
-entry is progress. A thread on every rank publishes this rank's step, phase and the time of its last
-progress to the run's store (torchrun's TCP store; the world group's) every few seconds. When a rank has made no
-progress for the timeout:
+entry is progress. A thread on every rank publishes this rank's step, phase, the time of its last progress, the
+last collective the training thread entered (``parallel.collectives``: op, group, peers) and, in a data wait,
+the loader worker it waits for (``data.loader_workers``) to the run's store (torchrun's TCP store; the world
+group's) every few seconds. When a rank has made no progress for the timeout:
 
 1. it writes ``OUTPUT_DIR/hang/rank_<r>.txt``: its step and micro-batch, its phase and since when, the phase
-   history of the step, and every thread's Python stack (the training thread's shows the stuck frame);
+   history of the step, each thread's last collective, the loader worker a thread waits for, and every thread's
+   Python stack (the training thread's shows the stuck frame);
 2. the lowest rank whose heartbeat is fresh reads every rank's heartbeat and prints one line naming the ranks
-   that are behind the others (an earlier step or phase: they never reached the collective the others wait in),
-   or whose heartbeat stopped (a frozen or dead process);
+   that are behind the others (an earlier step or phase), with the collective the others wait in that they never
+   reached ("rank 1 (host) never reached batch_isend_irecv (to rank 1) on language pp (ranks 0,1) that rank(s) 0
+   wait in; it is in data wait of step 2 ..."), or whose heartbeat stopped (a frozen or dead process);
 3. every rank exits with :data:`HANG_EXIT_CODE` (75, ``EX_TEMPFAIL``: requeue it), the last checkpoint untouched.
 
 The timeout: ``--hang-timeout`` seconds, or by default the larger of 10 minutes and 20 times the median step
@@ -31,6 +34,8 @@ import threading
 import time
 import traceback
 
+from mimo_sft.data.loader_workers import waiting_on
+from mimo_sft.parallel.collectives import LAST, describe
 from mimo_sft.progress import PROGRESS
 from mimo_sft.train.elastic import record_error
 
@@ -61,6 +66,8 @@ def hang_timeout_s(setting: int, step_times: list[float], dist_timeout_s: float)
 
 #: phases in which a rank waits on nobody: a rank stopped inside one of them holds the others up
 LOCAL_PHASES = ("step start", "data wait", "optimizer", "checkpoint save", "evaluation")
+#: phases in which the training thread may wait for a data-loader worker
+DATA_PHASES = ("data wait", "reorder wait")
 
 
 def _suspicion(phase: str) -> int:
@@ -93,6 +100,65 @@ def behind(beats: dict[int, dict], now: float, timeout: float) -> tuple[list[int
     return sorted(stuck), silent, (waiting[0] if waiting and (stuck or silent) else None)
 
 
+def _waited_in(r: int, waiting: list[int], beats: dict[int, dict]) -> tuple[str, list[int]] | None:
+    """The collective that ranks of ``waiting`` are inside (or issued, when async) with rank ``r`` as a peer or a
+    member of its group: ``(its text, those ranks)``, the one most of them wait in; None when none is."""
+    by: dict[str, list[int]] = {}
+    for w in waiting:
+        c = beats[w].get("collective")
+        if not c or c["state"] == "returned" or w == r:
+            continue
+        if r in ([rank for _, rank in c["peers"]] or c["ranks"]):
+            by.setdefault(c["text"], []).append(w)
+    return max(by.items(), key=lambda kv: len(kv[1])) if by else None
+
+
+def _where(b: dict) -> str:
+    """"data wait of step 2 (micro-batch 1)", with the loader worker it waits for and its last collective."""
+    text = f"{b['phase']} of step {b['step']} (micro-batch {b['microbatch']})"
+    if b.get("loader"):
+        text += ": the data loader is stuck (" + "; ".join(b["loader"]) + ")"
+    c = b.get("collective")
+    return text + (f"; its last collective: {c['text']} ({c['state']})" if c else "")
+
+
+def report_line(beats: dict[int, dict], now: float, timeout: float, world_size: int, folder: str) -> str:
+    """The watchdog's one line (pure; tested without processes): each rank that stopped (:func:`behind`), the
+    collective the others wait in that it never reached, where it is; then where the rest wait."""
+    stuck, silent, _ = behind(beats, now, timeout)
+    missing = sorted(set(range(world_size)) - set(beats))
+    waiting = sorted(set(beats) - set(stuck) - set(silent))
+    parts, named = [], set()
+    for r in stuck + silent + missing:
+        b = beats.get(r)
+        who = f"rank {r} ({b['host']})" if b else f"rank {r}"
+        wait = _waited_in(r, waiting, beats)
+        if wait:
+            named |= set(wait[1])
+            who += f" never reached {wait[0]} that rank(s) {','.join(map(str, wait[1]))} wait in;"
+        if r in stuck:
+            parts.append(f"{who} it is in {_where(b)}" if wait else f"{who} is in {_where(b)}")
+        else:
+            parts.append(f"{who} stopped publishing (frozen or dead)")
+    rest = [r for r in waiting if r not in named]
+    if rest and parts:
+        by: dict[str, list[int]] = {}
+        for r in rest:
+            b, c = beats[r], beats[r].get("collective")
+            inside = f" ({c['text']}, {c['state']})" if c and c["state"] != "returned" else ""
+            by.setdefault(f"{b['phase']} of step {b['step']}{inside}", []).append(r)
+        parts += [f"rank(s) {','.join(map(str, rs))} wait for them in {where}" for where, rs in by.items()]
+    elif not parts:
+        inflight = {}
+        for r, b in sorted(beats.items()):
+            c = b.get("collective")
+            inflight.setdefault(c["text"] if c and c["state"] != "returned" else b["phase"], []).append(r)
+        parts.append("every rank is at the same point (a collective or I/O that never ends): " + "; ".join(
+            f"rank(s) {','.join(map(str, rs))} in {what}" for what, rs in inflight.items()))
+    return (f"error: hang: no progress for {timeout:.0f} s: {'; '.join(parts)}. Stacks of every rank in {folder}/; "
+            f"exiting with {HANG_EXIT_CODE} (requeue: resume from the last checkpoint)")
+
+
 class Watchdog:
     """One rank's watchdog thread (module docstring). ``store``: the world group's store (None: single process)."""
 
@@ -102,6 +168,7 @@ class Watchdog:
         self.setting, self.dist_timeout_s = setting, dist_timeout_s
         self.step_times: list[float] = []
         self.host = socket.gethostname()
+        self.train_thread = threading.get_ident()  # the watchdog starts on the training thread
         PROGRESS.rank = rank
         hook = os.environ.get(HANG_AT_ENV)
         if hook:
@@ -128,8 +195,11 @@ class Watchdog:
     # ---- the thread ---------------------------------------------------------------------------------------
     def _beat(self) -> dict:
         p = PROGRESS
+        # in a data wait: the loader worker a thread waits for (a stack walk; only there, every few seconds)
+        loader = [w["text"] for w in waiting_on()] if p.phase in DATA_PHASES else []
         return {"rank": self.rank, "host": self.host, "step": p.step, "microbatch": p.microbatch, "phase": p.phase,
-                "entries": p.entries, "idle_s": round(time.monotonic() - p.last, 1), "published": time.time()}
+                "entries": p.entries, "idle_s": round(time.monotonic() - p.last, 1), "published": time.time(),
+                "collective": describe(LAST.get(self.train_thread)), "loader": loader}
 
     def _publish(self) -> None:
         if self.store is not None:
@@ -175,29 +245,15 @@ class Watchdog:
                 while time.monotonic() < deadline and not self.store.check(["mimo_sft/hang/reported"]):
                     time.sleep(0.5)
         else:
-            line = f"error: hang: no progress for {timeout:.0f} s in {PROGRESS.phase} of step {PROGRESS.step}; stack in {path}"
+            line = f"error: hang: no progress for {timeout:.0f} s in {_where(self._beat())}; stack in {path}"
             if not record_error(self.rank, line, HANG_EXIT_CODE):
                 sys.stderr.write(line + "\n")
         sys.stdout.flush()
         os._exit(HANG_EXIT_CODE)
 
     def report(self, beats: dict[int, dict], timeout: float) -> str:
-        """The one line naming the ranks that stopped (:func:`behind`)."""
-        stuck, silent, ahead = behind(beats, time.time(), timeout)
-        missing = sorted(set(range(self.world_size)) - set(beats))
-        parts = []
-        for r in stuck:
-            b = beats[r]
-            parts.append(f"rank {r} ({b['host']}) is in {b['phase']} of step {b['step']} (micro-batch {b['microbatch']})")
-        for r in silent + missing:
-            parts.append(f"rank {r} stopped publishing (frozen or dead)")
-        waiting = sorted(set(beats) - set(stuck) - set(silent))
-        where = (f"rank(s) {','.join(map(str, waiting))} wait for them (rank {ahead['rank']} in {ahead['phase']} of "
-                 f"step {ahead['step']})" if ahead and waiting else "no rank is making progress")
-        named = "; ".join(parts) if parts else "every rank is at the same point (a collective or I/O that never ends)"
-        return (f"error: hang: no progress for {timeout:.0f} s: {named}; {where}. Stacks of every rank in "
-                f"{os.path.join(self.output_dir, 'hang')}/; exiting with {HANG_EXIT_CODE} (requeue: resume from the "
-                f"last checkpoint)")
+        """The one line naming the ranks that stopped (:func:`report_line`)."""
+        return report_line(beats, time.time(), timeout, self.world_size, os.path.join(self.output_dir, "hang"))
 
     def dump(self, timeout: float) -> str:
         """``OUTPUT_DIR/hang/rank_<r>.txt``: where this rank is, and every thread's stack."""
@@ -211,7 +267,13 @@ class Watchdog:
                  "this step's phases (seconds before now):"]
         lines += [f"  {now - t:9.1f}  {name}" for t, name in p.history[-30:]]
         names = {t.ident: t.name for t in threading.enumerate()}
-        for ident, frame in sys._current_frames().items():
+        lines.append("last collective entered, per thread (state: in = inside it, returned, issued = async):")
+        for ident, slot in sorted(dict(LAST).items(), key=lambda kv: kv[1][0]):
+            c = describe(slot)
+            lines.append(f"  {names.get(ident, ident)}: #{c['seq']} {c['text']}, {c['state']}")
+        lines += [f"data loader: {w['text']}" for w in waiting_on()]
+        frames = sorted(sys._current_frames().items(), key=lambda kv: kv[0] != self.train_thread)  # training first
+        for ident, frame in frames:
             lines.append(f"\n--- thread {names.get(ident, ident)} ---")
             lines += [ln.rstrip("\n") for ln in traceback.format_stack(frame)]
         with open(path, "w") as fh:
