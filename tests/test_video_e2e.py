@@ -36,7 +36,9 @@ def reference():
 def test_non_colocated_reordered_packed_matches_single_process(reference):
     run = layout_run("vid_nc", 4, NON_COLOCATED_4, video_data(),
                      [*VIDEO, "--scalable-dp", "--intra-microbatch-reorder", *PACKED])
-    assert_packed_equals_padded(reference, run)
+    # every gradient at 1e-5; the weights after Adam's first step within 5e-5, as for fan-in below (a fresh-clone
+    # run saw 3.2e-5 on linear_qkv: elements whose gradient is near Adam's eps move by lr x their rounding)
+    assert_packed_equals_padded(reference, run, weights_tol=5e-5)
     m, ref = metrics(run)[0], metrics(reference)[0]
     assert m["vision_load_max_over_mean_after"] <= m["vision_load_max_over_mean_before"]
     # each clip decoded once, by the encoder rank that owns it
