@@ -39,7 +39,7 @@ import numpy as np
 
 from mimo_sft.data.reorder import coupled
 from mimo_sft.data.reorder.assign import balanced_groups, balanced_index_order, check_grid
-from mimo_sft.data.reorder.load_bounds import load_spread, loads_before_after
+from mimo_sft.data.reorder.load_bounds import load_spread, module_load_figures
 
 VISION, LANGUAGE = "vision", "language"
 
@@ -188,12 +188,5 @@ def colocated_plan_info(tokens: Sequence[float], patches: Sequence[float], *, gr
                             "cost_max_over_mean_before": sb["max_over_mean"],
                             "cost_max_over_mean_after": sa["max_over_mean"]}
     loads = [float(p) for p in patches]
-    for name, d in (stats_dp_sizes or {}).items():
-        lb, la = loads_before_after(loads, order, grid.n_groups, d)
-        info[f"{name}_load_before"], info[f"{name}_load_after"] = lb, la
-        b, a = load_spread(lb), load_spread(la)
-        info[f"{name}_load_max_over_mean_before"] = b["max_over_mean"]
-        info[f"{name}_load_max_over_mean_after"] = a["max_over_mean"]
-        info[f"{name}_load_max_minus_min_before"] = b["max_minus_min"]
-        info[f"{name}_load_max_minus_min_after"] = a["max_minus_min"]
+    info.update(module_load_figures(loads, order, grid.n_groups, stats_dp_sizes))
     return info

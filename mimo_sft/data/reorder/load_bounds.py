@@ -121,3 +121,19 @@ def optimal_max_load(costs: Sequence[float], n_groups: int) -> float:
 
     rec(0, 0.0)
     return best[0]
+
+
+def module_load_figures(loads, order, n_groups: int, stats_dp_sizes) -> dict:
+    """Each module's per-rank loads before and after a plan's ``order`` and their spread
+    (``<module>_load_before/_after``, ``_load_max_over_mean_*``, ``_load_max_minus_min_*``), for every module
+    in ``stats_dp_sizes`` (name -> its DP size): the figures a window's plan and a colocated plan report alike."""
+    out = {}
+    for name, d in (stats_dp_sizes or {}).items():
+        lb, la = loads_before_after(loads, order, n_groups, d)
+        out[f"{name}_load_before"], out[f"{name}_load_after"] = lb, la
+        b, a = load_spread(lb), load_spread(la)
+        out[f"{name}_load_max_over_mean_before"] = b["max_over_mean"]
+        out[f"{name}_load_max_over_mean_after"] = a["max_over_mean"]
+        out[f"{name}_load_max_minus_min_before"] = b["max_minus_min"]
+        out[f"{name}_load_max_minus_min_after"] = a["max_minus_min"]
+    return out

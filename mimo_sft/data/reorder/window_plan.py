@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any, Mapping, Sequence
 
 from mimo_sft.data.reorder.assign import assignment_from_order, balanced_index_order
-from mimo_sft.data.reorder.load_bounds import load_spread, loads_before_after
+from mimo_sft.data.reorder.load_bounds import load_spread, loads_before_after, module_load_figures
 
 
 def window_routes(
@@ -60,13 +60,6 @@ def window_plan_info(
         sb, sa = load_spread(before), load_spread(after)
         info["cost_max_over_mean_before"] = sb["max_over_mean"]
         info["cost_max_over_mean_after"] = sa["max_over_mean"]
-        for name, d in (stats_dp_sizes or {}).items():
-            lb, la = loads_before_after(loads, order, n_groups, d)
-            info[f"{name}_load_before"], info[f"{name}_load_after"] = lb, la
-            b, a = load_spread(lb), load_spread(la)
-            info[f"{name}_load_max_over_mean_before"] = b["max_over_mean"]
-            info[f"{name}_load_max_over_mean_after"] = a["max_over_mean"]
-            info[f"{name}_load_max_minus_min_before"] = b["max_minus_min"]
-            info[f"{name}_load_max_minus_min_after"] = a["max_minus_min"]
+        info.update(module_load_figures(loads, order, n_groups, stats_dp_sizes))
         out.append(info)
     return out
