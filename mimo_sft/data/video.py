@@ -260,7 +260,7 @@ class ClipReader:
         self.fps = float(options.fps)
         self.cap = bool(options.cap_pixels_per_frame)
         self.max_video_tokens = int(getattr(vp, "max_video_tokens", 128000))
-        self._vp = None
+        self._vp = self._configured(vp)  # the one read above, with this run's settings (workers build their own)
 
     def __getstate__(self):
         return {k: v for k, v in self.__dict__.items() if k != "_vp"} | {"_vp": None}
@@ -269,11 +269,14 @@ class ClipReader:
     def vp(self):
         """The transformers video processor with this run's frame and pixel settings (built lazily: workers)."""
         if self._vp is None:
-            vp = video_processor_for(self.model_dir, self.model_type)
-            vp.size = {"shortest_edge": self.min_pixels, "longest_edge": self.max_pixels}
-            vp.min_frames, vp.max_frames, vp.fps = self.min_frames, self.max_frames, self.fps
-            self._vp = vp
+            self._vp = self._configured(video_processor_for(self.model_dir, self.model_type))
         return self._vp
+
+    def _configured(self, vp):
+        """``vp`` with this run's frame and pixel settings."""
+        vp.size = {"shortest_edge": self.min_pixels, "longest_edge": self.max_pixels}
+        vp.min_frames, vp.max_frames, vp.fps = self.min_frames, self.max_frames, self.fps
+        return vp
 
     # ------------------------------------------------------------------ planning (headers only)
 
