@@ -13,9 +13,10 @@ Adam step to ``WEIGHTS_TOL``):
 * non-colocated: language tp 2 x dp 2 fed by one encoder rank, with index-mode reordering,
   in-batch packing (THD), sequence parallelism, LoRA and full (uniform) recomputation -- against
   the single-process LoRA run;
-* colocated fan-out (images tp 2 x dp 1 feeding language dp 2) with packing;
+* colocated fan-out (images tp 2 x dp 1 feeding language dp 2) with packing, balanced by the per-GPU
+  plan (``data.reorder.colocated_plan``, the language term weighed in);
 * colocated fan-in (images dp 2 feeding language tp 2 x dp 1) with sequence parallelism on padded
-  rows and selective recomputation;
+  rows and selective recomputation, balanced by the per-GPU plan (vision only);
 * colocated equal DP (dp 2 both) at language tp 2 without sequence parallelism (the tower
   replicated on its tp ranks);
 * language pp 2 x dp 2 (the deepstack layers on stage 0) fed by one encoder rank, with exchange-mode
@@ -80,16 +81,30 @@ def test_non_colocated_tp2_sp_packing_reordering_lora_recompute():
     assert metrics(got)[0]["padding_fraction"] == 0.0
 
 
-def test_colocated_fan_out_with_packing(reference):
-    got = run("ds_co_fanout", 2, ["language=dp=2", "images=tp=2,dp=1"], ["--scalable-dp", *PACKED])
+BALANCED = ["--intra-microbatch-reorder", "--reorder-mode", "index"]
+
+
+def _balanced(reference, got):
+    """The reference's step, its loss at 1e-6 (the same samples as an unbalanced run, placed on other GPUs), and
+    the per-GPU figures the progress line shows: the plan never leaves the heaviest GPU heavier."""
+    assert math.isclose(metrics(got)[0]["loss"], metrics(reference)[0]["loss"], rel_tol=1e-6)
+    m = metrics(got)[0]
+    assert m["gpu_load_max_over_mean_after"] <= m["gpu_load_max_over_mean_before"], m
+
+
+def test_colocated_fan_out_balanced_with_packing(reference):
+    got = run("ds_co_fanout", 2, ["language=dp=2", "images=tp=2,dp=1"],
+              ["--scalable-dp", *PACKED, *BALANCED, "--reorder-language-cost-weight", "1"])
     assert_same_step(reference, got, same_flops=False, weights_tol=WEIGHTS_TOL)
+    _balanced(reference, got)
 
 
-def test_colocated_fan_in_with_sequence_parallel_padded_rows_and_selective_recompute(reference):
+def test_colocated_fan_in_balanced_with_sequence_parallel_padded_rows_and_selective_recompute(reference):
     got = run("ds_co_fanin", 2, ["language=tp=2,dp=1", "images=dp=2"],
               ["--scalable-dp", "--sequence-parallel", "--recompute-granularity", "selective",
-               "--recompute-modules", "core_attn,mlp"])
+               "--recompute-modules", "core_attn,mlp", *BALANCED])
     assert_same_step(reference, got, weights_tol=WEIGHTS_TOL)
+    _balanced(reference, got)
 
 
 def test_colocated_equal_dp_at_language_tp2_without_sequence_parallelism(reference):

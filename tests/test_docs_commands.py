@@ -54,6 +54,7 @@ PLACEHOLDERS = {
     "/models/Qwen3-VL-30B-A3B-Instruct": "tiny_moe",  # 8 experts: ep 8 divides them
     "demo/tiny-qwen2.5-vl": "tiny",                   # what `make demo` writes
     "demo/data": "demo",
+    "demo/run": "demo_run",                           # the demo's first run: its metrics for --reorder-calibrate-from
     "/models/": "missing",                            # any other model folder: not there
     "/data/": "data",
     "/shared/": "shared",
@@ -279,6 +280,31 @@ def _checkpoints(root: Path, tiny: Path, data: Path) -> dict[str, Path]:
     return out
 
 
+def _run_with_phases(folder: Path) -> Path:
+    """A 2-rank run's metrics.jsonl with the straggler report's per-rank phases and work (what a real run logs)."""
+    import json
+
+    from mimo_sft.parallel.components import parse_component
+    from mimo_sft.parallel.layout import Layout
+    from mimo_sft.train.straggler import PHASES, ROW, StragglerReport
+
+    layout = Layout.from_specs([parse_component("language=dp=2,rank_offset=0"), parse_component("images=dp=2,rank_offset=2")])
+    report = StragglerReport(rank=0, world_size=4, layout=layout, log_interval=1, total_steps=4, threshold=9.0,
+                             hosts=["h"] * 4)
+    folder.mkdir(parents=True)
+    with open(folder / "metrics.jsonl", "w") as fh:
+        for step in range(1, 5):
+            block = []
+            for rank in range(4):
+                row, load = [0.0] * ROW, 1000.0 * (step + rank)
+                phase = "language forward" if rank < 2 else "encoder forward"
+                row[1 + PHASES.index(phase)] = 0.01 + 2e-5 * load
+                row[1 + len(PHASES):] = [0.0, load] if rank < 2 else [load, 0.0]
+                block += row
+            fh.write(json.dumps({"step": step, **report.analyse(step, block)}) + "\n")
+    return folder
+
+
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory):
     """Folder names and values behind ``PLACEHOLDERS`` (models made on first use), and the checkpoints."""
@@ -290,7 +316,8 @@ def inputs(tmp_path_factory):
     made = {"tiny": tiny, "demo": demo_dataset_dir(), "data": data, "shared": _shared_folder(root / "shared"),
             "missing": root / "no-such-models"}
     lazy = {"tiny_wide": lambda: write_tiny_checkpoint(root / "tiny_wide", heads=8, kv_heads=8),
-            "tiny_moe": lambda: write_tiny_checkpoint(root / "tiny_moe", family="qwen3_vl_moe")}
+            "tiny_moe": lambda: write_tiny_checkpoint(root / "tiny_moe", family="qwen3_vl_moe"),
+            "demo_run": lambda: _run_with_phases(root / "demo_run")}
     prompts = _write_jsonl(root / "prompts.jsonl", [{"messages": [{"role": "user", "content": [
         {"type": "image", "image": str(data / "image.png")}, {"type": "text", "text": "What is the total?"}]}]}])
 

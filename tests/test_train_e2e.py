@@ -93,9 +93,23 @@ def _balanced_like_unbalanced(reference, on, off):
     narrower on this data, so samples did move."""
     assert_same_step(reference, on)
     assert math.isclose(train_rows(on)[0]["loss"], train_rows(off)[0]["loss"], rel_tol=1e-6)
-    m = metrics(on)[0]
+    m, m_off = metrics(on)[0], metrics(off)[0]
     assert m["vision_load_max_over_mean_after"] < m["vision_load_max_over_mean_before"], m
-    assert metrics(off)[0]["vision_load_max_over_mean_after"] is None
+    assert m_off["vision_load_max_over_mean_after"] is None
+    # the progress line's per-GPU figures (the plan's), and none without a plan
+    assert m["gpu_load_max_over_mean_after"] < m["gpu_load_max_over_mean_before"], m
+    assert "gpu_load_max_over_mean_before" not in m_off
+    # the work each rank was given (the calibration's x): the same samples in both runs, moved between ranks;
+    # the tokens over language tp add up to the step's real tokens, which the loss all-reduce counts apart
+    assert math.isclose(sum(m["rank_patches"]), sum(m_off["rank_patches"]), rel_tol=1e-9)
+    assert m["rank_patches"] != m_off["rank_patches"]
+    real = m["tokens_per_s"] * m["step_time_s"]
+    assert math.isclose(sum(m["rank_tokens"]), real, rel_tol=1e-6), (m["rank_tokens"], real)
+    # and the weights a later run takes from it (--reorder-calibrate-from), as validate shows them
+    from mimo_sft.config.calibration import calibrate
+
+    c = calibrate(on)
+    assert c.encoder.per_unit_s > 0 and c.language.per_unit_s > 0 and c.language_weight > 0, c
 
 
 def test_colocated_equal_dp_balanced_matches_single_process(reference_variable):

@@ -279,7 +279,22 @@ def load_config(args: list[str]) -> ExperimentConfig:
             specs[spec.name] = spec.to_dict()
         raw.setdefault("parallel", {})
         raw["parallel"]["components"] = specs
-    return resolve_auto_resume(config_from_dict(raw, source=config_path or "flags"))
+    return resolve_calibration(resolve_auto_resume(config_from_dict(raw, source=config_path or "flags")))
+
+
+def resolve_calibration(cfg: ExperimentConfig) -> ExperimentConfig:
+    """``--reorder-calibrate-from RUN``: both cost weights from RUN's measured phases (``config.calibration``), the
+    folder then dropped and what it gave kept in ``reorder.calibration``: config.yaml and a resumed run hold the
+    weights themselves, never a folder whose metrics may have grown since."""
+    r = cfg.reorder
+    if not r.calibrate_from:
+        return cfg
+    from mimo_sft.config.calibration import calibrate
+
+    c = calibrate(r.calibrate_from)
+    return dataclasses.replace(cfg, reorder=dataclasses.replace(
+        r, encoder_cost_weight=1.0, language_cost_weight=float(f"{c.language_weight:.6g}"), calibrate_from=None,
+        calibration=c.describe()))
 
 
 AUTO_RESUME = "auto"

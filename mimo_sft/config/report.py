@@ -41,10 +41,12 @@ def print_report(cfg: ExperimentConfig, result: CheckResult, console: Console, *
         how = ("by index, no bytes between ranks" if r.mode == "index" else
                f"exchange, window {r.window_size}, {'overlapped' if r.overlap else 'synchronous'}")
         reorder = (f"on ({how}, cost weights encoder {r.encoder_cost_weight} / language "
-                   f"{r.language_cost_weight})") if r.enabled else "off"
+                   f"{r.language_cost_weight}{', calibrated' if r.calibration else ''})") if r.enabled else "off"
         packing = "packed (one padding-free sequence per language rank)" if cfg.data.in_batch_packing else "padded rows"
         console.print(f"data: {data_mode}; reordering: {reorder}; language: {packing}, "
                       f"{cfg.model.attention_backend} attention")
+        if r.calibration:
+            console.print(f"cost weights {r.calibration}")
     if result.memory is not None:
         print_memory(result.memory, console)
     for note in result.notes:

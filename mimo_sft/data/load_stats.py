@@ -46,8 +46,10 @@ class VisionLoadStats:
     """
 
     def __init__(self, *, patch_fn: Callable[[dict], list[float]], n_groups: int, vision_dp: int,
-                 group=None, group_size: int = 1, enabled: bool = True):
+                 group=None, group_size: int = 1, enabled: bool = True, per_gpu: bool = False):
         self.patch_fn = patch_fn
+        #: a colocated layout: the plan's per-GPU figures (vision slice + language share) are kept too
+        self.per_gpu = per_gpu
         self.n_groups = n_groups
         self.vision_dp = vision_dp
         self.group = group
@@ -59,6 +61,7 @@ class VisionLoadStats:
         self._local: list[list[float]] = []  # per micro-batch: this rank's per-sample patch counts
         self._before: list[float] = []       # per micro-batch figures handed over by the reorder buffer
         self._after: list[float] = []
+        self._gpus: dict[str, list[float]] = {"before": [], "after": []}
 
     def record(self, batch: dict) -> None:
         """A micro-batch read without reordering: keep its per-sample patch counts (local)."""
@@ -75,6 +78,17 @@ class VisionLoadStats:
             self._before.append(float(before))
         if after is not None:
             self._after.append(float(after))
+        if self.per_gpu:
+            for when in ("before", "after"):
+                value = stats.get(f"cost_max_over_mean_{when}")
+                if value is not None:
+                    self._gpus[when].append(float(value))
+
+    def gpu_figures(self) -> dict[str, float]:
+        """A colocated step's per-GPU load spread, before and after its plan (empty: none recorded):
+        ``gpu_load_max_over_mean_before`` / ``_after``, means over the step's micro-batches."""
+        return {f"gpu_load_max_over_mean_{when}": v for when in ("before", "after")
+                if (v := mean_or_none(self._gpus[when])) is not None}
 
     def step_figures(self) -> tuple[float | None, float | None]:
         """The step's mean ``(before, after)``; collective over ``group`` when counts were recorded

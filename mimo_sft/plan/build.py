@@ -159,7 +159,8 @@ def _reorder_figures(cfg, layout, mbs_list, main: dict, patch_bytes) -> dict:
                                                  seq_length=cfg.data.seq_length, patch_bytes=patch_bytes))
     return {"enabled_in_config": r.enabled, "encoder_cost_weight": r.encoder_cost_weight,
             "language_cost_weight": r.language_cost_weight, "window_size": r.window_size,
-            "mode": r.mode, "bytes_per_micro_batch": {"index": 0.0, "exchange": exchange}}
+            "mode": r.mode, "bytes_per_micro_batch": {"index": 0.0, "exchange": exchange},
+            "calibration": r.calibration or None}
 
 
 def _language_positions(cfg, layout, mbs_list, main: dict) -> dict:

@@ -44,6 +44,11 @@ def print_plan(plan: dict, console: Console | None = None) -> None:
                 f"{moved['exchange'] / 1e6:.2f} MB")
     console.print(f"mode    --reorder-mode {r['mode']} · bytes between ranks per micro-batch: index 0, exchange "
                   f"{exchange}")
+    if r.get("calibration"):
+        console.print(f"weights {r['calibration']}")
+    else:
+        console.print("weights as configured: --reorder-calibrate-from RUN sets them from a run's measured encoder "
+                      "and language phases")
     if r["enabled_in_config"]:
         console.print(f"reorder [green]ON[/green] in config · {weights}")
     else:

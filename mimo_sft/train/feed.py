@@ -46,6 +46,8 @@ class StepCounters:
     video_frames_decoded: int = 0  # clip frames this rank's workers decoded for them
     video_decode_s: float = 0.0    # worker time spent decoding and cutting those clips
     bad_samples_skipped: int = 0  # bad samples this rank counts (see Feed: each sample is counted on one rank)
+    vision_patches: float = 0.0  # patches this rank's encoder slice held (0 without an encoder): cost calibration
+    language_share: float = 0.0  # real tokens of its language slice / language tp: its share of that work
     source_samples: list = field(default_factory=list)  # a mixture: samples fed per source
 
 
@@ -70,6 +72,11 @@ class Feed:
         self.flops = flops
         self.packed = packed  # --in-batch-packing: the language model computes real tokens only
         self.counters = StepCounters()
+        #: the per-rank work figures the straggler report carries for cost calibration (``config.calibration``):
+        #: ``patches_of(batch)`` this rank's encoder slice's patches (None: no encoder here), ``token_share``
+        #: ``1 / language tp`` on a language rank (0: none)
+        self.patches_of: Optional[Callable[[dict], float]] = None
+        self.token_share = 0.0
         #: the training data source and what places a stream position in it (``stream_position``), set by build_feed
         self.train_source, self.position_args = None, {}
 
@@ -109,7 +116,11 @@ class Feed:
         if self.flops is not None:
             self.flops.count(batch)
         self.counters.loss_tokens += float(batch["loss_mask"].sum())
-        self.counters.real_tokens += float(batch["attention_mask"].sum())
+        real = float(batch["attention_mask"].sum())
+        self.counters.real_tokens += real
+        self.counters.language_share += real * self.token_share
+        if self.patches_of is not None:
+            self.counters.vision_patches += self.patches_of(batch)
         self.counters.computed_positions += computed_positions(batch, packed=self.packed)
         self.counters.samples += int(batch["input_ids"].shape[0])
         if self.mixture is not None and "source_ids" in batch:
@@ -174,6 +185,7 @@ def build_feed(cfg, layout, pstate, info, *, consumed_samples: int, train_source
     if interleave is not None and isinstance(source, MixtureSource):
         source.interleave = interleave
     feed = _build_feed(cfg, layout, pstate, info, consumed_samples=consumed_samples, source=source)
+    _set_work_figures(feed, layout, pstate.rank, info)
     feed.train_source = source
     feed.position_args = dict(seed=cfg.train.seed, micro_batch_size=cfg.train.micro_batch_size,
                               drop_last=cfg.data.drop_last)
@@ -376,6 +388,23 @@ def read_shard(layout, pstate, info, micro_batch_size: int) -> ReadShard:
     return ReadShard(layout.spec(module).dp, coord.dp, module != LANGUAGE, module, None)
 
 
+def _set_work_figures(feed: Feed, layout, rank: int, info) -> None:
+    """What this rank books as its work per step for the cost calibration: the patches of the encoder slice it
+    encodes (a colocated batch names them in ``encoder_image_tokens`` when the DP sizes differ; else its own
+    ``input_ids``), and its language slice's real tokens over the language tp it shares them with."""
+    coords = layout.coords(rank)
+    if coords.get(LANGUAGE) is not None:
+        feed.token_share = 1.0 / layout.language.tp
+    if any(coords.get(s.name) is not None for s in layout.encoders):
+        count, per_token = _patch_fn(info), float(info.spatial_merge_size ** 2)
+
+        def patches_of(batch: dict) -> float:
+            enc = batch.get("encoder_image_tokens")
+            return float(enc.sum()) * per_token if enc is not None else float(sum(count(batch)))
+
+        feed.patches_of = patches_of
+
+
 def _patch_fn(info):
     return make_patch_count_fn(image_token_id=info.image_token_id, merge_size=info.spatial_merge_size)
 
@@ -389,4 +418,5 @@ def _vision_load_stats(layout, pstate, info) -> Optional[VisionLoadStats]:
     spec = layout.language
     enabled = c.tp == 0 and c.cp == 0 and c.pp == spec.pp - 1
     return VisionLoadStats(patch_fn=_patch_fn(info), n_groups=layout.canonical_grid, vision_dp=layout.encoders[0].dp,
-                           group=pstate.modules[LANGUAGE].dp_gloo, group_size=spec.dp, enabled=enabled)
+                           group=pstate.modules[LANGUAGE].dp_gloo, group_size=spec.dp, enabled=enabled,
+                           per_gpu=layout.colocated)

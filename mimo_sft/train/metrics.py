@@ -75,6 +75,9 @@ class StepMetrics:
     #: a dataset mixture's per-source figures, written as ``loss/<name>``, ``tokens/<name>`` (supervised) and
     #: ``samples/<name>``; ``loss/<name>`` absent in a step without that source's tokens; empty for one dataset
     sources: dict = field(default_factory=dict, metadata={"flatten_as": "", "per_module": False})
+    #: a colocated run with reordering: each GPU's whole load (its vision slice plus its share of its language DP
+    #: rank, as the plan weighs them), max over mean, before and after the plan (``gpu_load_max_over_mean_*``)
+    gpus: dict = field(default_factory=dict, metadata={"flatten_as": "", "per_module": False})
     #: at a log step of a run of several ranks, the straggler report's per-rank figures (``train.straggler``):
     #: ``rank_step_s``, ``rank_work_s``, ``rank_phase_s``; ``slowest_rank``, ``slowest_excess``, ``slowest_phase``
     #: where a rank has peers; empty at other steps
@@ -291,7 +294,12 @@ class MetricsLogger:
             eta = self.eta_s(step)
             before, after = record.vision_load_max_over_mean_before, record.vision_load_max_over_mean_after
             load = ""
-            if before is not None:
+            gpus = record.gpus
+            if "gpu_load_max_over_mean_before" in gpus:  # colocated: what gates the step is the whole GPU
+                after_gpu = gpus.get("gpu_load_max_over_mean_after")
+                load = (f" | GPU load max/mean {gpus['gpu_load_max_over_mean_before']:.3f}"
+                        + (f" -> {after_gpu:.3f}" if after_gpu is not None else ""))
+            elif before is not None:
                 load = f" | vision load max/mean {before:.3f}" + (f" -> {after:.3f}" if after is not None else "")
             mfu = f" | MFU {100 * record.mfu:.1f}%" if record.mfu is not None else ""
             if "moe_load_max_over_mean" in record.moe:

@@ -24,7 +24,7 @@ def log_step(tr, result) -> None:
     one ``StepMetrics`` record; a non-finite loss stops the run (every last-stage language rank raises)."""
     peaks = peak_memory_by_module(tr.pstate)
     c = tr.feed.end_step()
-    tr.straggler.add(result.step_time_s, result.phase_s)
+    tr.straggler.add(result.step_time_s, result.phase_s, (c.vision_patches, c.language_share))
     block = tr.straggler.figures(tr.step)
     model_flops, *summed = step_model_flops(
         tr.feed.flops.step_flops, tr.pstate,
@@ -68,7 +68,8 @@ def log_step(tr, result) -> None:
         peak_memory_bytes=max(peaks.values()), peak_memory_bytes_by_module=peaks,
         model_flops=model_flops, model_tflops_per_gpu=tflops, mfu=mfu,
         update_ok=result.update_ok, consumed_samples=tr.consumed,
-        truncated_samples=int(t[5]), empty_answers=int(t[6]), moe=moe, sources=source_figures(tr, t[7:]),
+        truncated_samples=int(t[5]), empty_answers=int(t[6]), moe=moe,
+        gpus=load.gpu_figures() if load is not None else {}, sources=source_figures(tr, t[7:]),
         ranks=ranks))
 
 

@@ -15,7 +15,8 @@ adds no collective. The metrics rank then:
 
 * names the slowest rank on the progress line: ``slowest rank 5 +31 % (encoder forward)`` -- its work over the
   median of its peers', and the phase with the most seconds over the peers' median of that phase;
-* writes the per-rank figures to metrics.jsonl (``rank_step_s``, ``rank_work_s``, ``rank_phase_s``, and
+* writes the per-rank figures to metrics.jsonl (``rank_step_s``, ``rank_work_s``, ``rank_phase_s``, the work it
+  was given, ``rank_patches`` and ``rank_tokens`` (what ``--reorder-calibrate-from`` fits the phases on), and
   ``slowest_rank``, ``slowest_excess``, ``slowest_phase``), read back by ``mimo-sft summarize``;
 * warns once, with the rank's host, when a rank's work stays above ``--straggler-threshold`` times its peers'
   median for :data:`INTERVALS` log intervals in a row.
@@ -40,17 +41,21 @@ PHASES = ("data wait", "reorder wait", "encoder forward", "encoder backward", "b
           "language backward", "gradient finalize", "optimizer", COMPUTE)
 #: phases that wait on other ranks: not this rank's work
 WAITS = frozenset({"reorder wait", "bridge", "gradient finalize"})
-#: figures per rank: its step time, then its seconds in each phase (means per step over the interval)
-ROW = 1 + len(PHASES)
+#: the work a rank was given, after its phases: its encoder slice's patches, its language slice's real tokens
+#: over language tp (``train.feed``); what ``config.calibration`` fits the encoder and language seconds on
+LOADS = ("patches", "tokens")
+#: figures per rank: its step time, its seconds in each phase, then its :data:`LOADS` (means per step over the
+#: interval)
+ROW = 1 + len(PHASES) + len(LOADS)
 #: consecutive log intervals above the threshold before a rank is flagged
 INTERVALS = 3
 #: test hook: ``RANK:SECONDS`` -- that rank sleeps that long in each data wait (``mimo_sft.progress``)
 SLOW_ENV = "MIMO_SFT_TEST_SLOW_RANK"
 
 
-def phase_row(step_s: float, seconds: dict[str, float]) -> list[float]:
-    """One step's row: its time, then the seconds of each of :data:`PHASES` (others booked as compute)."""
-    row = [step_s] + [0.0] * len(PHASES)
+def phase_row(step_s: float, seconds: dict[str, float], loads: Sequence[float] = (0.0, 0.0)) -> list[float]:
+    """One step's row: its time, the seconds of each of :data:`PHASES` (others booked as compute), its loads."""
+    row = [step_s] + [0.0] * len(PHASES) + [float(x) for x in loads]
     for name, s in seconds.items():
         i = PHASES.index(name) if name in PHASES else PHASES.index(COMPUTE)
         row[1 + i] += s
@@ -181,8 +186,8 @@ class StragglerReport:
         self._sum = [0.0] * ROW
         self._steps = 0
 
-    def add(self, step_s: float, seconds: dict[str, float]) -> None:
-        self._sum = [a + b for a, b in zip(self._sum, phase_row(step_s, seconds))]
+    def add(self, step_s: float, seconds: dict[str, float], loads: Sequence[float] = (0.0, 0.0)) -> None:
+        self._sum = [a + b for a, b in zip(self._sum, phase_row(step_s, seconds, loads))]
         self._steps += 1
 
     def is_log_step(self, step: int) -> bool:
@@ -210,6 +215,8 @@ class StragglerReport:
             print(line, flush=True)
         out = {"rank_step_s": np.round(table[:, 0], 4).tolist(), "rank_work_s": np.round(works(table), 4).tolist(),
                "rank_phase_s": {p: np.round(table[:, 1 + i], 4).tolist() for i, p in enumerate(PHASES)}}
+        first = 1 + len(PHASES)
+        out.update({f"rank_{name}": np.round(table[:, first + i], 3).tolist() for i, name in enumerate(LOADS)})
         s = slowest(table, self.role, r_of)
         if s is not None:
             out.update(slowest_rank=s.rank, slowest_excess=round(s.excess, 4), slowest_phase=s.phase)

@@ -239,6 +239,8 @@ class Trainer:
               f"micro-batches of {t.micro_batch_size}), reordering {f'on ({cfg.reorder.mode})' if cfg.reorder.enabled else 'off'}, "
               f"{start}, output {self.output_dir}\n"
               f"mimo-sft: {self._checkpoint_plan()}", flush=True)
+        if cfg.reorder.enabled and cfg.reorder.calibration:
+            print(f"mimo-sft: reordering cost weights {cfg.reorder.calibration}", flush=True)
         if cfg.checkpoint.resume_auto:
             print(f"mimo-sft: --load-checkpoint auto: " + (f"resuming from {cfg.checkpoint.load_checkpoint}" if
                   cfg.checkpoint.load_checkpoint else f"no checkpoint in {cfg.checkpoint.save} yet: starting fresh"),
