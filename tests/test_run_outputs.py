@@ -76,7 +76,7 @@ def test_the_eta_follows_the_steps_pace_not_a_save_between_them(tmp_path, monkey
         logger.log(SimpleNamespace(step=n, step_time_s=seconds, to_json=lambda: {"step": n}, loss=1.0, lr=1e-3,
                                    grad_norm=1.0, tokens_per_s=1.0, mfu=None, moe={},
                                    vision_load_max_over_mean_before=None, vision_load_max_over_mean_after=None,
-                                   ranks={}))
+                                   ranks={}, gpus={}))
 
     step(1, 2.0)  # warm-up
     for n in range(2, 11):
