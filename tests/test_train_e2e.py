@@ -42,9 +42,13 @@ def test_equal_dp_non_colocated_with_reordering_matches_single_process(reference
 
     keys = StepMetrics.json_keys(["language", "images"])  # the record's fields, per-module peaks flattened
     # then the straggler report's per-rank figures at a log step (tests/test_straggler.py)
-    keys += ["rank_step_s", "rank_work_s", "rank_phase_s", "slowest_rank", "slowest_excess", "slowest_phase"]
+    keys += ["rank_step_s", "rank_work_s", "rank_phase_s", "rank_patches", "rank_tokens", "slowest_rank",
+             "slowest_excess", "slowest_phase"]
     assert list(m) == keys and all(m[k] is not None for k in keys), m
     assert len(m["rank_work_s"]) == 4 and 0 <= m["slowest_rank"] < 4
+    # the work each rank was given: language ranks 0-1 their tokens, encoder ranks 2-3 their patches, only
+    assert m["rank_patches"][:2] == [0.0, 0.0] and min(m["rank_patches"][2:]) > 0, m["rank_patches"]
+    assert m["rank_tokens"][2:] == [0.0, 0.0] and min(m["rank_tokens"][:2]) > 0, m["rank_tokens"]
     assert m["tokens_per_s"] > 0 and m["peak_memory_bytes"] > 0 and m["reorder_exchange_s"] >= 0
     assert m["peak_memory_bytes"] == max(m["peak_memory_bytes_language"], m["peak_memory_bytes_images"])
     assert m["model_tflops_per_gpu"] == m["model_flops"] / m["step_time_s"] / 4 / 1e12
