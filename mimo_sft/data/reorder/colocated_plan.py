@@ -29,9 +29,9 @@ group does the same work.
   ``tests/test_colocated_plan.py`` measures it against brute force. Above that, the last start
   with balanced differencing only, then rounds of many such swaps at once
   (:func:`.coupled.pair_swaps`) and single swaps, until the heaviest GPU is within
-  :data:`NEAR_MEAN` of the mean GPU: 3-5x a heap LPT of the samples at 256 groups x 8 samples,
-  where refining down to the 0.03-0.06 % the swaps can reach cost 20-45x. The layout as read is
-  kept when nothing beats it (or it is already that close).
+  :data:`NEAR_MEAN` of the mean GPU: 3-4x a heap LPT of the samples at 256 groups x 8 samples, where
+  refining every start to the end took 37-51x (``scripts/bench_reorder.py``, table f). The layout
+  as read is kept when nothing beats it (or, above that size, when it is already that close).
 
 Same determinism rules as :mod:`.balance`: every rank computes the same order from the same numbers.
 """
@@ -116,8 +116,8 @@ def group_loads(vision: Sequence[float], language: Sequence[float], grid: Coloca
 
 
 #: Above :data:`.coupled.SMALL_ITEMS` samples the plan stops once the heaviest GPU is within this
-#: fraction of the mean GPU (a lower bound: no layout is more than that much lighter). Issue 46's
-#: quality target; the swaps below it cost several times the plan (``scripts/bench_reorder.py``, f).
+#: fraction of the mean GPU (a lower bound: no layout is more than that much lighter), issue 46's
+#: quality target. Stopping at 0.05 % instead took 10-25x a heap LPT at 256 groups x 8, not 3-4x.
 NEAR_MEAN = 1e-3
 
 
