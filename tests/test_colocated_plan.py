@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from mimo_sft.data.colocated import colocated_read_plan
-from mimo_sft.data.reorder import assign, coupled
+from mimo_sft.data.reorder import assign, colocated_plan, coupled
 from mimo_sft.data.reorder.colocated_plan import (ColocatedGrid, colocated_order, colocated_plan_info, group_loads,
                                                   sample_terms)
 from mimo_sft.parallel.components import parse_component
@@ -161,22 +161,66 @@ def test_256_groups_within_01_percent_of_the_mean_gpu(grid):
     """The mean GPU is a lower bound on the heaviest; the work stays within the linear budget."""
     rng = random.Random(grid.block)
     n = grid.n_groups * 8
-    for wl in (0.0, 1.0):
+    for wv, wl in ((1.0, 0.0), (1.0, 1.0), (0.5, 2.0)):
         patches, tokens = _bimodal(rng, n), [float(rng.randint(100, 3000)) for _ in range(n)]
-        v, lang = sample_terms(patches, tokens, grid, encoder_cost_weight=1.0, language_cost_weight=wl)
+        v, lang = sample_terms(patches, tokens, grid, encoder_cost_weight=wv, language_cost_weight=wl)
         loads = group_loads(v, lang, grid, colocated_order(v, lang, grid))
         assert max(loads) <= 1.001 * (sum(loads) / len(loads)), max(loads) / (sum(loads) / len(loads))
         assert max(loads) < 0.75 * max(group_loads(v, lang, grid))
 
 
-def test_lpt_within_blocks_deals_every_sample_once():
-    rng = random.Random(2)
-    f = np.array(_bimodal(rng, 48))
-    blocks = np.arange(48).reshape(4, 12)[:, ::-1].copy()
-    grid = coupled.lpt_within_blocks(f, blocks, 3)
-    assert grid.shape == (12, 4)
-    for b in range(4):
-        assert sorted(grid[3 * b:3 * b + 3].ravel().tolist()) == sorted(blocks[b].tolist())
+def test_one_module_alone_is_the_existing_planner_on_its_term():
+    """Language weight 0 on fan-in leaves the vision groups; on fan-out, the vision slices."""
+    rng = random.Random(4)
+    for grid in (ColocatedGrid(16, 8, 2), ColocatedGrid(8, 16, 1)):
+        n = grid.n_groups * 8
+        v, lang = sample_terms(_bimodal(rng, n), [float(rng.randint(100, 3000)) for _ in range(n)], grid,
+                               encoder_cost_weight=1.0, language_cost_weight=0.0)
+        want = assign.balanced_index_order(v.tolist(), grid.vision_dp)
+        per_slice = n // grid.vision_dp
+        best = max(sum(v[want[s * per_slice:(s + 1) * per_slice]]) for s in range(grid.vision_dp))
+        assert max(group_loads(v, lang, grid, colocated_order(v, lang, grid))) == best
+
+
+def test_large_micro_batches_stop_at_the_tolerance_and_never_move_a_layout_within_it():
+    """Above SMALL_ITEMS samples the plan stops within NEAR_MEAN of the mean GPU (one rank's order is
+    every rank's: the same numbers give the same order), and a layout as read that is already that
+    close does not move."""
+    rng = random.Random(8)
+    grid = ColocatedGrid(64, 32, 2)
+    n = 64 * 8
+    v, lang = sample_terms(_bimodal(rng, n), [float(rng.randint(100, 3000)) for _ in range(n)], grid,
+                           encoder_cost_weight=1.0, language_cost_weight=1.0)
+    order = colocated_order(v, lang, grid)
+    assert order == colocated_order(v.copy(), lang.tolist(), grid)
+    loads = group_loads(v, lang, grid, order)
+    mean = sum(loads) / len(loads)
+    assert max(loads) <= (1 + colocated_plan.NEAR_MEAN) * mean
+    ordered_v, ordered_lang = v[order], lang[order]
+    assert colocated_order(ordered_v, ordered_lang, grid) == list(range(n))
+
+
+def test_pair_swaps_never_raise_the_heaviest_gpu_and_stop_at_the_target():
+    rng = random.Random(6)
+    for k in (2, 4):
+        G, per = 32, 6
+        f, c = np.array(_bimodal(rng, G * per)), np.array([float(rng.randint(0, 3000)) for _ in range(G * per)])
+        grid = np.arange(G * per).reshape(G, per)
+        before = coupled.heaviest(f, c, grid, k)
+        mean = f.sum() / G + c.sum() / (G // k)
+        target = mean + 0.5 * (before - mean)
+        again = grid.copy()
+        coupled.pair_swaps(f, c, grid, k, coupled.Work(budget=coupled.work_budget(G * per)), 1e-9, target)
+        assert sorted(grid.ravel().tolist()) == list(range(G * per))
+        assert coupled.heaviest(f, c, grid, k) <= target
+        coupled.pair_swaps(f, c, again, k, coupled.Work(budget=coupled.work_budget(G * per)), 1e-9, target)
+        assert np.array_equal(grid, again)
+        # a target below the mean GPU: the same swaps, then more until none helps (never a higher top)
+        unreachable = np.arange(G * per).reshape(G, per)
+        work = coupled.Work(budget=coupled.work_budget(G * per))
+        coupled.pair_swaps(f, c, unreachable, k, work, 1e-9, 0.0)
+        assert mean <= coupled.heaviest(f, c, unreachable, k) <= coupled.heaviest(f, c, grid, k)
+        assert not work.spent
 
 
 def test_refinement_never_raises_the_heaviest_gpu_and_stops():
