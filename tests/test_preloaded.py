@@ -100,7 +100,7 @@ def _alive(pid: int) -> bool:
 
 
 def test_a_run_past_its_timeout_is_killed_with_everything_it_started(tmp_path):
-    code, _out, _err, seconds = _preloaded(2, ["hang", str(tmp_path)], timeout=20)
+    code, _out, _err, seconds = _preloaded(2, ["hang", str(tmp_path)], timeout=8)
     assert code is None and seconds < 60
     pids = [int(p) for f in tmp_path.glob("*.pids") for p in f.read_text().split()]
     assert len(pids) == 4, pids  # two ranks, a grandchild each
