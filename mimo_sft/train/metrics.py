@@ -79,7 +79,7 @@ class StepMetrics:
     #: rank, as the plan weighs them), max over mean, before and after the plan (``gpu_load_max_over_mean_*``)
     gpus: dict = field(default_factory=dict, metadata={"flatten_as": "", "per_module": False})
     #: at a log step of a run of several ranks, the straggler report's per-rank figures (``train.straggler``):
-    #: ``rank_step_s``, ``rank_work_s``, ``rank_phase_s``; ``slowest_rank``, ``slowest_excess``, ``slowest_phase``
+    #: ``rank_step_s``, ``rank_work_s``, ``rank_phase_s``, ``rank_patches``, ``rank_tokens``; ``slowest_rank``, ``slowest_excess``, ``slowest_phase``
     #: where a rank has peers; empty at other steps
     ranks: dict = field(default_factory=dict, metadata={"flatten_as": "", "per_module": False})
 
