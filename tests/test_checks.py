@@ -90,6 +90,9 @@ CASES = [
                                                                                     "0"],
      "both reorder cost weights are 0; set --reorder-encoder-cost-weight"),
     ("language cp", comp("language=dp=1,cp=2", "images=dp=1,rank_offset=2"), "language.cp=2"),
+    ("encoder balance non-colocated", GOOD + ["--encoder-balance"], "--encoder-balance needs a colocated layout"),
+    ("encoder balance fan-in", comp("language=tp=2,dp=1", "images=dp=2") + ["--encoder-balance"],
+     "--encoder-balance on a colocated layout needs equal DP sizes (got [1, 2]"),
 ]
 
 

@@ -18,7 +18,8 @@ Adam step to ``WEIGHTS_TOL``):
 * colocated fan-in (images dp 2 feeding language tp 2 x dp 1) with sequence parallelism on padded
   rows and selective recomputation, balanced by the per-GPU plan (vision only);
 * colocated equal DP (dp 2 both) at language tp 2 without sequence parallelism (the tower
-  replicated on its tp ranks);
+  replicated on its tp ranks), with encoder-only balancing (``--encoder-balance``: images encoded on the
+  other tower of the DP group, the DeepStack-wide rows and their gradients sent back);
 * language pp 2 x dp 2 (the deepstack layers on stage 0) fed by one encoder rank, with exchange-mode
   reordering, packed, with full (block) recomputation: 1F1B runs a later micro-batch's forward
   before an earlier one's backward.
@@ -109,8 +110,10 @@ def test_colocated_fan_in_balanced_with_sequence_parallel_padded_rows_and_select
 
 def test_colocated_equal_dp_at_language_tp2_without_sequence_parallelism(reference):
     """dp 2 both; every language tp rank holds the whole sequence and adds every row itself."""
-    got = run("ds_co_equal", 4, ["language=tp=2,dp=2", "images=tp=2,dp=2"], ["--scalable-dp"])
+    got = run("ds_co_equal", 4, ["language=tp=2,dp=2", "images=tp=2,dp=2"], ["--scalable-dp", "--encoder-balance"])
     assert_same_step(reference, got, weights_tol=WEIGHTS_TOL)
+    # --encoder-balance: images went to the other tower of each tp rank's DP group, DeepStack rows came back
+    assert metrics(got)[0]["encoder_balance_moved_images"] > 0
 
 
 def test_language_pp2_exchange_reordering_packed_with_block_recompute(reference):

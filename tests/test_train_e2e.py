@@ -86,9 +86,18 @@ def test_colocated_fan_in_matches_single_process(reference_variable):
     assert_same_step(reference_variable, colocated_fan_in())
 
 
+#: colocated equal DP with encoder-only balancing (train.encoder_balance): images encoded on the other tower
+CO_EQUAL = ["--scalable-dp", "--encoder-balance"]
+
+
 def test_colocated_equal_dp_matches_single_process(reference_variable):
-    run = layout_run("co_equal", 2, ["language=dp=2", "images=dp=2"], extra=["--scalable-dp"])
+    """With --encoder-balance: images move to the other tower and their embeddings and gradients come back,
+    and every parameter's gradient is still the single process's."""
+    run = layout_run("co_equal", 2, ["language=dp=2", "images=dp=2"], extra=CO_EQUAL)
     assert_same_step(reference_variable, run)
+    m = metrics(run)[0]
+    assert m["encoder_balance_moved_images"] > 0, m
+    assert m["encoder_balance_max_over_mean_after"] < m["encoder_balance_max_over_mean_before"], m
 
 
 def _balanced_like_unbalanced(reference, on, off):
@@ -121,7 +130,7 @@ def test_colocated_equal_dp_balanced_matches_single_process(reference_variable):
     data.reorder.colocated_plan): each rank reads its balanced shard and splits it as before."""
     on = layout_run("co_equal_reorder", 2, ["language=dp=2", "images=dp=2"],
                     extra=["--scalable-dp", "--intra-microbatch-reorder"])
-    off = layout_run("co_equal", 2, ["language=dp=2", "images=dp=2"], extra=["--scalable-dp"])
+    off = layout_run("co_equal", 2, ["language=dp=2", "images=dp=2"], extra=CO_EQUAL)
     _balanced_like_unbalanced(reference_variable, on, off)
 
 

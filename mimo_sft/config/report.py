@@ -47,6 +47,9 @@ def print_report(cfg: ExperimentConfig, result: CheckResult, console: Console, *
                       f"{cfg.model.attention_backend} attention")
         if r.calibration:
             console.print(f"cost weights {r.calibration}")
+        if r.encoder_balance:
+            console.print("encoder-only balancing: each image encoded on the least-loaded tower of its vision DP "
+                          "group, its embeddings and their gradients sent back (--encoder-balance)")
     if result.memory is not None:
         print_memory(result.memory, console)
     for note in result.notes:

@@ -118,6 +118,7 @@ class ReorderConfig:
     overlap: bool = opt(True, "--overlap-intra-microbatch-reorder", "exchange the next window on a background thread", negatable=True)
     mode: str = opt("index", "--reorder-mode", "'index': each rank computes its shard's costs (image headers, token counts), the ranks all-gather them, every rank computes the balanced plan and decodes only its own samples (no sample bytes cross ranks); 'exchange': ranks decode their shard and exchange samples over gloo", choices=("index", "exchange"))
     window_size: int = opt(1, "--reorder-window-size", "micro-batches exchanged together (one all-to-all per window; each micro-batch is balanced on its own)")
+    encoder_balance: bool = opt(False, "--encoder-balance", "colocated layouts: encode each image on the least-loaded vision tower of its DP group and send its embeddings (and their gradients) back; splits samples of several images, which sample placement cannot")
     calibrate_from: Optional[str] = opt(None, "--reorder-calibrate-from", "set both cost weights from the encoder and language phases an earlier run measured (its output folder, metrics.jsonl)")
     calibration: str = opt("", None, "where the cost weights came from (written by --reorder-calibrate-from)")
 

@@ -51,25 +51,31 @@ class ModelInfo:
     hf_config: Any = None
     prefix_style: str = "legacy"
     modules_on_rank: list = field(default_factory=list)
+    #: ``--encoder-balance`` (``train.encoder_balance``): every vision rank runs its tower every micro-batch
+    always_encode: bool = False
 
     def modality_inputs(self, batch: dict) -> Optional[dict]:
         """MimoModel's ``modality_inputs`` from a design.md micro-batch (None when it has no pixels)."""
-        return modality_inputs_from_batch(batch, encoder_name=self.encoder_name)
+        return modality_inputs_from_batch(batch, encoder_name=self.encoder_name, always=self.always_encode)
 
 
-def modality_inputs_from_batch(batch: dict, encoder_name: str = "qwen_vit") -> Optional[dict]:
+def modality_inputs_from_batch(batch: dict, encoder_name: str = "qwen_vit", *, always: bool = False) -> Optional[dict]:
     """``{"images": {encoder_name: {"pixel_values", "image_grid_thw"}}}`` or None without images.
 
     Returns None when the batch has no ``pixel_values`` (language-only ranks, text-only batches),
     which MimoModel treats as "no image embeddings" -- except where a colocated bridge pads encoder
     output (``bridge_tokens_per_sample`` > 0, design.md): every rank of a bridge gather group must
-    run the encoder, so zero images are passed on and the encoder returns zero rows.
+    run the encoder, so zero images are passed on and the encoder returns zero rows; and with ``always``
+    (``--encoder-balance``: every tower of the vision DP group joins the image exchange every micro-batch).
     """
     pv = batch.get("pixel_values")
     thw = batch.get("image_grid_thw")
+    if always and (pv is None or thw is None):
+        pv = torch.empty((0, 0), dtype=torch.uint8, device=batch["input_ids"].device)
+        thw = torch.zeros((0, 3), dtype=torch.int64)
     if pv is None or thw is None:
         return None
-    if (pv.shape[0] == 0 or thw.shape[0] == 0) and not batch.get("bridge_tokens_per_sample"):
+    if (pv.shape[0] == 0 or thw.shape[0] == 0) and not (always or batch.get("bridge_tokens_per_sample")):
         return None
     return {IMAGES: {encoder_name: {"pixel_values": pv, "image_grid_thw": thw}}}
 

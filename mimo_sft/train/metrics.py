@@ -76,7 +76,9 @@ class StepMetrics:
     #: ``samples/<name>``; ``loss/<name>`` absent in a step without that source's tokens; empty for one dataset
     sources: dict = field(default_factory=dict, metadata={"flatten_as": "", "per_module": False})
     #: a colocated run with reordering: each GPU's whole load (its vision slice plus its share of its language DP
-    #: rank, as the plan weighs them), max over mean, before and after the plan (``gpu_load_max_over_mean_*``)
+    #: rank, as the plan weighs them), max over mean, before and after the plan (``gpu_load_max_over_mean_*``);
+    #: with --encoder-balance, the images moved and the towers' patches max over mean before and after the moves
+    #: (``encoder_balance_moved_images``, ``encoder_balance_max_over_mean_*``; ``train.encoder_balance``)
     gpus: dict = field(default_factory=dict, metadata={"flatten_as": "", "per_module": False})
     #: at a log step of a run of several ranks, the straggler report's per-rank figures (``train.straggler``):
     #: ``rank_step_s``, ``rank_work_s``, ``rank_phase_s``, ``rank_patches``, ``rank_tokens``; ``slowest_rank``, ``slowest_excess``, ``slowest_phase``
@@ -301,6 +303,9 @@ class MetricsLogger:
                         + (f" -> {after_gpu:.3f}" if after_gpu is not None else ""))
             elif before is not None:
                 load = f" | vision load max/mean {before:.3f}" + (f" -> {after:.3f}" if after is not None else "")
+            if "encoder_balance_max_over_mean_before" in gpus:  # --encoder-balance: the towers after the image moves
+                load += (f" | towers max/mean {gpus['encoder_balance_max_over_mean_before']:.3f} -> "
+                         f"{gpus.get('encoder_balance_max_over_mean_after', float('nan')):.3f}")
             mfu = f" | MFU {100 * record.mfu:.1f}%" if record.mfu is not None else ""
             if "moe_load_max_over_mean" in record.moe:
                 load += f" | experts max/mean {record.moe['moe_load_max_over_mean']:.2f}"

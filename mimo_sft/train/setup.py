@@ -93,6 +93,11 @@ def build_model_and_optimizer(cfg: ExperimentConfig, layout: Layout, pstate: Par
         config_overrides={"calculate_per_token_loss": True, "attention_dropout": 0.0, "hidden_dropout": 0.0},
         max_seq_len=cfg.data.seq_length)
     set_pixel_norm(model, pixel_norm_from(cfg.model.hf_model, resolve_image_backend(cfg.data.image_backend)))
+    if cfg.reorder.encoder_balance:  # images to the least-loaded tower, embeddings back (train.encoder_balance)
+        from mimo_sft.train.encoder_balance import install
+
+        install(model, pstate, info)
+        info.always_encode = True
     lora = LoraSpec.from_model_config(cfg.model)
     if lora is not None:  # adapters on top of the loaded weights, before DDP sees the parameters (model.lora)
         lang = pstate.modules[LANGUAGE]

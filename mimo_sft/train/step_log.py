@@ -33,6 +33,7 @@ def log_step(tr, result) -> None:
     load = tr.feed.load_stats
     before, after = load.step_figures() if load is not None else (None, None)
     moe = tr.expert_load.step_figures(tr.pstate.world_gloo) if tr.expert_load is not None else {}
+    balanced = encoder_figures(tr)  # every rank takes them (they pile up otherwise); the metrics rank logs them
     if not tr.is_last_language_stage:
         return
     out = result.output
@@ -69,8 +70,17 @@ def log_step(tr, result) -> None:
         model_flops=model_flops, model_tflops_per_gpu=tflops, mfu=mfu,
         update_ok=result.update_ok, consumed_samples=tr.consumed,
         truncated_samples=int(t[5]), empty_answers=int(t[6]), moe=moe,
-        gpus=load.gpu_figures() if load is not None else {}, sources=source_figures(tr, t[7:]),
+        gpus={**(load.gpu_figures() if load is not None else {}), **balanced}, sources=source_figures(tr, t[7:]),
         ranks=ranks))
+
+
+def encoder_figures(tr) -> dict:
+    """``--encoder-balance``'s figures of the step (the plan every vision rank computed alike; no collective)."""
+    if not tr.cfg.reorder.encoder_balance:
+        return {}
+    from mimo_sft.train.encoder_balance import take_step_figures
+
+    return take_step_figures()
 
 
 def source_figures(tr, t: torch.Tensor) -> dict:

@@ -159,7 +159,17 @@ def c10_encoder_limits(ctx):
 
 
 def c11_colocated(ctx):
-    if ctx.layout is None or not ctx.layout.colocated:
+    if ctx.layout is None:
+        return
+    if ctx.cfg.reorder.encoder_balance:  # train.encoder_balance: one vision DP group that is every GPU's slice
+        dps = {s.dp for s in ctx.specs}
+        if not ctx.layout.colocated:
+            yield ("--encoder-balance needs a colocated layout (its towers share the GPUs of the language model); "
+                   "on separate encoder ranks use --intra-microbatch-reorder, which balances them already")
+        elif len(dps) > 1:
+            yield (f"--encoder-balance on a colocated layout needs equal DP sizes (got {sorted(dps)}: mimo-sft's own "
+                   f"limit, the bridge's gather groups read fixed encoder slices); make the DP sizes equal or drop it")
+    if not ctx.layout.colocated:
         return
     for s in ctx.specs:
         if s.pp > 1 or s.cp > 1:

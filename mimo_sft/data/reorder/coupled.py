@@ -228,36 +228,51 @@ def pair_swaps(f: np.ndarray, c: np.ndarray, grid: np.ndarray, k: int, work: Wor
         if shuffled:
             light = light[_shuffle(h * r).take(np.arange(h * r) + shuffled, mode="wrap")]
         light = light.reshape(r, h).T  # [h, r]: each heavy block's partners
-        sb = fb + cb
-        P = np.repeat(F, per, axis=1) + C[:, None] - sb  # per slot: its GPU's load less its sample
-        Q = np.repeat(_excluding_self(F.reshape(-1), k).reshape(B, k), per, axis=1) + C[:, None] - cb
-        shape = (h, r, kp, kp)  # heavy block, partner, heavy slot, partner slot
-        score, tmp = (b[:h * r * kp * kp].reshape(shape) for b in buffers)
-        np.add(P[heavy][:, None, :, None], sb[light][:, :, None, :], out=score)
-        np.maximum(score, np.add(Q[heavy][:, None, :, None], cb[light][:, :, None, :], out=tmp), out=score)
-        np.maximum(score, np.add(P[light][:, :, None, :], sb[heavy][:, None, :, None], out=tmp), out=score)
-        np.maximum(score, np.add(Q[light][:, :, None, :], cb[heavy][:, None, :, None], out=tmp), out=score)
-        score = score.reshape(h, r * kp * kp)
+        score = _pair_scores(fb, cb, F, C, heavy, light, k, per, buffers)
         best = score.argmin(axis=1)
         ok = score[np.arange(h), best] < M[heavy] - eps
         work.examined += score.size
         work.pair_rounds += 1
         if ok.any():
-            q, rest = np.divmod(best[ok], kp * kp)
-            x, y = np.divmod(rest, kp)
-            hs, ls = heavy[ok], light[np.flatnonzero(ok), q]
-            i, j = gb[hs, x], gb[ls, y]
-            gb[hs, x], gb[ls, y] = j, i
-            d_f, d_c = fb[ls, y] - fb[hs, x], cb[ls, y] - cb[hs, x]
-            fb[hs, x], fb[ls, y] = f[j], f[i]
-            cb[hs, x], cb[ls, y] = c[j], c[i]
-            F[hs, x // per] += d_f
-            F[ls, y // per] -= d_f
-            C[hs] += d_c
-            C[ls] -= d_c
+            _apply_pair_swaps(f, c, gb, fb, cb, F, C, heavy[ok], light[np.flatnonzero(ok)], best[ok], per)
             work.swaps += int(ok.sum())
         improved = float((F.max(axis=1) + C).max()) < before - eps
         busy = int(ok.sum()) * PAIR_BUSY >= h
         stale = 0 if improved or (shuffled and busy) else stale + (1 if shuffled else 0)
         shuffled += 1 if shuffled or not improved else 0
     grid[:] = gb.reshape(G, per)
+
+
+def _pair_scores(fb, cb, F, C, heavy, light, k: int, per: int, buffers) -> np.ndarray:
+    """``[h, r * kp * kp]``: for each heavy block, partner, heavy slot and partner slot, the highest load among
+    the GPUs of both blocks after swapping the two slots' samples (:func:`pair_swaps`)."""
+    B, kp = fb.shape
+    h, r = light.shape
+    sb = fb + cb
+    P = np.repeat(F, per, axis=1) + C[:, None] - sb  # per slot: its GPU's load less its sample
+    Q = np.repeat(_excluding_self(F.reshape(-1), k).reshape(B, k), per, axis=1) + C[:, None] - cb
+    shape = (h, r, kp, kp)  # heavy block, partner, heavy slot, partner slot
+    score, tmp = (b[:h * r * kp * kp].reshape(shape) for b in buffers)
+    np.add(P[heavy][:, None, :, None], sb[light][:, :, None, :], out=score)
+    np.maximum(score, np.add(Q[heavy][:, None, :, None], cb[light][:, :, None, :], out=tmp), out=score)
+    np.maximum(score, np.add(P[light][:, :, None, :], sb[heavy][:, None, :, None], out=tmp), out=score)
+    np.maximum(score, np.add(Q[light][:, :, None, :], cb[heavy][:, None, :, None], out=tmp), out=score)
+    return score.reshape(h, r * kp * kp)
+
+
+def _apply_pair_swaps(f, c, gb, fb, cb, F, C, hs, partners, best, per: int) -> None:
+    """Swap each heavy block ``hs``'s chosen slot with its chosen partner's (``best``: flat index into the
+    scores), keeping the per-slot terms and the loads in step."""
+    kp = fb.shape[1]
+    q, rest = np.divmod(best, kp * kp)
+    x, y = np.divmod(rest, kp)
+    ls = partners[np.arange(len(hs)), q]
+    i, j = gb[hs, x], gb[ls, y]
+    gb[hs, x], gb[ls, y] = j, i
+    d_f, d_c = fb[ls, y] - fb[hs, x], cb[ls, y] - cb[hs, x]
+    fb[hs, x], fb[ls, y] = f[j], f[i]
+    cb[hs, x], cb[ls, y] = c[j], c[i]
+    F[hs, x // per] += d_f
+    F[ls, y // per] -= d_f
+    C[hs] += d_c
+    C[ls] -= d_c

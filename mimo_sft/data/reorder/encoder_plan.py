@@ -1,0 +1,55 @@
+"""Encoder-only balancing's plan: which tower encodes each image of a micro-batch (pure).
+
+Sample placement (``colocated_plan``) moves whole samples, so it cannot split one sample's images: a row of
+five pages stays on one GPU. ``--encoder-balance`` moves single images instead, to another tower of the same
+vision DP group, and sends the embeddings (and their gradients) back to the GPU whose language slice holds the
+sample (``train.encoder_balance``; measured in ``scripts/bench_encoder_balance.py``). Every rank of the group
+gathers every rank's image sizes and computes this plan itself, so they agree without a broadcast.
+
+The plan: images heaviest first (ties: lower rank, then lower index) onto the tower with the least load so far;
+among equally loaded towers the image's own comes first, then the lowest rank (an image stays home whenever
+that is as good). If that leaves the heaviest tower no lighter than the layout as read, nothing moves. A cost
+is an image's patches, as the reorder planner counts them. Only comparisons of sums of the same floats decide.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import numpy as np
+
+
+def tower_loads(costs: Sequence[Sequence[float]], dest: Sequence[Sequence[int]] | None = None) -> list[float]:
+    """Each tower's load: the costs of the images it encodes (``dest`` None: every image at home)."""
+    loads = [[] for _ in costs]
+    for r, cs in enumerate(costs):
+        for i, c in enumerate(cs):
+            loads[r if dest is None else dest[r][i]].append(float(c))
+    return [math.fsum(x) for x in loads]
+
+
+def encoder_destinations(costs: Sequence[Sequence[float]]) -> list[list[int]]:
+    """For each rank's images, in order, the rank whose tower encodes it (see the module docstring)."""
+    ranks = len(costs)
+    home = [[r] * len(cs) for r, cs in enumerate(costs)]
+    items = sorted(((float(c), r, i) for r, cs in enumerate(costs) for i, c in enumerate(cs)),
+                   key=lambda t: (-t[0], t[1], t[2]))
+    if ranks < 2 or not items:
+        return home
+    loads = np.zeros(ranks, dtype=np.float64)
+    dest = [list(d) for d in home]
+    for c, r, i in items:
+        least = loads.min()
+        q = r if loads[r] == least else int(np.flatnonzero(loads == least)[0])
+        dest[r][i] = q
+        loads[q] += c
+    if max(tower_loads(costs, dest)) >= max(tower_loads(costs)):
+        return home
+    return dest
+
+
+def spread(loads: Sequence[float]) -> float | None:
+    """Heaviest over mean (None: no load)."""
+    mean = math.fsum(loads) / len(loads) if loads else 0.0
+    return max(loads) / mean if mean > 0 else None
