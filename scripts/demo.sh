@@ -36,12 +36,12 @@ echo
 $PY scripts/summarize_run.py "$OUT/run"
 echo
 echo "== finetune, colocated: language dp 2 and images dp 2 on the same 2 processes, each one's whole step"
-echo "   balanced, cost weights calibrated from the run above (--reorder-calibrate-from $OUT/run)"
+echo "   balanced (cost weights calibrated from the run above), single images moved to the lighter tower"
 rm -rf "$OUT/run-colocated"
 set +e
 .venv/bin/mimo-sft finetune --nproc-per-node 2 \
   --config configs/demo.yaml --hf-model "$OUT/tiny-qwen2.5-vl" --dataset-path "$OUT/data" \
-  --component "language=dp=2" --component "images=dp=2" --reorder-calibrate-from "$OUT/run" \
+  --component "language=dp=2" --component "images=dp=2" --reorder-calibrate-from "$OUT/run" --encoder-balance \
   --train-iters 10 --log-interval 5 --output-dir "$OUT/run-colocated" 2>&1 | grep --line-buffered -v -E "Warning|warnings.warn|^\s*$|W1[0-9]{3} |\*{10}|OMP_NUM_THREADS|^  [a-z_ ]+ = |^  (class |super\(|return |model = )|^WARNING:"
 status=${PIPESTATUS[0]}
 set -e
