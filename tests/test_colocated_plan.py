@@ -200,12 +200,18 @@ def test_large_micro_batches_stop_at_the_tolerance_and_never_move_a_layout_withi
     assert colocated_order(ordered_v, ordered_lang, grid) == list(range(n))
 
 
+def _coupled_case(rng, G: int, per: int, c_max: int):
+    """Bimodal fine terms, uniform coarse terms up to ``c_max``, and the layout as read (``[G, per]``)."""
+    f = np.array(_bimodal(rng, G * per))
+    c = np.array([float(rng.randint(0, c_max)) for _ in range(G * per)])
+    return f, c, np.arange(G * per).reshape(G, per)
+
+
 def test_pair_swaps_never_raise_the_heaviest_gpu_and_stop_at_the_target():
     rng = random.Random(6)
     for k in (2, 4):
         G, per = 32, 6
-        f, c = np.array(_bimodal(rng, G * per)), np.array([float(rng.randint(0, 3000)) for _ in range(G * per)])
-        grid = np.arange(G * per).reshape(G, per)
+        f, c, grid = _coupled_case(rng, G, per, 3000)
         before = coupled.heaviest(f, c, grid, k)
         mean = f.sum() / G + c.sum() / (G // k)
         target = mean + 0.5 * (before - mean)
@@ -227,8 +233,7 @@ def test_refinement_never_raises_the_heaviest_gpu_and_stops():
     rng = random.Random(9)
     for k in (2, 4):
         G, per = 8, 3
-        f, c = np.array(_bimodal(rng, G * per)), np.array([float(rng.randint(0, 5000)) for _ in range(G * per)])
-        grid = np.arange(G * per).reshape(G, per)
+        f, c, grid = _coupled_case(rng, G, per, 5000)
         before = coupled.heaviest(f, c, grid, k)
         work = coupled.Work(budget=coupled.work_budget(G * per))
         coupled.refine(f, c, grid, k, work, 1e-9, 0.0)

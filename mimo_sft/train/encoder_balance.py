@@ -84,13 +84,12 @@ class Routes(NamedTuple):
     out_rows: list[int]          # my images' output rows
 
 
-def routes(grids: list[torch.Tensor], dest: list[list[int]], me: int, *, temporal: int, merge: int) -> Routes:
-    from mimo_sft.model.pixels import model_grid_thw
-
+def routes(grids: list[torch.Tensor], costs: list[list[float]], dest: list[list[int]], me: int, *,
+           merge: int) -> Routes:
+    """``costs``: each image's model patches (the plan's costs), so its output rows are ``costs / merge**2``."""
     size = len(grids)
     rows = [[int(x) for x in g.prod(dim=1).tolist()] for g in grids]  # pixel rows per image, per rank
-    out = [[int(c) // (merge * merge) for c in model_grid_thw(g, temporal).prod(dim=1).tolist()] if g.numel() else []
-           for g in grids]  # output rows per image
+    out = [[int(c) // (merge * merge) for c in cs] for cs in costs]  # output rows per image
     mine = dest[me]
     send_order = [i for q in range(size) for i in range(len(mine)) if mine[i] == q]
     arrived = [(r, i) for r in range(size) for i in range(len(dest[r])) if dest[r][i] == me]
@@ -126,7 +125,7 @@ def balanced_forward(encode: Callable, pixel_values: torch.Tensor, image_grid_th
     _SEEN.append((moved, spread(tower_loads(costs)), spread(tower_loads(costs, dest))))
     if not moved:
         return encode(pixel_values, image_grid_thw)
-    rt = routes(grids, dest, me, temporal=temporal, merge=merge)
+    rt = routes(grids, costs, dest, me, merge=merge)
     device, dtype = pixel_values.device, (torch.uint8 if is_uint8 else pixel_values.dtype)
     outgoing = (pixel_values.reshape(-1, width).index_select(0, _ranges(rt.send_order, rt.rows, device)).to(dtype)
                 if rt.send_order else torch.empty((0, width), dtype=dtype, device=device))

@@ -19,6 +19,8 @@ from typing import Sequence
 
 import numpy as np
 
+from mimo_sft.data.reorder.load_bounds import load_spread
+
 
 def tower_loads(costs: Sequence[Sequence[float]], dest: Sequence[Sequence[int]] | None = None) -> list[float]:
     """Each tower's load: the costs of the images it encodes (``dest`` None: every image at home)."""
@@ -50,6 +52,5 @@ def encoder_destinations(costs: Sequence[Sequence[float]]) -> list[list[int]]:
 
 
 def spread(loads: Sequence[float]) -> float | None:
-    """Heaviest over mean (None: no load)."""
-    mean = math.fsum(loads) / len(loads) if loads else 0.0
-    return max(loads) / mean if mean > 0 else None
+    """Heaviest over mean (``load_bounds.load_spread``), None where there is no load (a text-only micro-batch)."""
+    return load_spread(loads)["max_over_mean"] if loads and max(loads) > 0 else None
