@@ -154,7 +154,8 @@ def _two_nodes(out: str, flags: list[str], env: dict, timeout: float = 400) -> l
 def test_two_nodes_train_as_one_and_the_slowed_rank_is_named():
     """Issue 45 items 4 and 2: two launcher agents of 2 workers each train the streamed 4-rank run (non-colocated,
     index-mode reordering, packing) bit for bit; every node's ranks write their checkpoint shards and the export
-    runs once, on global rank 0. Rank 3 (an encoder rank) sleeps 0.4 s in each data wait (a test-only hook): every
+    runs once, on global rank 0. Rank 3 (an encoder rank) sleeps 0.7 s in each data wait (a test-only hook; with 0.4 s a fresh-clone
+    suite on the loaded 2-core machine once saw no warning: an interval fell under the 1.5x threshold): every
     progress line names it against its encoder peer, metrics.jsonl has its per-phase seconds, the warning names
     its host after 3 intervals, and ``mimo-sft summarize`` prints the per-rank table and writes the plot."""
     from mimo_sft.summary import summarize
@@ -165,7 +166,7 @@ def test_two_nodes_train_as_one_and_the_slowed_rank_is_named():
     flags = ["--hf-model", tiny_model(), "--dataset-path", d["docs_shards"], *FLAGS, "--dataset-path",
              d["chat_shards"], "--streaming", "--export-hf", out + "/hf",
              *[a for c in NON_COLOCATED_4 for a in ("--component", c)]]
-    nodes = _two_nodes(out, flags, {"MIMO_SFT_TEST_SLOW_RANK": "3:0.4"})
+    nodes = _two_nodes(out, flags, {"MIMO_SFT_TEST_SLOW_RANK": "3:0.7"})
     text = "".join(p.stdout + p.stderr for p in nodes)
     assert [p.returncode for p in nodes] == [0, 0], text[-4000:]
     assert "Traceback" not in text
@@ -183,7 +184,7 @@ def test_two_nodes_train_as_one_and_the_slowed_rank_is_named():
     assert "up to step 3, most in data wait" in warned[0]
     rows = [m for m in metrics(out) if "loss" in m]
     assert all(m["slowest_rank"] == 3 and m["slowest_phase"] == "data wait" for m in rows)
-    assert all(m["rank_phase_s"]["data wait"][3] >= 0.8 > m["rank_phase_s"]["data wait"][2] for m in rows)  # 2 waits
+    assert all(m["rank_phase_s"]["data wait"][3] >= 1.4 > m["rank_phase_s"]["data wait"][2] for m in rows)  # 2 waits
     report = summarize(out)
     assert any(ln.split()[:1] == ["3"] and ln.split()[-1] == "4/4" for ln in report), report
     assert os.path.getsize(os.path.join(out, "rank_spread.png")) > 0
