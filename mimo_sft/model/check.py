@@ -129,7 +129,8 @@ def check_model(hf_dir: str, *, tolerance: float = DEFAULT_TOLERANCE, seed: int 
     raw = read_config_json(hf_dir)
     HFCheckpoint(hf_dir)  # safetensors only, refused in one line before transformers opens the folder
     hf_cfg = get_family(raw, hf_dir=hf_dir).load_hf_config(hf_dir, raw)
-    batch = {k: v.to(device) for k, v in random_batch(hf_cfg, seed=seed, text_len=CHECK_TEXT_TOKENS).items()}
+    host = random_batch(hf_cfg, seed=seed, text_len=CHECK_TEXT_TOKENS)
+    batch = {k: v.to(device) for k, v in host.items()}
     # transformers first; keep only its outputs (on the host) before building ours
     hf_model = AutoModelForImageTextToText.from_pretrained(hf_dir, attn_implementation="eager", dtype=torch.float32,
                                                            use_safetensors=True)
@@ -140,8 +141,9 @@ def check_model(hf_dir: str, *, tolerance: float = DEFAULT_TOLERANCE, seed: int 
     runtime.release_cached_memory()
     model, info = build_single_process_model(hf_dir)
     model.to(device).eval()
-    logits = mimo_forward(model, info, batch, pos).cpu()
-    per_token = mimo_forward(model, info, batch, pos, labels=True)
+    ours = dict(batch, image_grid_thw=host["image_grid_thw"])  # the tower plans from a host grid, as in training
+    logits = mimo_forward(model, info, ours, pos).cpu()
+    per_token = mimo_forward(model, info, ours, pos, labels=True)
     loss = float((per_token * batch["loss_mask"]).sum() / batch["loss_mask"].sum())
     rel = compare(logits, ref_logits, batch["attention_mask"].cpu())
     loss_diff = abs(loss - float(ref_loss))

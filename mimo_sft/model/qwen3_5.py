@@ -24,7 +24,7 @@ from mimo_sft.errors import UserError
 from mimo_sft.model import hybrid_weights as hw
 from mimo_sft.model.pixels import no_image_rows, tower_input
 from mimo_sft.model.qwen3_vl import Qwen3VLAdapter, _interleaved_rotary_class, expected_vision_shapes
-from mimo_sft.model.vision_attention import SegmentAttentionTower
+from mimo_sft.model.vision_attention import SegmentAttentionTower, host_interpolated_kwargs
 
 try:  # transformers is a hard dependency; the import is here so the error names the family
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5VisionModel
@@ -50,7 +50,8 @@ class Qwen35VisionEncoder(SegmentAttentionTower, Qwen3_5VisionModel):
             return self._no_images()
         patches, image_grid_thw = tower_input(pixel_values, image_grid_thw, self.pixel_norm,
                                               self.patch_embed.proj.weight.dtype, self.config.temporal_patch_size)
-        return super().forward(hidden_states=patches, grid_thw=image_grid_thw).pooler_output
+        precomputed = host_interpolated_kwargs(image_grid_thw, self, patches.device)
+        return super().forward(hidden_states=patches, grid_thw=image_grid_thw, **precomputed).pooler_output
 
     def _no_images(self) -> torch.Tensor:
         weight = self.merger.linear_fc2.weight  # [out_hidden, context]

@@ -23,7 +23,7 @@ import torch
 from mimo_sft.config.families import QWEN3_VL
 from mimo_sft.model.qwen2_5_vl import Qwen25VLAdapter
 from mimo_sft.model.pixels import no_image_rows, tower_input
-from mimo_sft.model.vision_attention import SegmentAttentionTower
+from mimo_sft.model.vision_attention import SegmentAttentionTower, host_interpolated_kwargs
 
 try:  # transformers is a hard dependency; the import is here so the error names the family
     from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
@@ -58,7 +58,8 @@ class Qwen3VisionEncoder(SegmentAttentionTower, Qwen3VLVisionModel):
             return self._no_images()
         patches, image_grid_thw = tower_input(pixel_values, image_grid_thw, self.pixel_norm,
                                               self.patch_embed.proj.weight.dtype, self.config.temporal_patch_size)
-        out = super().forward(hidden_states=patches, grid_thw=image_grid_thw)
+        precomputed = host_interpolated_kwargs(image_grid_thw, self, patches.device)
+        out = super().forward(hidden_states=patches, grid_thw=image_grid_thw, **precomputed)
         return torch.cat([out.pooler_output, *out.deepstack_features], dim=-1)
 
     def _no_images(self) -> torch.Tensor:

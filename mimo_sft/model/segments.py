@@ -37,6 +37,9 @@ from typing import Optional, Sequence
 import torch
 import torch.nn.functional as F
 
+# a host tensor on the device, asynchronously (pinned on CUDA): every index and mask here is built on the host
+from mimo_sft.parallel.runtime import host_to  # noqa: F401  (re-exported for the model's other host-built inputs)
+
 #: row width granularity (GPU attention kernels want head-dim and sequence alignment to 8)
 ALIGN = 8
 _ATTR = "_mimo_segments"
@@ -154,14 +157,6 @@ class SegmentBatch:
         outs = [g.attend(*(t.index_select(0, pos) for t in (q, k, v)), causal=causal, scale=scale)
                 for g, pos in zip(self.groups, self.positions)]
         return torch.cat(outs).index_select(0, self.inverse)
-
-
-def host_to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on ``device``: pinned and asynchronous, since a copy from pageable memory would
-    wait for the device's queued work (the sync this module exists to avoid)."""
-    if t.device == torch.device(device):
-        return t
-    return t.pin_memory().to(device, non_blocking=True)
 
 
 def lengths_of(cu_seqlens: Sequence[int]) -> list[int]:

@@ -15,8 +15,8 @@ Any transformers vision tower whose attention takes that flash branch gets it by
 a flash-attn kernel for a "flash" name, so the tower class mixes in :class:`SegmentAttentionTower`,
 which accepts the name as it is. The segment layout is read from ``cu_seqlens`` once per tensor
 (all blocks share it); a tower that computes its bounds on the host attaches them
-(:func:`host_vision_kwargs` does for Qwen2.5-VL's windowed tower), and then nothing inside the tower
-reads the device.
+(:func:`host_vision_kwargs` does for Qwen2.5-VL's windowed tower, :func:`host_interpolated_kwargs` for the
+Qwen3-VL and Qwen3.5 towers), and then nothing inside the tower reads the device.
 """
 
 from __future__ import annotations
@@ -89,5 +89,31 @@ def host_vision_kwargs(grid_thw: torch.Tensor, config, device: torch.device) -> 
         attach_segments(moved[name], host[name].tolist())
     moved["max_seqlen"] = int((cu_full[1:] - cu_full[:-1]).max())
     moved["max_window_seqlen"] = int((cu_window[1:] - cu_window[:-1]).max())
+    return moved
+
+
+def host_interpolated_kwargs(grid_thw: torch.Tensor, tower, device: torch.device) -> dict:
+    """Everything transformers' Qwen3-VL and Qwen3.5 towers derive from ``grid_thw`` -- the learned position
+    table's interpolation indices and weights, the rotary positions, the image (or frame) bounds and the
+    longest of them -- computed from a host ``grid_thw`` and handed to the tower as its documented precomputed
+    kwargs, each moved to ``device`` once (asynchronously).
+
+    Why: given the grid alone, the tower builds its indices on the grid's device. A host grid (what training
+    hands it) then puts a host index into ``pos_embed`` on the GPU -- "index is on cpu", the first H200 run's
+    crash -- and a device grid costs a ``tolist()`` and an ``.item()`` (device syncs) per forward. Here the
+    same transformers functions run on the host, so the values are the tower's own, bit for bit."""
+    from transformers.vision_utils import (get_vision_cu_seqlens, get_vision_interpolation_indices_and_weights,
+                                           get_vision_position_ids)
+
+    grid = grid_thw.cpu()
+    indices, weights = get_vision_interpolation_indices_and_weights(
+        grid, num_grid_per_side=tower.num_grid_per_side, mode=tower.interpolation_mode,
+        align_corners=tower.interpolation_align_corners, spatial_merge_size=tower.config.spatial_merge_size)
+    cu_seqlens = get_vision_cu_seqlens(grid)
+    host = dict(interp_indices=indices, interp_weights=weights, cu_seqlens=cu_seqlens,
+                position_ids=get_vision_position_ids(grid, tower.spatial_merge_size))
+    moved = {name: host_to(t, device) for name, t in host.items()}
+    attach_segments(moved["cu_seqlens"], cu_seqlens.tolist())
+    moved["max_seqlen"] = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
     return moved
 

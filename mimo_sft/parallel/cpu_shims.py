@@ -119,16 +119,21 @@ _NCCL_GROUP_MODULES = {
 }
 
 
+#: the device that stands in for CUDA: the CPU, or the device audit's stand-in (``testing.device_audit``,
+#: whose tensors report another device while their bytes stay in host memory)
+_TARGET = torch.device("cpu")
+
+
 def _cpu_device(device):
-    """Map a CUDA device spec ("cuda", "cuda:0", 0, torch.device("cuda")) to the CPU."""
+    """Map a CUDA device spec ("cuda", "cuda:0", 0, torch.device("cuda")) to the CPU (:data:`_TARGET`)."""
     if device is None:
         return None
     if isinstance(device, int):
-        return torch.device("cpu")
+        return _TARGET
     if isinstance(device, str) and device.startswith("cuda"):
-        return torch.device("cpu")
+        return _TARGET
     if isinstance(device, torch.device) and device.type == "cuda":
-        return torch.device("cpu")
+        return _TARGET
     return device
 
 
@@ -185,7 +190,7 @@ class _CpuCudaNamespace(types.ModuleType):
 
     @staticmethod
     def current_device():
-        return torch.device("cpu")
+        return _TARGET
 
     @staticmethod
     def current_stream(*a, **k):
@@ -219,12 +224,15 @@ class _CpuCudaNamespace(types.ModuleType):
         torch.manual_seed(seed)
 
 
-def _device_redirect(fn):
-    @functools.wraps(fn)
+def _device_redirect(name: str):
+    """``torch.<name>`` with a CUDA ``device`` sent to :data:`_TARGET` (looked up per call, so that whatever
+    stands behind ``torch.<name>`` at the time -- the device audit's -- makes the tensor)."""
+
+    @functools.wraps(getattr(torch, name))
     def wrapper(*args, **kwargs):
         if "device" in kwargs:
             kwargs["device"] = _cpu_device(kwargs["device"])
-        return fn(*args, **kwargs)
+        return getattr(torch, name)(*args, **kwargs)
 
     return wrapper
 
@@ -240,7 +248,7 @@ class _CpuTorchProxy(types.ModuleType):
         super().__init__("torch")
         self.cuda = _CpuCudaNamespace()
         for name in _FACTORIES:
-            setattr(self, name, _device_redirect(getattr(torch, name)))
+            setattr(self, name, _device_redirect(name))
 
     def __getattr__(self, name):
         return getattr(torch, name)
@@ -285,7 +293,7 @@ def _cuda_type_names():
     original = torch.Tensor.type
 
     def type_(self, dtype=None, non_blocking=False, **kwargs):
-        if dtype is None and not kwargs and self.device.type == "cpu" and self.dtype in _CUDA_TYPE_NAMES:
+        if dtype is None and not kwargs and self.device.type in ("cpu", _TARGET.type) and self.dtype in _CUDA_TYPE_NAMES:
             return _CUDA_TYPE_NAMES[self.dtype]
         return original(self, dtype, non_blocking, **kwargs) if dtype is not None else original(self)
 
@@ -340,7 +348,7 @@ def _patch_cuda_namespace() -> None:
         return
 
     def current_device():
-        return torch.device("cpu")
+        return _TARGET
 
     def current_stream(*a, **k):
         return _NullStream()
@@ -361,7 +369,7 @@ def _patch_tensor_cuda() -> None:
         return
 
     def cuda(self, *a, **k):
-        return self
+        return self.to(_TARGET)
 
     cuda._mimo_cpu_shim = True
     torch.Tensor.cuda = cuda
@@ -502,12 +510,16 @@ def _patch_uneven_tp_collectives() -> None:
         mod.torch = _MappingsTorchProxy()
 
 
-def apply_cpu_shims() -> None:
+def apply_cpu_shims(target: torch.device = torch.device("cpu")) -> None:
     """Bridge megatron-core's CUDA-only call sites for CPU + gloo. Idempotent.
 
-    Called by ``runtime.use_device`` for a CPU device only, before process groups, models, DDP,
-    optimizers or schedules exist.
+    Called by ``runtime.use_device`` for a device other than CUDA, before process groups, models, DDP,
+    optimizers or schedules exist. ``target`` is where megatron's CUDA allocations go: the CPU, or the
+    device audit's stand-in device (``testing.device_audit``), so that what megatron puts on "the GPU"
+    is told apart from host tensors there as on a GPU.
     """
+    global _TARGET
+    _TARGET = torch.device(target)
     _patch_cuda_namespace()
     _patch_tensor_cuda()
     _patch_module_globals()

@@ -47,10 +47,10 @@ def use_device(dev: torch.device) -> torch.device:
         raise RuntimeError(f"device already chosen ({_DEVICE}); cannot switch this process to {dev}")
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
-    else:
+    else:  # the CPU, or the device audit's stand-in (testing.device_audit): megatron's CUDA calls go there
         from mimo_sft.parallel.cpu_shims import apply_cpu_shims
 
-        apply_cpu_shims()
+        apply_cpu_shims(dev)
     _DEVICE = dev
     return dev
 
@@ -126,8 +126,19 @@ def to_device(batch: dict) -> dict:
     dev = device()
     if dev.type == "cpu":
         return batch
-    return {k: (v.pin_memory().to(dev, non_blocking=True) if isinstance(v, torch.Tensor) and v.device.type == "cpu"
-                else v) for k, v in batch.items()}
+    return {k: (host_to(v, dev) if isinstance(v, torch.Tensor) and v.device.type == "cpu" else v)
+            for k, v in batch.items()}
+
+
+def host_to(t: torch.Tensor, dev: torch.device) -> torch.Tensor:
+    """A host tensor on ``dev``, copied asynchronously: on CUDA from pinned memory, since a copy from
+    pageable memory waits for the device's queued work (the sync it should avoid)."""
+    dev = torch.device(dev)
+    if t.device == dev:
+        return t
+    if dev.type == "cuda":
+        t = t.pin_memory()
+    return t.to(dev, non_blocking=True)
 
 
 def reset_peak_memory() -> None:
