@@ -26,7 +26,17 @@ shims). Three changes, each for fewer host syncs in a training step, none editin
   carries a flag per module, so every rank refuses the step together, before any weight changes,
   naming the module. What megatron's check told and this one does not: the rank and bucket where the
   NaN first appeared (it checked each rank's local gradient before the reduction, which spreads a NaN
-  to every DP rank of the module).
+  to every DP rank of the module). Without a loss scaler (bf16 and fp32: megatron's fp16 is never
+  used) it also skips MimoOptimizer's ``found_inf`` and ``success`` round trips, which can only say
+  "finite" and "updated" there: two host reads per step.
+* :func:`install_optimizer_kernels`: without Transformer Engine or apex, megatron's optimizer path runs
+  its local fallbacks one tensor at a time -- a ``torch.norm`` per gradient gathered by
+  ``torch.tensor(list of device scalars)`` (a host read per tensor: 644 of the first H200 profile's 667
+  syncs), a ``copy_(src * scale)`` per gradient to clip, a ``copy_`` per parameter from the fp32 main
+  weights, and torch's AdamW with ``foreach``. Here the same contracts run a few kernels per bucket:
+  ``_foreach_norm`` stacked into one norm that stays on the device, ``_foreach_mul_``, ``_foreach_copy_``,
+  and torch's fused AdamW (:func:`use_fused_adam`; its step counters are device tensors, which
+  :func:`adam_steps_on_policy` puts right after a checkpoint load in either direction).
 """
 
 from __future__ import annotations
@@ -44,6 +54,7 @@ import torch.distributed as dist
 from mimo_sft.errors import UserError
 from mimo_sft.parallel import runtime  # first: importing mimo_sft.parallel makes megatron importable
 
+from megatron.core.models.mimo import optimizer as mimo_optimizer  # noqa: E402
 from megatron.core.models.mimo.optimizer import MimoOptimizer  # noqa: E402
 
 _BRIDGE_MODULE = "megatron.core.pipeline_parallel.bridge_communicator"
@@ -186,6 +197,27 @@ class FiniteGradMimoOptimizer(MimoOptimizer):
     """megatron's ``MimoOptimizer`` whose grad norm refuses a non-finite gradient (module docstring)."""
 
     @torch.no_grad()
+    def step(self):
+        """megatron's step; without a loss scaler on any module, no ``found_inf`` / ``success`` exchange: with
+        nothing to unscale ``prepare_grads`` finds no inf, and ``step_with_ready_grads`` always succeeds (a
+        non-finite gradient is refused by :meth:`get_grad_norm`, on every rank together). Decided by the config,
+        which every rank shares, so all ranks take the same path."""
+        if self.config.fp16 or any(_has_loss_scaler(opt) for opt in self._active_optimizers):
+            return super().step()
+        self.prepare_grads()
+        grad_norm = self.get_grad_norm()
+        for opt in self._active_optimizers:
+            params = opt.get_parameters()
+            if params and opt.config.clip_grad > 0.0 and not getattr(opt, "is_stub_optimizer", False):
+                # looked up per call as megatron's step does (the CPU shims wrap the name there)
+                mimo_optimizer.clip_grad_by_total_norm_fp32(params, max_norm=opt.config.clip_grad, total_norm=grad_norm,
+                                                            use_decoupled_grad=opt.config.use_precision_aware_optimizer)
+        num_zeros = self.count_zeros() if self.config.log_num_zeros_in_grad else None
+        ok = self.step_with_ready_grads()
+        assert ok, "an optimizer without a loss scaler reported a failed update"
+        return True, grad_norm, num_zeros
+
+    @torch.no_grad()
     def get_grad_norm(self) -> float:
         """megatron's (each module's norm, a world MAX so disjoint grids agree), with a NaN and an inf
         flag per module in the same all-reduce and one host read. Raises on every rank when any
@@ -215,3 +247,136 @@ class FiniteGradMimoOptimizer(MimoOptimizer):
             raise UserError(f"the gradient norm of {', '.join(bad)} is not finite after the DP reduction: the step "
                             f"is refused before any weight changes (every rank stops); lower --lr or check the data")
         return math.sqrt(sum(values[:n]))
+
+
+def _has_loss_scaler(opt) -> bool:
+    return any(getattr(o, "grad_scaler", None) is not None for o in getattr(opt, "chained_optimizers", [opt]))
+
+
+# ---- optimizer kernels per bucket, not per tensor ---------------------------------------------------------
+def _foreach_l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
+    """megatron's ``multi_tensor_l2norm`` contract: ``([1] fp32 norm of every tensor of tensor_lists[0], None)``,
+    from one ``_foreach_norm`` and one norm of their stack, kept on the device."""
+    tensors = tensor_lists[0]
+    assert not per_tensor, "per-tensor norms are not asked for on mimo-sft's path"
+    if not tensors:
+        return torch.zeros(1, dtype=torch.float32, device=noop_flag.device), None
+    norms = torch._foreach_norm(tensors)
+    return torch.linalg.vector_norm(torch.stack(norms).float()).reshape(1), None
+
+
+def _foreach_scale(chunk_size, noop_flag, tensor_lists, scale):
+    """megatron's ``multi_tensor_scale`` contract, ``dst[i] = src[i] * scale`` (``scale`` a float or, as
+    ``multi_tensor_scale_tensor``, a one-element device tensor), in a few multi-tensor kernels: in place when
+    the two lists are the same tensors (gradient clipping), a copy when the scale is 1 (main weights into the
+    model's, fp32 into bf16 included)."""
+    src, dst = tensor_lists
+    if not src:
+        return
+    if isinstance(scale, torch.Tensor):
+        scale = scale.reshape(())
+    if all(a is b for a, b in zip(src, dst)):
+        torch._foreach_mul_(dst, scale)
+    elif not isinstance(scale, torch.Tensor) and scale == 1.0:
+        torch._foreach_copy_(dst, src)
+    else:
+        torch._foreach_copy_(dst, torch._foreach_mul(src, scale))
+
+
+def _foreach_main_to_model(original):
+    """``DistributedOptimizer._copy_main_params_to_model_params`` with one ``_foreach_copy_`` into the param
+    buffers' shard views (megatron: a ``copy_`` per parameter); megatron's own for the cases it specialises
+    (FSDP, precision-aware, fp8/fp4 param gather)."""
+
+    def copy_main_to_model(self):
+        if self.is_stub_optimizer:
+            return
+        if (self.ddp_config.use_megatron_fsdp or self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8
+                or self.ddp_config.fp8_param_gather or self.ddp_config.fp4_param_gather):
+            return original(self)
+        mains, views = [], []
+        for shard_groups, model_groups in ((self.shard_fp32_from_float16_groups, self.model_float16_groups),
+                                           (self.shard_fp32_groups, self.model_fp32_groups)):
+            for shard_group, model_group in zip(shard_groups, model_groups):
+                for main, model_param in zip(shard_group, model_group):
+                    world = self._get_model_param_range_map(model_param)["gbuf_world_in_bucket"]
+                    buffer_index, _, bucket = self.model_param_gbuf_map[model_param]
+                    data = self.buffers[buffer_index].buckets[bucket].param_data
+                    views.append(data.view(-1)[world.start: world.end])
+                    mains.append(main)
+        if views:
+            torch._foreach_copy_(views, mains)
+
+    copy_main_to_model._mimo_sft_foreach = True
+    return copy_main_to_model
+
+
+def install_optimizer_kernels() -> bool:
+    """Replace megatron's per-tensor fallbacks (module docstring) where megatron fell back to them, on every
+    device; True when installed (idempotent). With Transformer Engine or apex megatron's own multi-tensor
+    kernels stay."""
+    from megatron.core import utils
+    from megatron.core.optimizer import clip_grads, optimizer
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    if clip_grads.l2_norm_impl is _foreach_l2_norm:
+        return True
+    if clip_grads.l2_norm_impl is not utils.local_multi_tensor_l2_norm:
+        return False
+    clip_grads.l2_norm_impl = _foreach_l2_norm
+    clip_grads.multi_tensor_scale_impl = clip_grads.multi_tensor_scale_tensor_impl = _foreach_scale
+    optimizer.multi_tensor_scale_impl = _foreach_scale
+    original = DistributedOptimizer._copy_main_params_to_model_params
+    if not getattr(original, "_mimo_sft_foreach", False):
+        DistributedOptimizer._copy_main_params_to_model_params = _foreach_main_to_model(original)
+    return True
+
+
+def torch_optimizers(optimizer) -> list:
+    """The torch optimizers inside a MIMO optimizer (each module's, chained or not)."""
+    found = []
+    for info in getattr(optimizer, "module_infos", {}).values():
+        opt = info.optimizer if info.is_active else None
+        for inner in getattr(opt, "chained_optimizers", [opt]) if opt is not None else []:
+            if getattr(inner, "optimizer", None) is not None:
+                found.append(inner.optimizer)
+    return found
+
+
+def use_fused_adam(optimizer) -> int:
+    """torch's fused AdamW for every torch Adam inside ``optimizer`` whose parameters all sit on a device
+    its fused kernel serves (one kernel per parameter group instead of foreach's dozen); the number of param
+    groups switched. The step counters it then keeps are device tensors (:func:`adam_steps_on_policy`)."""
+    from torch.optim.optimizer import _get_fused_kernels_supported_devices
+
+    devices = set(_get_fused_kernels_supported_devices())
+    switched = 0
+    for opt in torch_optimizers(optimizer):
+        if not isinstance(opt, (torch.optim.Adam, torch.optim.AdamW)):
+            continue
+        for group in opt.param_groups:
+            if all(p.device.type in devices and p.is_floating_point() for p in group["params"]):
+                group["fused"], group["foreach"] = True, False
+                switched += 1
+    return switched
+
+
+def adam_steps_on_policy(optimizer) -> int:
+    """Each torch Adam's per-parameter step where its group's kernel wants it: a float32 tensor on the
+    parameter's device for fused (or capturable) groups, a float32 host tensor otherwise. A checkpoint
+    written by either kind resumes into the other (torch converts only towards fused ones, and megatron's
+    loads set steps of their own). The number of steps moved."""
+    moved = 0
+    for opt in torch_optimizers(optimizer):
+        for group in opt.param_groups:
+            on_device = bool(group.get("fused") or group.get("capturable"))
+            for p in group["params"]:
+                state = opt.state.get(p, {})
+                step = state.get("step")
+                if not isinstance(step, torch.Tensor):
+                    continue
+                want = p.device if on_device else torch.device("cpu")
+                if step.device != want or step.dtype != torch.float32:
+                    state["step"] = step.detach().to(device=want, dtype=torch.float32).clone()
+                    moved += 1
+    return moved

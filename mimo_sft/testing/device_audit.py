@@ -281,6 +281,7 @@ class DeviceAudit(TorchDispatchMode):
         for name in ("tensor", "as_tensor"):
             self._patches.enter_context(_replaced(torch, name, on_standin(getattr(torch, name))))
         self._patches.enter_context(self._counted_synchronize())
+        self._patches.enter_context(_fused_kernels_take_the_stand_in())
         return self
 
     def __exit__(self, *exc):
@@ -301,6 +302,18 @@ class DeviceAudit(TorchDispatchMode):
                                               if owner is cpu_shims._CpuCudaNamespace else
                                               (lambda _self, *a, **k: synchronize())))
             yield
+
+
+@contextlib.contextmanager
+def _fused_kernels_take_the_stand_in():
+    """torch's fused optimizers check the parameters' device type; the stand-in plays CUDA's part (the
+    kernels run on the host bytes)."""
+    import torch.optim.optimizer as optim
+
+    original = optim._get_fused_kernels_supported_devices
+    with _replaced(optim, "_get_fused_kernels_supported_devices",
+                   lambda: [*original(), STANDIN_DEVICE.type]):
+        yield
 
 
 @contextlib.contextmanager

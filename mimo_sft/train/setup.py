@@ -26,7 +26,8 @@ from mimo_sft.parallel.layout import LANGUAGE, Layout
 from mimo_sft.model.lora import apply_lora
 from mimo_sft.train.bridge import install_padded_bridges
 from mimo_sft.errors import UserError
-from mimo_sft.parallel.megatron_patches import FiniteGradMimoOptimizer, OrderedGradReduce
+from mimo_sft.parallel.megatron_patches import (FiniteGradMimoOptimizer, OrderedGradReduce, install_optimizer_kernels,
+                                                use_fused_adam)
 from mimo_sft.train.buckets import check_bucket_shards, language_bucket_size, requested_bucket_size
 
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig  # noqa: E402
@@ -118,7 +119,9 @@ def build_model_and_optimizer(cfg: ExperimentConfig, layout: Layout, pstate: Par
         params_dtype=torch.bfloat16 if bf16 else torch.float32,
         use_distributed_optimizer=distributed_optimizer_in_use(cfg),
         overlap_param_gather=overlap_param_gather_in_use(cfg))  # megatron: "the same value as" DDP's
+    install_optimizer_kernels()  # a few kernels per bucket where megatron would loop over tensors
     optimizer = _without_empty_optimizers(build_mimo_optimizer(model, opt_cfg, _lr_overrides(o)), modules)
+    use_fused_adam(optimizer)
     return TrainContext(cfg, layout, pstate, model, info, modules, optimizer, rank, bucket_size, vision_size)
 
 

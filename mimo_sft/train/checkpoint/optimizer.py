@@ -162,6 +162,9 @@ def load_optimizer(folder: str, ctx, *, sharding: str | None) -> None:
     ctx.optimizer.load_state_dict(state)  # param groups and step; the distributed shards follow
     for opt, param_state in param_states:
         _load_param_state(opt, param_state, sharding)
+    from mimo_sft.parallel.megatron_patches import adam_steps_on_policy
+
+    adam_steps_on_policy(ctx.optimizer)  # saved by a fused or a foreach Adam: where this run's kernel wants them
 
 
 def _group_identity(group: dict) -> tuple:
