@@ -45,6 +45,8 @@ from typing import Optional
 
 import torch
 
+from mimo_sft.parallel.runtime import host_to
+
 
 def split_deepstack(features: torch.Tensor, *, hidden: int, num_deepstack: int):
     """``[rows, hidden*(1+k)]`` -> ``(main [rows, hidden], deepstack [rows, hidden*k])`` (views).
@@ -82,22 +84,31 @@ class DeepStackInputs:
 
 
 def deepstack_inputs(input_ids: torch.Tensor, image_token_id: int, features: torch.Tensor, *, hidden: int,
-                     sp_group=None, shard: Optional[tuple[int, int]] = None) -> DeepStackInputs:
+                     sp_group=None, shard: Optional[tuple[int, int]] = None,
+                     host_positions: Optional[torch.Tensor] = None) -> DeepStackInputs:
     """Where each deepstack row goes: the image tokens of ``input_ids [B, S]`` in batch-major order, kept
     where they fall in this rank's ``S / tp`` positions when the sequence is scattered: ``shard`` =
-    ``(rank, tp)``, by default ``sp_group``'s (megatron's scatter gives rank r the r-th contiguous chunk)."""
-    batch_index, seq_index = (input_ids == image_token_id).nonzero(as_tuple=True)
+    ``(rank, tp)``, by default ``sp_group``'s (megatron's scatter gives rank r the r-th contiguous chunk).
+    ``host_positions``: those tokens' positions in the flattened ``[B*S]``, known on the host
+    (``model.token_positions``): the indices are then built there and copied once (no device read)."""
+    length = input_ids.shape[1]
+    if host_positions is not None:
+        batch_index, seq_index = host_positions // length, host_positions % length
+    else:
+        batch_index, seq_index = (input_ids == image_token_id).nonzero(as_tuple=True)
     assert features.shape[0] == batch_index.shape[0], (
         f"{batch_index.shape[0]} image tokens but deepstack features of shape {tuple(features.shape)}")
-    rows = torch.arange(batch_index.shape[0], device=input_ids.device)
+    rows = torch.arange(batch_index.shape[0], device=batch_index.device)
     if shard is None and sp_group is not None:
         shard = (sp_group.rank(), sp_group.size())
     if shard is not None:
-        (rank, tp), length = shard, input_ids.shape[1]
+        (rank, tp) = shard
         assert length % tp == 0, f"sequence of {length} positions scattered over {tp} ranks"
         local = length // tp
         mine = (seq_index >= rank * local) & (seq_index < (rank + 1) * local)
         rows, batch_index, seq_index = rows[mine], batch_index[mine], seq_index[mine] - rank * local
+    if host_positions is not None:
+        rows, seq_index, batch_index = (host_to(t, input_ids.device) for t in (rows, seq_index, batch_index))
     leaf = features.detach().requires_grad_(features.requires_grad)
     return DeepStackInputs(leaf, rows, seq_index, batch_index, hidden, sp_group)
 
@@ -203,7 +214,9 @@ def deepstack_mimo_model_class(modality: str, num_deepstack: int) -> type:
     from megatron.core.models.mimo import MimoModel
     from megatron.core.utils import make_viewless_tensor, unwrap_model
 
-    class DeepStackMimoModel(MimoModel):
+    from mimo_sft.model.token_positions import host_positions_class
+
+    class DeepStackMimoModel(host_positions_class(MimoModel)):
         """``align_embeddings_by_token_positions`` takes the main embeddings; the deepstack rows go to the
         language model (``DeepStackLanguageMixin.set_deepstack``), positioned on the same ``input_ids``."""
 
@@ -222,7 +235,9 @@ def deepstack_mimo_model_class(modality: str, num_deepstack: int) -> type:
                 return combined
             adapter = self.partition_adapter
             sp_group = adapter.cfg.tp_group if adapter is not None and adapter.cfg.seq_parallel else None
-            inputs = deepstack_inputs(input_ids, special_token_ids[modality], features, hidden=hidden, sp_group=sp_group)
+            positions = self._positions_for(input_ids)
+            inputs = deepstack_inputs(input_ids, special_token_ids[modality], features, hidden=hidden, sp_group=sp_group,
+                                      host_positions=positions.host[modality] if positions is not None else None)
             language.set_deepstack(inputs)
             if not torch.is_grad_enabled() or not (combined.requires_grad or features.requires_grad):
                 return combined

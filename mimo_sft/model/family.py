@@ -128,10 +128,13 @@ class FamilyAdapter:
         return GPTModel
 
     def mimo_model_class(self, hf_cfg) -> type:
-        """The ``MimoModel`` class to assemble (megatron's own unless the family needs more)."""
+        """The ``MimoModel`` class to assemble: megatron's own, placing tokens from host positions
+        (``model.token_positions``), unless the family needs more."""
         from megatron.core.models.mimo import MimoModel
 
-        return MimoModel
+        from mimo_sft.model.token_positions import host_positions_class
+
+        return host_positions_class(MimoModel)
 
     def encoder_params(self, hf_cfg, *, attn_implementation: str) -> dict:
         raise NotImplementedError

@@ -166,7 +166,9 @@ class Qwen35Adapter(Qwen3VLAdapter):
     def mimo_model_class(self, hf_cfg) -> type:
         from megatron.core.models.mimo import MimoModel
 
-        return MimoModel
+        from mimo_sft.model.token_positions import host_positions_class
+
+        return host_positions_class(MimoModel)
 
     def encoder_class(self) -> type:
         return Qwen35VisionEncoder

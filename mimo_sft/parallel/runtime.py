@@ -17,6 +17,7 @@ from __future__ import annotations
 import datetime
 import os
 import random
+import time
 from typing import Any, Optional
 
 import numpy as np
@@ -139,6 +140,36 @@ def host_to(t: torch.Tensor, dev: torch.device) -> torch.Tensor:
     if dev.type == "cuda":
         t = t.pin_memory()
     return t.to(dev, non_blocking=True)
+
+
+class StepClock:
+    """How long a step took. On a GPU, from CUDA events around it: without device syncs in the step, the host's
+    clock measures only how long queuing the kernels took. The events are read when the device has passed the
+    end event (``seconds``, called after the log interval's loss read has waited for it). Elsewhere (the CPU,
+    the device audit's stand-in) the host's clock is the step's time."""
+
+    def __init__(self):
+        self._host = time.perf_counter()
+        self._events = None
+        self.host_s: Optional[float] = None
+        if on_gpu():
+            self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            self._events[0].record()
+
+    def stop(self) -> float:
+        """End of the step: the host's seconds (what time limits and the hang watchdog go by)."""
+        self.host_s = time.perf_counter() - self._host
+        if self._events is not None:
+            self._events[1].record()
+        return self.host_s
+
+    def seconds(self) -> float:
+        """The step's time: the device's between the events on a GPU (waits for the end event), else the host's."""
+        assert self.host_s is not None, "StepClock.seconds() before stop()"
+        if self._events is None:
+            return self.host_s
+        self._events[1].synchronize()
+        return self._events[0].elapsed_time(self._events[1]) / 1000.0
 
 
 def reset_peak_memory() -> None:

@@ -23,7 +23,7 @@ from __future__ import annotations
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from functools import partial, wraps
-from typing import Iterator, Protocol
+from typing import Iterator, Optional, Protocol
 
 import torch
 import torch.distributed as dist
@@ -31,6 +31,7 @@ import torch.distributed as dist
 from mimo_sft.parallel import runtime  # first: importing mimo_sft.parallel makes megatron importable
 from mimo_sft.parallel.collectives import name_group
 from mimo_sft.parallel.megatron_patches import guard_bridge_debug_logging, start_pending_grad_reductions
+from mimo_sft.model.token_positions import TokenPositions
 from mimo_sft.train.bridge import padded_bridges
 from mimo_sft.train.packing import pack_micro_batch
 from mimo_sft.train.profile import phase
@@ -83,9 +84,12 @@ class StepFeed(Protocol):
 
 @dataclass
 class StepOutput:
-    loss_sum: float  # on the last language stage: sum over this rank's micro-batches
-    num_tokens: float
-    global_tokens: float  # supervised tokens of the whole global batch (every rank)
+    #: on the last language stage, ``[loss sum, supervised tokens]`` over this rank's micro-batches, float64, left
+    #: on the device (``train.step_log`` reads the buffered steps' sums once per log interval); None elsewhere
+    sums: Optional[torch.Tensor]
+    global_tokens: float  # supervised tokens of the whole global batch (every rank; counted on the host)
+    #: a mixture's per-source ``[2, n_sources]`` loss sums and tokens, on the device (last language stage)
+    source_sums: Optional[torch.Tensor] = None
 
 
 def _language_loss(loss_mask: torch.Tensor, output: torch.Tensor, token_sources=None, n_sources: int = 0):
@@ -175,7 +179,7 @@ class StepRunner:
         self.micro_batch_hook = None
         #: a mixture's source count (0: none): the schedule then also sums loss and tokens per source
         self.n_sources = 0
-        self.source_sums = None  # [2, n_sources] of the last schedule (last language stage), else None
+        self.source_sums = None  # [2, n_sources] of the last schedule (last language stage; device), else None
         if self.colocated:
             self.communicator = None
             self.pg_collection = pstate.modules[LANGUAGE].pg_collection
@@ -250,6 +254,8 @@ class StepRunner:
             token_sources = torch.cat([token_sources, token_sources.new_full(
                 (batch["loss_mask"].numel() - token_sources.numel(),), self.n_sources)])
         host_grid = batch.get("image_grid_thw")
+        if hasattr(model, "set_token_positions"):  # MIMO places the tokens from host indices (model.token_positions)
+            model.set_token_positions(TokenPositions.of(batch["input_ids"], model.special_token_ids, runtime.device()))
         batch = runtime.to_device(batch)
         kwargs = {"input_ids": batch["input_ids"]}
         if has_enc:  # the vision tower plans its attention from the host grid (model.vision_attention)
@@ -269,17 +275,21 @@ class StepRunner:
         self.feed.start_step()
         for module in self.modules.values():
             module.zero_grad_buffer()
-        loss_sum, tokens = self._schedule(self.feed, num_microbatches, forward_only=False)
-        return StepOutput(loss_sum, tokens, self.global_tokens())
+        sums = self._schedule(self.feed, num_microbatches, forward_only=False)
+        return StepOutput(sums, self.global_tokens(), self.source_sums)
 
     def forward_only(self, feed, num_microbatches: int) -> tuple[float, float]:
         """Forward passes of ``num_microbatches`` micro-batches of ``feed`` through the same schedule
         and layout (no backward, no gradient buffers touched, no autograd graph): this rank's
-        ``(sum of token losses, supervised tokens)``, non-zero on the last language stage only."""
+        ``(sum of token losses, supervised tokens)``, non-zero on the last language stage only (read on the
+        host, as ``source_sums`` is then: an evaluation reads its result once)."""
         with torch.no_grad():
-            return self._schedule(feed, num_microbatches, forward_only=True)
+            sums = self._schedule(feed, num_microbatches, forward_only=True)
+        if self.source_sums is not None:
+            self.source_sums = self.source_sums.tolist()
+        return tuple(sums.tolist()) if sums is not None else (0.0, 0.0)
 
-    def _schedule(self, feed, num_microbatches: int, *, forward_only: bool) -> tuple[float, float]:
+    def _schedule(self, feed, num_microbatches: int, *, forward_only: bool) -> Optional[torch.Tensor]:
         common = dict(forward_step_func=self._forward_step, data_iterator=feed, model=[self.model],
                       num_microbatches=num_microbatches, seq_length=self.seq_length,
                       micro_batch_size=self.local_mbs, forward_only=forward_only)
@@ -292,8 +302,7 @@ class StepRunner:
                    if isinstance(item, dict) and "loss_sum_and_tokens" in item]
         per_source = [item["source_loss_and_tokens"] for item in store or []
                       if isinstance(item, dict) and "source_loss_and_tokens" in item]
-        self.source_sums = torch.stack(per_source).double().sum(dim=0).tolist() if per_source else None
+        self.source_sums = torch.stack(per_source).double().sum(dim=0) if per_source else None
         if not reports:
-            return 0.0, 0.0
-        loss_sum, tokens = torch.stack(reports).double().sum(dim=0).tolist()  # one host read per step
-        return loss_sum, tokens
+            return None
+        return torch.stack(reports).double().sum(dim=0)  # stays on the device: no host read per step

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import gc
 import os
-import time
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -56,7 +55,7 @@ from mimo_sft.train.lr import apply_schedule, lr_at
 from mimo_sft.train.expert_load import ExpertLoad, expert_load_for
 from mimo_sft.train.metrics import AnswerTally, MetricsLogger
 from mimo_sft.train.profile import ModulePhases, StepProfiler, phase
-from mimo_sft.train.step_log import log_step
+from mimo_sft.train.step_log import PendingRows, log_step
 from mimo_sft.train.straggler import StragglerReport, host_names, install_test_hook
 from mimo_sft.train.watchdog import start_watchdog
 from mimo_sft.train.setup import TrainContext, build_model_and_optimizer, build_state
@@ -73,8 +72,9 @@ class StepResult:
     output: StepOutput
     grad_norm: Optional[float]
     update_ok: bool
-    step_time_s: float
+    step_time_s: float  # the host's seconds (time limits, the hang watchdog, the straggler report)
     phase_s: dict = field(default_factory=dict)  # this rank's seconds per phase (mimo_sft.progress)
+    clock: Optional[runtime.StepClock] = None  # the step's time for its metrics row (CUDA events on a GPU)
 
 
 class Trainer:
@@ -193,6 +193,7 @@ class Trainer:
                                     resume_step=self.step if (cfg.checkpoint.load_checkpoint or cfg.checkpoint.resume_auto)
                                     else None)
         self.answers = AnswerTally(cfg.data.seq_length, enabled=self.ctx.is_metrics_rank)
+        self.pending_rows = PendingRows()  # step records waiting for their device losses (train.step_log)
         self.evaluator = (None if valid_source is None else  # checks the set before step 0
                           Evaluator(cfg, layout, self.pstate, self.ctx, self.runner, valid_source, flag=valid_flag(cfg.data)))
         best = latest_name(self.save_dir, BEST) if cfg.checkpoint.save_best else None
@@ -289,6 +290,7 @@ class Trainer:
                 if not saved:
                     self.save()
                 self.finish_saves()
+                self.pending_rows.flush(self)
                 self._say_stopped()
                 return
         self.finish_saves()
@@ -308,7 +310,7 @@ class Trainer:
 
     def train_step(self) -> StepResult:
         """Learning rate, zeroed gradients, megatron's schedule over the global batch, optimizer step."""
-        t0 = time.perf_counter()
+        clock = runtime.StepClock()
         o = self.cfg.optimizer
         lr = lr_at(self.step, lr=o.lr, min_lr=o.min_lr, warmup=o.lr_warmup_iters, total=self.cfg.train.train_iters,
                    style=o.lr_decay_style)
@@ -328,7 +330,7 @@ class Trainer:
         self.step += 1
         self.consumed += self.global_batch_size
         return StepResult(lr=lr, output=out, grad_norm=float(grad_norm) if grad_norm is not None else None,
-                          update_ok=bool(ok), step_time_s=time.perf_counter() - t0, phase_s=PROGRESS.take_seconds())
+                          update_ok=bool(ok), step_time_s=clock.stop(), phase_s=PROGRESS.take_seconds(), clock=clock)
 
     def log_step(self, result: StepResult) -> None:
         """The step's collectives, then (metrics rank) one ``StepMetrics`` record (``train.step_log``)."""
@@ -340,6 +342,7 @@ class Trainer:
             return None
         interval = self.cfg.train.eval_interval
         if (interval and self.step % interval == 0) or self.step == self.cfg.train.train_iters:
+            self.pending_rows.flush(self)  # the steps' rows before the evaluation's
             with phase("evaluation"):
                 evaluation = self.evaluator.evaluate(self.step)
             self.logger.log_validation(evaluation)
