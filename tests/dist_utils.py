@@ -2,7 +2,8 @@
 
 Each worker initialises torch.distributed the way ``finetune`` does (``bootstrap.start_world``: device
 choice, then the process group; gloo on these CPU machines), runs ``fn(rank, world, *args)`` and reports
-its return value (or its traceback) to the parent, which fails the test with the first error.
+its return value (or its traceback) to the parent, which fails the test with the first error. A ``fn`` with
+``on_standin_device = True`` runs on the device audit's stand-in device instead of the CPU.
 
 The workers are forked from the preloaded parent of ``tests/preloaded.py`` (torch, megatron-core,
 transformers and mimo_sft already imported; ``fn`` and its arguments are pickled and ``fn``'s module is
@@ -50,6 +51,11 @@ def _run_rank(rank, world, port, fn, args) -> tuple[str, object]:
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
+    if getattr(fn, "on_standin_device", False):  # the device audit's stand-in (mimo_sft.testing.device_audit)
+        from mimo_sft.parallel import runtime
+        from mimo_sft.testing.device_audit import STANDIN_DEVICE
+
+        runtime.use_device(STANDIN_DEVICE)
     start_world(timeout_s=120)
     out = fn(rank, world, *args)
     return out, dist

@@ -74,6 +74,18 @@ def model_grid_thw(grid_thw: torch.Tensor, temporal: int) -> torch.Tensor:
     return out
 
 
+_CONSTANTS: dict = {}
+
+
+def _constant(values: tuple, scale: float, device: torch.device) -> torch.Tensor:
+    """``values * scale`` as a float32 tensor on ``device``, made once per device and values: a per-micro-batch
+    ``torch.tensor(..., device=...)`` would be a copy from pageable host memory every time (a sync on a GPU)."""
+    key = (values, scale, str(device))
+    if key not in _CONSTANTS:
+        _CONSTANTS[key] = (torch.tensor(values, dtype=torch.float32) * scale).to(device)
+    return _CONSTANTS[key]
+
+
 def _clip_float_patches(rows: torch.Tensor, norm: PixelNorm) -> torch.Tensor:
     """A clip's uint8 rows ``[n*T, C*P*P]`` -> ``[n, C*T*P*P]`` in the processor's patch order, with
     transformers' torchvision backend arithmetic: its fused rescale-and-normalise (mean and std divided by
@@ -82,8 +94,8 @@ def _clip_float_patches(rows: torch.Tensor, norm: PixelNorm) -> torch.Tensor:
     n = rows.shape[0] // t
     x = rows.view(n, t, c, -1).permute(0, 2, 1, 3).to(torch.float32)
     rescale = norm.video_rescale if norm.video_rescale is not None else norm.rescale
-    mean = torch.tensor(norm.video_mean or norm.mean, device=x.device) * (1.0 / rescale)
-    std = torch.tensor(norm.video_std or norm.std, device=x.device) * (1.0 / rescale)
+    mean = _constant(tuple(norm.video_mean or norm.mean), 1.0 / rescale, x.device)
+    std = _constant(tuple(norm.video_std or norm.std), 1.0 / rescale, x.device)
     return ((x - mean.view(1, c, 1, 1)) / std.view(1, c, 1, 1)).reshape(n, -1)
 
 
@@ -96,12 +108,12 @@ def float_patches(patches: torch.Tensor, norm: PixelNorm) -> torch.Tensor:
     n = patches.shape[0]
     if norm.image_fused:
         x = patches.to(torch.float32).view(n, c, 1, -1)
-        mean = (torch.tensor(norm.mean, device=x.device) * (1.0 / norm.rescale)).view(1, c, 1, 1)
-        std = (torch.tensor(norm.std, device=x.device) * (1.0 / norm.rescale)).view(1, c, 1, 1)
+        mean = _constant(tuple(norm.mean), 1.0 / norm.rescale, x.device).view(1, c, 1, 1)
+        std = _constant(tuple(norm.std), 1.0 / norm.rescale, x.device).view(1, c, 1, 1)
     else:
         x = (patches.to(torch.float64) * norm.rescale).to(torch.float32).view(n, c, 1, -1)
-        mean = torch.tensor(norm.mean, dtype=torch.float32, device=x.device).view(1, c, 1, 1)
-        std = torch.tensor(norm.std, dtype=torch.float32, device=x.device).view(1, c, 1, 1)
+        mean = _constant(tuple(norm.mean), 1.0, x.device).view(1, c, 1, 1)
+        std = _constant(tuple(norm.std), 1.0, x.device).view(1, c, 1, 1)
     x = (x - mean) / std
     return x.expand(n, c, norm.temporal, x.shape[-1]).reshape(n, -1)
 

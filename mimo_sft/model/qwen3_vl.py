@@ -97,13 +97,21 @@ def _interleaved_rotary_class():
             if self.seq_len_interpolation_factor is not None:
                 seq = seq * (1 / self.seq_len_interpolation_factor)
             freqs = seq[..., None].float() * self.inv_freq  # [3, B, S, dim/2]
-            axes = interleaved_mrope_axes(freqs.shape[-1], mrope_section).to(freqs.device)
+            axes = self._axes(freqs.shape[-1], tuple(mrope_section), freqs.device)
             picked = torch.gather(freqs, 0, axes.view(1, 1, 1, -1).expand(1, *freqs.shape[1:]))[0]  # [B, S, dim/2]
             emb = torch.cat((picked, picked), dim=-1)[..., None, :].transpose(0, 1).contiguous()  # [S, B, 1, dim]
             cp_group = cp_group if cp_group is not None else self.cp_group
             if cp_group is not None and cp_group.size() > 1:
                 emb = get_pos_emb_on_this_cp_rank(emb, 0, cp_group)
             return emb
+
+        def _axes(self, num_freqs: int, section: tuple, device) -> torch.Tensor:
+            """:func:`interleaved_mrope_axes` on the device, made once (not copied over every forward)."""
+            cache = self.__dict__.setdefault("_mimo_axes", {})
+            key = (num_freqs, section, str(device))
+            if key not in cache:
+                cache[key] = interleaved_mrope_axes(num_freqs, section).to(device)
+            return cache[key]
 
     return InterleavedMultimodalRotaryEmbedding
 

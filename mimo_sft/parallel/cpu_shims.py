@@ -257,8 +257,8 @@ class _CpuTorchProxy(types.ModuleType):
 def _gloo_new_group(fn):
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        if kwargs.get("backend") == "nccl":
-            kwargs["backend"] = "gloo"
+        if kwargs.get("backend") == "nccl":  # gloo, for the stand-in device's tensors too
+            kwargs["backend"] = "gloo" if _TARGET.type == "cpu" else f"cpu:gloo,{_TARGET.type}:gloo"
         return fn(*args, **kwargs)
 
     return wrapper

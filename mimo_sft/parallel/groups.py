@@ -119,6 +119,13 @@ def _enum_groups(ranks_list: list[list[int]], backend: Optional[str] = None) -> 
     return pg
 
 
+def host_twin(ranks: list[int]) -> dist.ProcessGroup:
+    """A gloo group over ``ranks`` beside a device group on the same ranks, for what those ranks exchange as host
+    values (megatron's bridge shapes: ``parallel.megatron_patches.host_bridge_shapes``). Collective: every rank of
+    the world calls it, in the same order, as megatron creates the group it twins."""
+    return dist.new_group(sorted(ranks), backend="gloo", timeout=_timeout())
+
+
 def _timeout():
     """The default group timeout ``bootstrap.start_world`` set (``--dist-timeout``), passed explicitly."""
     from torch.distributed import distributed_c10d as c10d

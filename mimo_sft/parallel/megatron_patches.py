@@ -98,28 +98,39 @@ def _recompilable(fn: ast.FunctionDef) -> bool:
     return True
 
 
+def _recompile(module, cls: ast.ClassDef, fn: ast.FunctionDef, transformer: ast.NodeTransformer) -> None:
+    """Replace ``cls.fn`` of ``module`` by megatron's own source of it transformed by ``transformer``, compiled
+    in the module's globals with its file and line numbers."""
+    target = getattr(module, cls.name, None)
+    if not inspect.isclass(target) or not _recompilable(fn):
+        raise RuntimeError(f"{module.__name__}.{cls.name}.{fn.name}: cannot be recompiled outside its class")
+    code = compile(ast.Module(body=[transformer.visit(copy.deepcopy(fn))], type_ignores=[]),
+                   inspect.getsourcefile(module), "exec")
+    namespace: dict = {}
+    exec(code, module.__dict__, namespace)  # megatron's own code, the module's globals
+    method = namespace[fn.name]
+    getattr(method, "__func__", method).__qualname__ = f"{cls.name}.{fn.name}"
+    setattr(target, fn.name, method)
+
+
+def _class_methods(module):
+    """``(class node, method node)`` of every method defined in ``module``'s source."""
+    tree = ast.parse(inspect.getsource(module), inspect.getsourcefile(module))
+    for cls in (n for n in tree.body if isinstance(n, ast.ClassDef)):
+        for fn in cls.body:
+            if isinstance(fn, ast.FunctionDef):
+                yield cls, fn
+
+
 def guard_debug_logging(module) -> list[str]:
     """Recompile the methods of ``module``'s classes that call ``logging.debug`` with the calls guarded
     (see the module docstring); returns ``Class.method`` of each one replaced. Idempotent."""
     if getattr(module, _GUARDED, None) is not None:
         return getattr(module, _GUARDED)
-    filename = inspect.getsourcefile(module)
-    tree = ast.parse(inspect.getsource(module), filename)
     replaced = []
-    for cls in (n for n in tree.body if isinstance(n, ast.ClassDef)):
-        target = getattr(module, cls.name, None)
-        for fn in cls.body:
-            if not isinstance(fn, ast.FunctionDef) or not any(_is_debug_call(s) for s in ast.walk(fn)):
-                continue
-            if not inspect.isclass(target) or not _recompilable(fn):
-                raise RuntimeError(f"{module.__name__}.{cls.name}.{fn.name}: cannot guard its logging.debug calls")
-            code = compile(ast.Module(body=[_GuardDebug().visit(copy.deepcopy(fn))], type_ignores=[]),
-                           filename, "exec")
-            namespace: dict = {}
-            exec(code, module.__dict__, namespace)  # megatron's own code, the module's globals
-            method = namespace[fn.name]
-            getattr(method, "__func__", method).__qualname__ = f"{cls.name}.{fn.name}"
-            setattr(target, fn.name, method)
+    for cls, fn in _class_methods(module):
+        if any(_is_debug_call(s) for s in ast.walk(fn)):
+            _recompile(module, cls, fn, _GuardDebug())
             replaced.append(f"{cls.name}.{fn.name}")
     setattr(module, _GUARDED, replaced)
     return replaced
@@ -128,6 +139,58 @@ def guard_debug_logging(module) -> list[str]:
 def guard_bridge_debug_logging() -> list[str]:
     """:func:`guard_debug_logging` for megatron's ``BridgeCommunicator`` (every device, idempotent)."""
     return guard_debug_logging(importlib.import_module(_BRIDGE_MODULE))
+
+
+# ---- bridge shapes on the host ------------------------------------------------------------------------------
+class _HostShapes(ast.NodeTransformer):
+    """In megatron's ``_communicate_shapes``: every ``device=...`` becomes the host, and ``self.bridge_pg`` the
+    bridge's gloo twin ``self._mimo_shape_pg`` (nothing else changes)."""
+
+    def visit_keyword(self, node):
+        self.generic_visit(node)
+        if node.arg == "device":
+            node.value = ast.copy_location(ast.Constant("cpu"), node.value)
+        return node
+
+    def visit_Attribute(self, node):
+        self.generic_visit(node)
+        if node.attr == "bridge_pg" and isinstance(node.value, ast.Name) and node.value.id == "self":
+            node.attr = "_mimo_shape_pg"
+        return node
+
+
+_SHAPE_GROUPS: dict = {}  # bridge group -> its gloo twin
+
+
+def host_bridge_shapes() -> bool:
+    """megatron's ``BridgeCommunicator`` exchanges each micro-batch's tensor shapes (variable sequence lengths) as
+    device tensors it then reads with ``.tolist()``: a device sync per transfer direction and micro-batch on a
+    GPU. Here the same code (recompiled from megatron's source, :class:`_HostShapes`) sends them as host tensors
+    over a gloo twin of each bridge group, created with it (``parallel.groups.host_twin``); the activations and
+    gradients still travel on the bridge group. Install before the bridges are built; True once installed."""
+    bc = importlib.import_module(_BRIDGE_MODULE)
+    cls = bc.BridgeCommunicator
+    if getattr(cls, "_mimo_host_shapes", False):
+        return True
+    from mimo_sft.parallel.groups import host_twin
+
+    create = cls.__dict__["_get_or_create_bridge_pg"].__func__
+    twins: dict = {}
+
+    def get_or_create(klass, ranks):
+        group = create(klass, ranks)
+        key = tuple(sorted(ranks))
+        if key not in twins:  # every rank builds every bridge in the same order: the twins line up
+            twins[key] = host_twin(list(key))
+        _SHAPE_GROUPS[group] = twins[key]
+        return group
+
+    cls._get_or_create_bridge_pg = classmethod(get_or_create)
+    cls._mimo_shape_pg = property(lambda self: _SHAPE_GROUPS[self.bridge_pg])
+    (found,) = [(c, f) for c, f in _class_methods(bc) if c.name == cls.__name__ and f.name == "_communicate_shapes"]
+    _recompile(bc, *found, _HostShapes())
+    cls._mimo_host_shapes = True
+    return True
 
 
 # ---- overlapped reduction for a module some ranks skip ----------------------------------------------------

@@ -71,8 +71,12 @@ def on_gpu() -> bool:
 
 
 def backend() -> str:
-    """The process-group backend for model traffic on this device."""
-    return "nccl" if on_gpu() else "gloo"
+    """The process-group backend for model traffic on this device: NCCL on a GPU, gloo on the CPU, and gloo for
+    both the CPU and the device audit's stand-in device (``testing.device_audit``), whose tensors gloo moves by
+    their host bytes."""
+    if on_gpu():
+        return "nccl"
+    return "gloo" if device().type == "cpu" else f"cpu:gloo,{device().type}:gloo"
 
 
 def set_default_group_timeout(seconds: float) -> datetime.timedelta:

@@ -22,7 +22,8 @@ from mimo_sft.testing.device_audit import STANDIN_DEVICE, AuditLog, DeviceAudit
 
 def _summary(log: AuditLog) -> dict:
     return {"reads": log.count_by("read", "op+site"), "mixed": log.count_by("mixed", "op+site"),
-            "reads_by_phase": log.count_by("read", "phase"), "h2d_copies": log.h2d_copies}
+            "reads_by_phase": log.count_by("read", "phase"), "h2d_copies": log.h2d_copies,
+            "ops_by_phase": dict(log.ops)}
 
 
 def audit_training(flags: list[str], steps: int = 2, *, evaluate: bool = False) -> dict:
@@ -45,6 +46,8 @@ def audit_training(flags: list[str], steps: int = 2, *, evaluate: bool = False) 
         try:
             trainer.setup()
             report["setup"] = _summary(audit.log.take())
+            report["param_tensors"] = sum(1 for m in trainer.ctx.modules.values() for p in m.parameters()
+                                          if p.requires_grad)
             seen = _count_vision_items(trainer.runner)
             for _ in range(steps):
                 result = trainer.train_step()
@@ -98,3 +101,43 @@ def main(argv: list[str]) -> int:
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))
+
+
+_BACKWARD = ("language backward", "encoder backward")
+_OPTIMIZER = ("gradient finalize", "optimizer")
+
+
+def phase_group(phase: str) -> str:
+    """"forward", "backward" or "optimizer" for a training-thread phase (``mimo_sft.progress``); what follows a
+    phase ("compute after X") goes with it, except after the optimizer: that is the next step's start."""
+    name = phase[len("compute after "):] if phase.startswith("compute after ") else phase
+    if name in _OPTIMIZER and not (name == "optimizer" and phase != name):
+        return "optimizer"
+    return "backward" if name in _BACKWARD else "forward"
+
+
+def by_group(per_phase: dict) -> dict:
+    """``{"forward": n, "backward": n, "optimizer": n}`` from counts per phase name."""
+    out = {"forward": 0, "backward": 0, "optimizer": 0}
+    for phase, n in per_phase.items():
+        out[phase_group(phase)] += n
+    return out
+
+
+def run_specs(spec: dict, out_json: str, *, timeout: float = 1200.0) -> dict:
+    """Run :func:`main` on ``spec`` in a fresh process (its device is the stand-in); its reports."""
+    import os
+    import subprocess
+    import tempfile
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as fh:
+        json.dump(spec, fh)
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    done = subprocess.run([sys.executable, "-m", "mimo_sft.testing.audit_run", out_json, fh.name], env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    os.unlink(fh.name)
+    if done.returncode != 0:
+        raise RuntimeError(f"the audited runs failed:\n{done.stderr[-4000:]}")
+    with open(out_json) as fh:
+        return json.load(fh)

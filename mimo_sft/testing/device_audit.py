@@ -45,6 +45,7 @@ aten = torch.ops.aten
 
 #: the device stand-in tensors report (the process's device under the audit)
 STANDIN_DEVICE = torch.device("meta")
+_ACTIVE: list = []  # the audits entered (innermost last): printing a stand-in tensor is recorded there
 
 #: ops whose output size depends on the values (a GPU waits for the data to size the result)
 _DATA_DEPENDENT = {aten.nonzero.default, aten.masked_select.default, aten._unique2.default, aten.unique_dim.default,
@@ -72,8 +73,24 @@ class StandIn(torch.Tensor):
     def __tensor_unflatten__(inners, meta, outer_size, outer_stride):
         return StandIn(inners["inner"])
 
-    def __repr__(self):
+    def __repr__(self):  # printing a device tensor reads its values back (``__format__`` of a 0-dim one too)
+        if _ACTIVE:
+            _ACTIVE[-1].record("read", "repr")
         return f"StandIn({self.inner!r})"
+
+    def __format__(self, spec):
+        if self.dim() == 0:
+            if _ACTIVE:
+                _ACTIVE[-1].record("read", "format")
+            return self.inner.item().__format__(spec)
+        return object.__format__(self, spec)
+
+    @property
+    def is_cuda(self):  # the stand-in plays CUDA's part where code asks (megatron's MoE dispatcher, for one)
+        return True
+
+    def record_stream(self, stream):  # no streams on the stand-in
+        return None
 
     # ``t.data = other`` (megatron's ``make_viewless_tensor``, its buffers' ``param.data = view``) swaps what
     # the tensor holds without a dispatch: the wrapper's metadata and its host bytes change together
@@ -107,6 +124,10 @@ class AuditLog:
 
     findings: list = field(default_factory=list)
     h2d_copies: int = 0
+    #: copies to the host asked for with ``non_blocking=True`` (no wait at the copy; the reader synchronizes)
+    d2h_async: int = 0
+    #: device ops dispatched that compute (views left out): roughly the kernels a GPU would launch, by phase
+    ops: collections.Counter = field(default_factory=collections.Counter)
 
     def reads(self) -> list:
         return [f for f in self.findings if f.kind == "read"]
@@ -120,8 +141,8 @@ class AuditLog:
 
     def take(self) -> "AuditLog":
         """What was seen so far (the log starts again empty)."""
-        out = AuditLog(self.findings, self.h2d_copies)
-        self.findings, self.h2d_copies = [], 0
+        out = AuditLog(self.findings, self.h2d_copies, self.d2h_async, self.ops)
+        self.findings, self.h2d_copies, self.d2h_async, self.ops = [], 0, 0, collections.Counter()
         return out
 
 
@@ -151,6 +172,17 @@ def _phase() -> str:
     from mimo_sft.progress import PROGRESS
 
     return PROGRESS.phase
+
+
+_VIEWS: dict = {}
+
+
+def _is_view(func) -> bool:
+    """An op whose result aliases its input without writing (a view, ``detach``): no kernel on a GPU."""
+    if func not in _VIEWS:
+        returns = func._schema.returns
+        _VIEWS[func] = bool(returns) and all(r.alias_info is not None and not r.alias_info.is_write for r in returns)
+    return _VIEWS[func]
 
 
 def _is_device(t) -> bool:
@@ -195,8 +227,10 @@ class DeviceAudit(TorchDispatchMode):
         to_device = target is not None and target.type == STANDIN_DEVICE.type
         if to_device:
             kwargs = dict(kwargs, device=torch.device("cpu"))
+        if (on_device or to_device) and not _is_view(func):
+            self.log.ops[_phase()] += 1
         if on_device:
-            self._classify(func, args, leaves, target)
+            self._classify(func, args, kwargs, leaves, target)
         elif to_device and func in (aten._to_copy.default, aten.copy_.default):
             self.log.h2d_copies += 1
         inner_args, inner_kwargs = pytree.tree_map(lambda t: t.inner if _is_device(t) else t, (args, kwargs))
@@ -213,13 +247,16 @@ class DeviceAudit(TorchDispatchMode):
         return pytree.tree_map(lambda t: (mine[id(t)] if id(t) in mine else StandIn(t))
                                if type(t) is torch.Tensor else t, out)
 
-    def _classify(self, func, args, leaves, target) -> None:
+    def _classify(self, func, args, kwargs, leaves, target) -> None:
         name = str(func.overloadpacket.__name__) if hasattr(func, "overloadpacket") else str(func)
         if func in _DATA_DEPENDENT or self._data_dependent(func, args):
             self.record("read", name)
             return
         if func is aten._to_copy.default and target is not None and target.type == "cpu":
-            self.record("read", name)
+            if not kwargs.get("non_blocking", False):
+                self.record("read", name)
+            else:  # an asynchronous copy to the host does not wait; whoever uses it synchronizes (recorded there)
+                self.log.d2h_async += 1
             return
         if func is aten.copy_.default:
             dst, src = args[0], args[1]
@@ -248,6 +285,7 @@ class DeviceAudit(TorchDispatchMode):
     # ---- the entry points that bypass dispatch -------------------------------------------------------
     def __enter__(self):
         super().__enter__()
+        _ACTIVE.append(self)
         audit = self
         original_tolist, original_numpy = torch.Tensor.tolist, torch.Tensor.numpy
 
@@ -286,6 +324,7 @@ class DeviceAudit(TorchDispatchMode):
 
     def __exit__(self, *exc):
         self._patches.close()
+        _ACTIVE.remove(self)
         return super().__exit__(*exc)
 
     @contextlib.contextmanager

@@ -30,7 +30,8 @@ import torch.distributed as dist
 
 from mimo_sft.parallel import runtime  # first: importing mimo_sft.parallel makes megatron importable
 from mimo_sft.parallel.collectives import name_group
-from mimo_sft.parallel.megatron_patches import guard_bridge_debug_logging, start_pending_grad_reductions
+from mimo_sft.parallel.megatron_patches import (guard_bridge_debug_logging, host_bridge_shapes,
+                                                start_pending_grad_reductions)
 from mimo_sft.model.token_positions import TokenPositions
 from mimo_sft.train.bridge import padded_bridges
 from mimo_sft.train.packing import pack_micro_batch
@@ -146,6 +147,7 @@ def name_bridge_groups(communicator, model) -> None:
     for bc in getattr(communicator, "bridge_comms", ()):
         pair = f"bridge {bc.src_module_name}->{bc.dest_module_name}"
         name_group(bc.bridge_pg, pair)
+        name_group(getattr(bc, "_mimo_shape_pg", None), f"{pair} shapes (host)")
         name_group(bc.src_grid_broadcast_pg, f"{pair} broadcast ({bc.src_module_name} side)")
         name_group(bc.dest_grid_broadcast_pg, f"{pair} broadcast ({bc.dest_module_name} side)")
     for (encoder, language), comm in getattr(model, "colocated_comms", {}).items():
@@ -185,6 +187,7 @@ class StepRunner:
             self.pg_collection = pstate.modules[LANGUAGE].pg_collection
         else:
             guard_bridge_debug_logging()  # its debug strings would sync on every transfer
+            host_bridge_shapes()  # and its shape exchange, per micro-batch: on the host instead
             self.communicator = _BridgeRanges(
                 pstate.grids,
                 {**{s.name: [LANGUAGE] for s in layout.encoders}, LANGUAGE: []},
