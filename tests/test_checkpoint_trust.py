@@ -104,6 +104,15 @@ def _old_form(rank_file: str) -> None:
     torch.save(state, rank_file)
 
 
+def _written_on_a_gpu(rank_file: str) -> None:
+    """The rank file as a GPU rank writes it: CUDA's generator and megatron's tracker hold Philox states."""
+    state = torch.load(rank_file, weights_only=False)
+    state.pop("device", None)  # files from before the device was recorded: told by the CUDA state they hold
+    state["rng"]["cuda"] = torch.zeros(16, dtype=torch.uint8)
+    state["rng"]["tracker"] = {name: torch.zeros(16, dtype=torch.uint8) for name in state["rng"]["tracker"]}
+    torch.save(state, rank_file)
+
+
 def _globals(path: str) -> set[str]:
     import zipfile
 
@@ -121,17 +130,22 @@ def _globals(path: str) -> set[str]:
 
 
 def test_rank_files_hold_no_numpy_object_and_one_written_before_this_change_resumes_exactly(tmp_path):
-    """Rank files are written with no class outside torch's weights-only set; a rank file in the older form
-    (numpy's key as an array: three numpy globals, admitted by name) still resumes, bit for bit."""
+    """Rank files are written with no class outside torch's weights-only set, and record their device; a rank
+    file in the older form (numpy's key as an array: three numpy globals, admitted by name) still resumes, bit for
+    bit -- here also written on a GPU (a CUDA generator and Philox tracker states, which the CPU cannot take): the
+    device's streams restart from the seed and step, said in one line, and the run, which draws nothing from
+    them (no dropout), goes on exactly."""
     rank_file = _ckpt() + "/rank_00000.pt"
     assert not any(g.startswith("numpy") for g in _globals(rank_file)), _globals(rank_file)
-    torch.load(rank_file, weights_only=True)  # no allow-list needed
+    assert torch.load(rank_file, weights_only=True)["device"] == "cpu"  # no allow-list needed
     folder = copy_checkpoint(_ckpt(), str(tmp_path / "old_form"))
     _old_form(folder + "/rank_00000.pt")
+    _written_on_a_gpu(folder + "/rank_00000.pt")
     assert any(g.startswith("numpy") for g in _globals(folder + "/rank_00000.pt"))
     out = new_dir("trust_old_rank_file")
     proc = _run(out, "--load-checkpoint", folder)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "checkpoint written on cuda, resumed on cpu: the device's random streams" in proc.stdout, proc.stdout
     a = {m["step"]: m for m in metrics(never_stopped())}
     b = {m["step"]: m for m in metrics(out)}
     assert sorted(b) == [5, 6] and all(b[s]["loss"] == a[s]["loss"] and b[s]["grad_norm"] == a[s]["grad_norm"]

@@ -232,3 +232,14 @@ def _register_language_dp_rank(layout: Layout, rank: int) -> None:
     if coord is not None:
         spec = layout.language
         parallel_state.set_data_parallel_rank(coord.dp * spec.cp + coord.cp)
+
+
+def megatron_ranks(pstate: "ParallelState") -> dict[str, int]:
+    """This rank's tensor, expert and expert-tensor ranks for megatron's RNG tracker, read from the groups of
+    the module whose layers it builds (the language model where it runs one)."""
+    from mimo_sft.parallel.layout import LANGUAGE
+
+    mine = pstate.mine()
+    name = LANGUAGE if LANGUAGE in mine else mine[0]
+    pgc = pstate.modules[name].pg_collection
+    return {"tp_rank": pgc.tp.rank(), "ep_rank": pgc.ep.rank(), "etp_rank": pgc.expt_tp.rank()}

@@ -215,6 +215,31 @@ def rng_state() -> dict[str, Any]:
     return state
 
 
+def saved_device_type(rank_state: dict[str, Any]) -> str:
+    """The device type a rank file was written on (its ``device``; files from before it was recorded: "cuda" when
+    they hold a CUDA generator state, else "cpu")."""
+    return rank_state.get("device") or ("cuda" if "cuda" in rank_state.get("rng", {}) else "cpu")
+
+
+def restore_rng(rank_state: dict[str, Any], *, seed: int, step: int, ranks: dict[str, int]) -> Optional[str]:
+    """A rank file's RNG streams, on this process's device. Saved on the same kind of device: every stream as it
+    was. Saved on another kind (a CPU checkpoint resumed on a GPU, or the reverse): the device's streams --
+    megatron's tracker (dropout, LoRA dropout) and the CUDA generator -- cannot be carried over (their states
+    are another generator's: "RNG state is wrong size"), so they are seeded from the run's seed and the step;
+    Python, numpy and torch's host generator carry over. Returns the line that says so, or None."""
+    from megatron.core import tensor_parallel
+
+    saved, now = saved_device_type(rank_state), device().type
+    if saved == now:
+        set_rng_state(rank_state["rng"])
+        return None
+    host = {k: v for k, v in rank_state["rng"].items() if k not in ("tracker", "cuda")}
+    tensor_parallel.model_parallel_cuda_manual_seed(seed + step, force_reset_rng=True, **ranks)
+    set_rng_state(host)  # after: megatron's seeding also seeds the generator it stands the tracker on
+    return (f"checkpoint written on {saved}, resumed on {now}: the device's random streams (dropout) restart from "
+            f"the seed and step {step}; the host's streams, weights, optimizer state and data position are restored")
+
+
 def set_rng_state(state: dict[str, Any]) -> None:
     from megatron.core import tensor_parallel
 

@@ -21,7 +21,7 @@ from mimo_sft.config.schema import ExperimentConfig
 from mimo_sft.config.checks.overlap import overlap_param_gather_in_use
 from mimo_sft.config.lora import LoraSpec, distributed_optimizer_in_use
 from mimo_sft.parallel import runtime  # first: importing mimo_sft.parallel makes megatron importable
-from mimo_sft.parallel.groups import ParallelState, build_parallel_state
+from mimo_sft.parallel.groups import ParallelState, build_parallel_state, megatron_ranks  # noqa: F401 (re-export)
 from mimo_sft.parallel.layout import LANGUAGE, Layout
 from mimo_sft.model.lora import apply_lora
 from mimo_sft.train.bridge import install_padded_bridges
@@ -67,15 +67,6 @@ class TrainContext:
         """The rank that owns the language loss: language tp 0, dp 0, last pipeline stage."""
         c = self.layout.coords(self.rank).get(LANGUAGE)
         return c is not None and c.tp == 0 and c.dp == 0 and c.cp == 0 and c.pp == self.layout.language.pp - 1
-
-
-def megatron_ranks(pstate: ParallelState) -> dict[str, int]:
-    """This rank's tensor, expert and expert-tensor ranks for megatron's RNG tracker, read from the
-    groups of the module whose layers it builds (the language model where it runs one)."""
-    mine = pstate.mine()
-    name = LANGUAGE if LANGUAGE in mine else mine[0]
-    pgc = pstate.modules[name].pg_collection
-    return {"tp_rank": pgc.tp.rank(), "ep_rank": pgc.ep.rank(), "etp_rank": pgc.expt_tp.rank()}
 
 
 def build_model_and_optimizer(cfg: ExperimentConfig, layout: Layout, pstate: ParallelState, rank: int, *,

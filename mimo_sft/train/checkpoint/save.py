@@ -84,7 +84,7 @@ def save_checkpoint(root: str, *, step: int, consumed_samples: int, ctx, extra_m
     kill_point("start", step)
     rank_file = os.path.join(tmp, f"rank_{rank:05d}.pt")
     torch.save({"rng": runtime.rng_state(), "step": step, "consumed_samples": consumed_samples,
-                "layout": layout_signature(ctx.layout)}, rank_file)
+                "layout": layout_signature(ctx.layout), "device": runtime.device().type}, rank_file)
     fsync_file(rank_file)
     parts = [part_request(model_sharded_state_dict(ctx.model, encoder_replica_rank(ctx)), os.path.join(tmp, "model")),
              optimizer_save_request(os.path.join(tmp, OPTIMIZER_DIR), ctx)]
@@ -316,7 +316,12 @@ def load_checkpoint(path: str, ctx) -> tuple[int, int]:
     ctx.optimizer.reload_model_params()
     load_optimizer(os.path.join(ckpt, OPTIMIZER_DIR), ctx, sharding=saved_format(meta))
     if same_layout:
-        runtime.set_rng_state(load_rank_file(rank_file)["rng"])
+        from mimo_sft.parallel.groups import megatron_ranks
+
+        said = runtime.restore_rng(load_rank_file(rank_file), seed=ctx.cfg.train.seed, step=int(meta["step"]),
+                                   ranks=megatron_ranks(ctx.pstate))
+        if said and dist.get_rank() == 0:
+            print(f"mimo-sft: {said}", flush=True)
     elif dist.get_rank() == 0:
         print(f"mimo-sft: resuming on another layout: RNG streams restart from the seed; weights, optimizer state, "
               f"step {meta['step']} and data position ({meta['consumed_samples']} samples) are restored "
