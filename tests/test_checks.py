@@ -153,7 +153,7 @@ def test_missing_dataset_path_is_refused_but_hub_names_pass(tmp_path):
 def test_packing_needs_the_sdpa_core_and_composes_with_everything_else():
     probs, _ = problems(GOOD + ["--in-batch-packing", "--attention-backend", "local"])
     assert probs == ["[19] --in-batch-packing with --attention-backend local: megatron's local core attention cannot "
-                     "keep packed samples apart; use --attention-backend sdpa (the default), or --no-in-batch-packing to compute "
+                     "keep packed samples apart; use --attention-backend auto (the default), or --no-in-batch-packing to compute "
                      "padded rows"]
     for layout in (GOOD, comp("language=tp=2,dp=1", "images=dp=2") + ["--micro-batch-size", "4", "--global-batch-size", "8"],
                    comp("language=pp=2,dp=1", "images=dp=1,rank_offset=2") + ["--micro-batch-size", "4", "--global-batch-size", "8"]):

@@ -155,13 +155,19 @@ def test_segment_batch_lays_segments_out_as_padded_rows():
     lengths = [3, 9, 1]
     assert SegmentBatch([3, 0, 9, 1], torch.device("cpu")).count == 3  # an empty segment is skipped
     batch = PaddedRows(lengths, torch.device("cpu"))
-    assert (batch.count, batch.width, batch.total) == (3, 16, 13)
+    assert (batch.count, batch.width, batch.total) == (3, 16, 13) and not batch.view_only
     x = torch.arange(13.0).view(13, 1, 1).expand(13, 2, 4).contiguous()
-    padded = batch.scatter(x)
+    padded = batch.lay_out(x)
     assert padded.shape == (3, 2, 16, 4)
-    assert padded[1, 0, :9, 0].tolist() == [float(v) for v in range(3, 12)] and padded[1, 0, 9:].abs().sum() == 0
+    # a row holds its segment, then repeats the segment's last row (finite values no real query weighs)
+    assert padded[1, 0, :, 0].tolist() == [float(v) for v in range(3, 12)] + [11.0] * 7
+    assert padded[2, 0, :, 0].tolist() == [12.0] * 16
     assert batch.key_mask[:, 0, 0].sum(1).tolist() == lengths
     torch.testing.assert_close(batch.gather(padded), x, rtol=0, atol=0)
+    full = PaddedRows([8, 8, 8], torch.device("cpu"))  # every row full: a plain view, no index op
+    y = torch.randn(24, 3, 4)
+    assert full.view_only and full.key_mask is None and full.lay_out(y).data_ptr() == y.data_ptr()
+    torch.testing.assert_close(full.gather(full.lay_out(y)), y, rtol=0, atol=0)
 
 
 #: alike (one call), and long-tailed (one 700-token sample among short ones: several calls)
@@ -212,3 +218,70 @@ def test_long_tailed_segments_are_grouped_within_the_work_bound():
     one_call = len(lengths) * 8192 ** 2 / sum(n * n for n in lengths)
     assert one_call > 10  # what a single padded call would have cost
     assert group_segments([64] * 40 + [16] * 4) == [list(range(44))]  # windows: one call
+
+
+# ---- torch's variable-length kernel: where it is chosen, and what it is handed ---------------------------------
+def test_variable_length_kernel_is_chosen_only_where_it_runs():
+    from mimo_sft.model.segments import use_kernel, varlen_runs, varlen_supported
+
+    assert varlen_supported("cuda", torch.bfloat16, 128) and varlen_supported("cuda", torch.float16, 64)
+    for device, dtype, head_dim, have in (("cpu", torch.bfloat16, 128, True), ("meta", torch.bfloat16, 128, True),
+                                          ("cuda", torch.float32, 128, True), ("cuda", torch.bfloat16, 100, True),
+                                          ("cuda", torch.bfloat16, 512, True), ("cuda", torch.bfloat16, 128, False)):
+        assert not varlen_supported(device, dtype, head_dim, have), (device, dtype, head_dim, have)
+    q = torch.zeros(4, 2, 8, dtype=torch.bfloat16)
+    try:
+        for kind in ("auto", "sdpa"):
+            use_kernel(kind)
+            assert not varlen_runs(q)  # the CPU: the padded SDPA call
+        use_kernel("varlen")
+        with pytest.raises(RuntimeError, match="--attention-backend varlen cannot run here"):
+            varlen_runs(q)
+    finally:
+        use_kernel("auto")
+
+
+def _reference_varlen(with_window: bool):
+    """torch's documented ``varlen_attn`` contract, computed per segment on the CPU (the flash kernel cannot run
+    here), in the two argument forms torch versions take (``window_size=(-1, 0)`` or ``is_causal``)."""
+    import torch.nn.functional as F
+
+    seen = {}
+
+    def attend(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, enable_gqa=False, causal=False):
+        seen.update(cu=cu_q, max_q=max_q, heads=(q.shape[1], k.shape[1]), gqa=enable_gqa)
+        assert cu_q is cu_k and cu_q.dtype == torch.int32 and isinstance(max_q, int) and max_q == max_k
+        bounds, outs = cu_q.tolist(), []
+        for a, b in zip(bounds, bounds[1:]):
+            outs.append(F.scaled_dot_product_attention(*(t[a:b].transpose(0, 1) for t in (q, k, v)), is_causal=causal,
+                                                       scale=scale, enable_gqa=enable_gqa).transpose(0, 1))
+        return torch.cat(outs)
+
+    if with_window:
+        def kernel(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, window_size=(-1, -1),
+                   enable_gqa=False):
+            return attend(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale, enable_gqa=enable_gqa,
+                          causal=tuple(window_size) == (-1, 0))
+    else:  # an older form: no GQA argument, causal as a flag
+        def kernel(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, scale=None):
+            return attend(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale, causal=is_causal)
+    return kernel, seen
+
+
+@pytest.mark.parametrize("with_window", [True, False], ids=["window_size", "is_causal"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_variable_length_call_is_handed_the_kernels_contract(causal, with_window):
+    """The packed tensors as they are, int32 bounds on the device, the longest segment as a host int, GQA by the
+    kernel's flag or by repeated K/V: the result equals the padded SDPA path's."""
+    from mimo_sft.model.segments import SegmentBatch, varlen_attention
+
+    lengths = [5, 17, 3, 9]
+    g = torch.Generator().manual_seed(6)
+    q = torch.randn(sum(lengths), 4, 8, generator=g)
+    k, v = (torch.randn(sum(lengths), 2, 8, generator=g) for _ in range(2))
+    batch = SegmentBatch(lengths, torch.device("cpu"))
+    kernel, seen = _reference_varlen(with_window)
+    out = varlen_attention(q, k, v, batch.cu_seqlens(), max(lengths), causal=causal, scale=0.3, kernel=kernel)
+    assert batch.cu_seqlens().tolist() == [0, 5, 22, 25, 34] and batch.cu_seqlens() is batch.cu_seqlens()
+    assert seen["max_q"] == 17 and seen["gqa"] == with_window and seen["heads"] == ((4, 2) if with_window else (4, 4))
+    torch.testing.assert_close(out, batch.attend(q, k, v, causal=causal, scale=0.3), rtol=1e-5, atol=1e-6)

@@ -45,7 +45,7 @@ class ModelConfig:
     recompute_vision: bool = opt(False, "--recompute-vision", "gradient checkpointing of every vision block (non-reentrant): the tower keeps one block's activations instead of all")
     moe_aux_loss_coeff: float = opt(0.0, "--moe-aux-loss-coeff", "mixture-of-experts models: megatron's load-balancing loss coefficient, per layer (0: off, the default; transformers' router_aux_loss_coef is a different, all-layers-joint loss applied only with output_router_logits, so their values do not correspond)")
     sequence_parallel: bool = opt(False, "--sequence-parallel", "megatron sequence parallelism in the language model (needs tp > 1): norms, dropout and residuals hold 1/tp of the sequence")
-    attention_backend: str = opt("sdpa", "--attention-backend", "attention kernels: 'sdpa' (torch SDPA: flash/memory-efficient on CUDA; required by --in-batch-packing) or 'local' (megatron's unfused core, eager vision attention)", choices=("sdpa", "local"))
+    attention_backend: str = opt("auto", "--attention-backend", "attention kernels: 'auto' (torch's variable-length flash kernel where it runs -- a CUDA GPU, bf16 -- else 'sdpa'), 'varlen' (that kernel, refused where it cannot run), 'sdpa' (torch SDPA over padded segment rows: flash/memory-efficient on CUDA, math on CPU) or 'local' (megatron's unfused core, eager vision attention; not with --in-batch-packing)", choices=("auto", "sdpa", "varlen", "local"))
 
 
 @dataclass

@@ -36,8 +36,15 @@ from megatron.core.utils import divide
 
 from mimo_sft.model.segments import SegmentBatch, segments_of
 
-#: the ``--attention-backend`` choices: ours, and megatron's local core (the reference)
-BACKENDS = ("sdpa", "local")
+#: the ``--attention-backend`` choices: ours (its segment kernel picked in ``model.segments``: ``auto``, ``sdpa``,
+#: ``varlen``), and megatron's local core (the reference)
+BACKENDS = ("auto", "sdpa", "varlen", "local")
+
+
+def core_backend(backend: str) -> str:
+    """The core this backend builds: megatron's local one, or ours ("sdpa", whose segments pick their kernel)."""
+    assert backend in BACKENDS, f"unknown attention backend {backend!r}; choices: {BACKENDS}"
+    return "local" if backend == "local" else "sdpa"
 
 
 class SDPAttention(MegatronModule):
@@ -115,7 +122,7 @@ def packed_segments(params: PackedSeqParams, device: torch.device) -> SegmentBat
 
 def core_attention_class(backend: str):
     """The core-attention module for ``--attention-backend``."""
-    if backend == "sdpa":
+    if core_backend(backend) == "sdpa":
         return SDPAttention
     assert backend == "local", f"unknown attention backend {backend!r}; choices: {BACKENDS}"
     from megatron.core.transformer.dot_product_attention import DotProductAttention

@@ -30,7 +30,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 DEFAULT_MAX_SEQ_LEN = 32768
 #: transformers' vision attention for each ``--attention-backend``: one SDPA call per block
 #: (``model.vision_attention``), or transformers' eager attention beside megatron's local core
-VISION_ATTENTION = {"sdpa": SEGMENT_ATTENTION, "local": "eager"}
+VISION_ATTENTION = {"sdpa": SEGMENT_ATTENTION, "local": "eager"}  # by model.attention.core_backend
 
 
 def _check_layout(layout, hf_cfg, adapter, hf_dir: str) -> None:
@@ -68,15 +68,21 @@ def build_mimo_model(hf_dir: str, *, layout, parallel_state, model_cfg=None, ran
     recompute and sequence-parallel settings: ``model.recompute``); ``random_init`` overrides
     ``model_cfg.allow_random_init``. ``config_overrides`` is applied to the language
     ``TransformerConfig`` (and the encoder's DDP config), e.g. ``calculate_per_token_loss``.
-    ``attention``: ``"sdpa"`` (``model.attention.SDPAttention`` for the language model, one SDPA call per
+    ``attention``: ``"auto"``, ``"sdpa"`` or ``"varlen"`` (``model.attention.SDPAttention`` for the language model, one call per
     vision block: ``model.vision_attention``) or ``"local"`` (megatron's local core, transformers' eager vision
-    attention); default ``model_cfg.attention_backend``, else ``"sdpa"``. ``cpu_init``: create the
+    attention); default ``model_cfg.attention_backend``, else ``"auto"``. ``cpu_init``: create the
     parameters in host memory (default: when the process's device is the CPU; export asks for it on
     GPU machines too). ``runtime.init_megatron`` must have run.
     """
     if cpu_init is None:
         cpu_init = runtime.device().type == "cpu"
-    attention = attention or getattr(model_cfg, "attention_backend", None) or "sdpa"
+    from mimo_sft.model.attention import core_backend
+    from mimo_sft.model.segments import use_kernel
+
+    backend = attention or getattr(model_cfg, "attention_backend", None) or "auto"
+    attention = core_backend(backend)
+    if attention == "sdpa":  # the segment kernel: torch's variable-length one where allowed (model.segments)
+        use_kernel(backend)
     if random_init is None:
         random_init = bool(getattr(model_cfg, "allow_random_init", False))
     src = _BuildInputs.read(hf_dir, layout, model_cfg, random_init=random_init)

@@ -70,11 +70,14 @@ def c17_data(ctx):
 
 def c19_packing(ctx):
     d, m = ctx.cfg.data, ctx.cfg.model
+    if m.attention_backend == "varlen" and m.dtype != "bf16":
+        yield (f"--attention-backend varlen runs torch's variable-length flash kernel, which takes half precision "
+               f"only: use --dtype bf16, or --attention-backend auto (it picks varlen where it runs)")
     if not d.in_batch_packing:
         return
-    if m.attention_backend != "sdpa":
+    if m.attention_backend == "local":
         yield (f"--in-batch-packing with --attention-backend {m.attention_backend}: megatron's local core attention "
-               f"cannot keep packed samples apart; use --attention-backend sdpa (the default), or "
+               f"cannot keep packed samples apart; use --attention-backend auto (the default), or "
                f"--no-in-batch-packing to compute padded rows")
 
 

@@ -38,7 +38,7 @@ CHECKS: tuple[tuple[int, str, Callable], ...] = (
     (16, "model folder and divisibility", model.c16_model),
     (17, "dataset settings", data.c17_data),
     (18, "what is left to finetune", model.c18_contents_note),
-    (19, "in-batch packing settings", data.c19_packing),
+    (19, "in-batch packing and attention kernel settings", data.c19_packing),
     (20, "LoRA settings", training.c20_lora),
     (21, "activation recomputation settings", memory.c21_recompute),
     (22, "sequence parallelism settings", memory.c22_sequence_parallel),
