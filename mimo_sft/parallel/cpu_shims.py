@@ -418,6 +418,9 @@ def _patch_moe_host_splits() -> None:
 
     @functools.wraps(original)
     def move(tensor, as_numpy: bool = False, record_stream: bool = False):
+        if torch.is_tensor(tensor) and tensor.device == _TARGET and _TARGET.type != "cpu":
+            moved = tensor.to("cpu", non_blocking=True)  # the device audit's stand-in: what CUDA does (no stream)
+            return moved.numpy() if as_numpy else moved
         if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
             return tensor.numpy()
         return original(tensor, as_numpy=as_numpy, record_stream=record_stream)

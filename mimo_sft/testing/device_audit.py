@@ -85,13 +85,6 @@ class StandIn(torch.Tensor):
             return self.inner.item().__format__(spec)
         return object.__format__(self, spec)
 
-    @property
-    def is_cuda(self):  # the stand-in plays CUDA's part where code asks (megatron's MoE dispatcher, for one)
-        return True
-
-    def record_stream(self, stream):  # no streams on the stand-in
-        return None
-
     # ``t.data = other`` (megatron's ``make_viewless_tensor``, its buffers' ``param.data = view``) swaps what
     # the tensor holds without a dispatch: the wrapper's metadata and its host bytes change together
     @property
