@@ -146,3 +146,29 @@ def test_worker_defaults_and_the_shm_warning():
     line = shm_warning(4, micro_batch_bytes=mb, local_ranks=8, free_bytes=64 * 2**20)  # a container's default
     assert line.startswith("/dev/shm has 64 MiB free") and "384 MiB" in line and "--shm-size=1g" in line
     assert "\n" not in line and shm_warning(0, micro_batch_bytes=mb, free_bytes=0) is None
+
+
+def test_a_bad_row_is_numbered_as_check_data_numbers_it(tmp_path, tiny_ckpt):
+    """Issue 55 item 8: a mixture's second source has a row that names no clip; with --max-bad-samples 0 training
+    refuses it by the mixture's index and its file's row, the line check-data prints for it."""
+    from mimo_sft.config.loader import load_config
+    from mimo_sft.data.check import SampleProblem, check_dataset
+    from mimo_sft.data.loader import build_microbatch_iterator
+
+    (tmp_path / "imgs").mkdir()
+    Image.new("RGB", (56, 56), (200, 30, 30)).save(tmp_path / "imgs" / "a.png")
+    rows = _rows(["a"] * 4)
+    (tmp_path / "first.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    rows[1] = {"messages": [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "And?"}]},
+                            {"role": "assistant", "content": [{"type": "text", "text": "A clip."}]}]}
+    (tmp_path / "second.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    cfg = load_config(["--dataset-path", str(tmp_path / "first.jsonl"), "--dataset-path", str(tmp_path / "second.jsonl"),
+                       "--seq-length", "256", "--max-bad-samples", "0"]).data
+    (problem,) = check_dataset(cfg, model_dir=tiny_ckpt, workers=0)["problems"]
+    listed = str(SampleProblem(**problem))
+    assert listed.startswith(f"sample 5 ({tmp_path / 'second.jsonl'}, row 1): "), listed
+    it = build_microbatch_iterator(cfg, model_dir=tiny_ckpt, micro_batch_size=8, canonical_grid=1, dp_size=1,
+                                   dp_rank=0, need_pixels=True, seed=0, num_workers=0)
+    with pytest.raises(UserError) as err:
+        next(it)
+    assert str(err.value) == listed

@@ -69,6 +69,14 @@ def test_launch_flags_and_config():
                       (["--nproc-per-node", "2", "--node-rank", "2", "--nnodes", "2"], "a node rank below")):
         with pytest.raises(UserError, match=says):
             split_launch_flags(bad)
+    # one process is "1 process" (the parent's check: train.launch.checked_config)
+    from mimo_sft.train.launch import checked_config
+
+    with pytest.raises(UserError) as err:
+        checked_config(TWO, 1, started_by=LaunchOptions(1).started_by)
+    assert str(err.value).startswith("--nproc-per-node 1 starts 1 process, but the components use 2 ranks;"), err.value
+    with pytest.raises(UserError, match="^--world-size 2 but 1 process was started; drop --world-size or start 2 "):
+        checked_config([*TWO, "--world-size", "2"], 1)
 
 
 def test_the_first_rank_to_fail_for_its_own_reason_is_reported(tmp_path):

@@ -63,8 +63,8 @@ class MicroBatchDataset(torch.utils.data.Dataset):
             try:
                 messages, refs = self.source[j]
             except BadRowError as err:  # known from the row: every rank reading it skips it alike
-                if self.max_bad_samples <= 0:
-                    raise
+                if self.max_bad_samples <= 0:  # named by this dataset's index, as check-data names it
+                    raise BadRowError(j, err.path, err.reason) from None
                 self._bad.append((j, err.path, err.reason, "row"))
                 bad_j, j = j, (step(j) if step else (j + 1) % n)
                 self.stood_in[bad_j] = j

@@ -233,7 +233,8 @@ class Trainer:
         layout_text = " ".join(s.to_flag() for s in layout.components)
         start = (f"resuming at step {self.step} ({self.consumed} samples consumed)" if self.step
                  else "starting at step 0")
-        print(f"mimo-sft: {layout.world_size} ranks, {'colocated' if layout.colocated else 'non-colocated'}: "
+        ranks = f"{layout.world_size} rank{'s' if layout.world_size != 1 else ''}"
+        print(f"mimo-sft: {ranks}, {'colocated' if layout.colocated else 'non-colocated'}: "
               f"{layout_text}\n"
               f"mimo-sft: {t.train_iters} steps of {t.global_batch_size} samples ({self.num_microbatches} "
               f"micro-batches of {t.micro_batch_size}), reordering {f'on ({cfg.reorder.mode})' if cfg.reorder.enabled else 'off'}, "
