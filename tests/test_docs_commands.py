@@ -363,19 +363,6 @@ def _invoke(args: list[str]) -> tuple[int, str]:
     return res.exit_code, res.output
 
 
-def _evaluate_args(args: list[str]) -> list[str]:
-    """``mimo-sft evaluate``'s arguments as its ranks check them (``train.evaluate.evaluate_command``)."""
-    from mimo_sft.train.checkpoint.files import read_meta, resolve_checkpoint
-
-    args = [a for a in args if a != "--json"]
-    if args and not args[0].startswith("-"):
-        args = ["--pretrained-checkpoint", *args]
-    args = ["--pretrained-checkpoint" if a in ("--checkpoint", "--load-checkpoint") else a for a in args]
-    if "--pretrained-checkpoint" in args and "--hf-model" not in args:
-        args += ["--hf-model", read_meta(resolve_checkpoint(args[args.index("--pretrained-checkpoint") + 1]))["hf_model"]]
-    return args
-
-
 def _launch_check(cmd: DocCommand, args: list[str]) -> tuple[int, str]:
     """What ``finetune`` / ``evaluate`` decide before they start a worker: the launcher's flags, then every check
     for the world it would start (validate), then -- without a launcher -- the run's own refusal."""
@@ -390,8 +377,10 @@ def _launch_check(cmd: DocCommand, args: list[str]) -> tuple[int, str]:
     except UserError as e:
         return 2, f"error: {e}"
     world = opts.world_size if opts else cmd.torchrun_world
-    if cmd.args[0] == "evaluate":
-        rest = _evaluate_args(rest)
+    if cmd.args[0] == "evaluate":  # as its ranks check them
+        from mimo_sft.train.evaluate import evaluate_args
+
+        rest, _ = evaluate_args(rest, world or 1)
     code, out = _invoke(["validate", "--json", *rest, *(["--world-size", str(world)] if world else [])])
     if code == 2 and not out.lstrip().startswith("{"):
         return code, out  # a flag the loader refused

@@ -35,7 +35,8 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from mimo_sft.config.loader import config_to_dict, dump_config
+from mimo_sft.config.loader import config_to_dict, dump_config, save_folder
+from mimo_sft.config.recorded import lr_decay_length
 from mimo_sft.config.schema import ExperimentConfig
 from mimo_sft.data.mixture import MixtureOrder, check_resumed_mixture, resumed_interleave
 from mimo_sft.data.streamed import check_resumed_streams
@@ -107,7 +108,7 @@ class Trainer:
         self.cfg = cfg
         self.layout = layout
         self.output_dir = cfg.logging.output_dir
-        self.save_dir = cfg.checkpoint.save or os.path.join(self.output_dir, "checkpoints")
+        self.save_dir = save_folder(cfg)
         self.step = 0
         self.consumed = 0
         self._stop_reason = 0
@@ -244,8 +245,10 @@ class Trainer:
             print(f"mimo-sft: reordering cost weights {cfg.reorder.calibration}", flush=True)
         if cfg.checkpoint.resume_auto:
             print(f"mimo-sft: --load-checkpoint auto: " + (f"resuming from {cfg.checkpoint.load_checkpoint}" if
-                  cfg.checkpoint.load_checkpoint else f"no checkpoint in {cfg.checkpoint.save} yet: starting fresh"),
+                  cfg.checkpoint.load_checkpoint else f"no checkpoint in {self.save_dir} yet: starting fresh"),
                   flush=True)
+        if cfg.checkpoint.recorded:  # what the checkpoint gave where no flag did (config.recorded)
+            print(f"mimo-sft: {cfg.checkpoint.recorded}", flush=True)
         if self.feed.mixture is not None:
             print(f"mimo-sft: data mixture: {self.feed.mixture.rows_text(t.train_iters * t.global_batch_size)}",
                   flush=True)
@@ -311,9 +314,9 @@ class Trainer:
         """Learning rate, zeroed gradients, megatron's schedule over the global batch, optimizer step."""
         t0 = time.perf_counter()
         o = self.cfg.optimizer
-        lr = lr_at(self.step, lr=o.lr, min_lr=o.min_lr, warmup=o.lr_warmup_iters, total=self.cfg.train.train_iters,
-                   style=o.lr_decay_style)
-        apply_schedule(self.ctx.optimizer, self.step, warmup=o.lr_warmup_iters, total=self.cfg.train.train_iters,
+        total = lr_decay_length(self.cfg)  # --lr-decay-iters, a resumed run's recorded one, else --train-iters
+        lr = lr_at(self.step, lr=o.lr, min_lr=o.min_lr, warmup=o.lr_warmup_iters, total=total, style=o.lr_decay_style)
+        apply_schedule(self.ctx.optimizer, self.step, warmup=o.lr_warmup_iters, total=total,
                        style=o.lr_decay_style, weight_decay=o.weight_decay)
         runtime.reset_peak_memory()
         self.ctx.optimizer.zero_grad()
