@@ -78,7 +78,7 @@ class DataConfig:
     dataloader_type: str = opt("single", "--dataloader-type", "'single' reads in order, 'cyclic' reshuffles each epoch", choices=("single", "cyclic"))
     drop_last: bool = opt(True, "--drop-last", "drop the incomplete last global batch of an epoch", negatable=True)
     num_workers: int = opt(-1, "--num-workers", "DataLoader worker processes per rank (-1: from the CPUs each rank of the node may use, no more than /dev/shm holds)")
-    max_bad_samples: int = opt(10, "--max-bad-samples", "samples with unreadable images (corrupt, or a file gone mid-run) that are skipped, counted and named in the log before the run stops (0: stop at the first)")
+    max_bad_samples: int = opt(10, "--max-bad-samples", "samples that cannot be read (an image or clip that is corrupt or gone mid-run, a row that cannot be trained on) that are skipped, counted once over all ranks and named in the log before the run stops (0: stop at the first)")
     on_truncation: str = opt("drop", "--on-truncation", "what to do with a sample whose image tokens do not fit in --seq-length", choices=("drop", "error"))
     valid_dataset_path: Optional[str] = opt(None, "--valid-dataset-path", "validation set: a dataset in the training set's format and schema (same columns and image settings); evaluated in dataset order, never trained on; with several --dataset-path, repeat it once per source for a validation loss per source", repeatable=True)
     valid_dataset_split: str = opt("train", "--valid-dataset-split", "split of --valid-dataset-path to read (a single file is split 'train')")

@@ -50,7 +50,8 @@ class StepMetrics:
     reorder_bytes: float
     #: images decoded this step, summed over every rank (a colocated layout may decode one image on several)
     images_decoded: int
-    #: samples with unreadable images replaced by a stand-in this step (--max-bad-samples), each counted once
+    #: bad samples (an unreadable image or clip, a row that cannot be trained on) first met this step over all ranks
+    #: and replaced by a stand-in (--max-bad-samples; train.bad_samples): each sample counted once in the run
     bad_samples_skipped: int
     #: clip frames decoded this step, summed over every rank, and the loader workers' seconds decoding, resizing
     #: and cutting those samples (worker time, off the training thread when workers run ahead)

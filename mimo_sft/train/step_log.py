@@ -1,7 +1,8 @@
 """What happens after a training step's optimizer step: its collectives, then the metrics rank's record.
 
 Every rank joins the same collectives in the same order, decided from the config alone, so they stay matched:
-peak memory per module, then one world all-reduce that carries the model FLOPs, the feed's counters and, every
+peak memory per module, then one world all-reduce that carries the model FLOPs, the feed's counters, the bad
+samples each rank met first (``train.bad_samples``: then gathered, on a step that has any) and, every
 ``--log-interval`` steps, the straggler report's per-rank block (``train.straggler``); the vision-load and
 expert-load figures; and on the last language pipeline stage the loss and token sums over its DP group.
 """
@@ -28,8 +29,10 @@ def log_step(tr, result) -> None:
     block = tr.straggler.figures(tr.step)
     model_flops, *summed = step_model_flops(
         tr.feed.flops.step_flops, tr.pstate,
-        (c.reorder_bytes, c.images_decoded, c.bad_samples_skipped, c.video_frames_decoded, c.video_decode_s, *block))
-    reorder_bytes, images, bad, frames, video_s = summed[:_COUNTERS]
+        (c.reorder_bytes, c.images_decoded, tr.bad_samples.local_count(), c.video_frames_decoded, c.video_decode_s,
+         *block))
+    reorder_bytes, images, bad_met, frames, video_s = summed[:_COUNTERS]
+    bad = tr.bad_samples.merge(bad_met)  # every rank: the distinct samples, the same refusal past the limit
     load = tr.feed.load_stats
     before, after = load.step_figures() if load is not None else (None, None)
     moe = tr.expert_load.step_figures(tr.pstate.world_gloo) if tr.expert_load is not None else {}

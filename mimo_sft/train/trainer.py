@@ -47,6 +47,7 @@ from mimo_sft.parallel.bootstrap import start_world
 from mimo_sft.parallel.groups import ParallelState
 from mimo_sft.parallel.layout import LANGUAGE, Layout
 from mimo_sft.progress import PROGRESS
+from mimo_sft.train.bad_samples import BadSampleTally
 from mimo_sft.train.checkpoint.save import restore, save_checkpoint, save_gradients
 from mimo_sft.train.checkpoint.files import BEST, latest_name, mark_best, read_meta, resolve_checkpoint
 from mimo_sft.train.checkpoint.write import PendingSaves
@@ -91,6 +92,7 @@ class Trainer:
     step: int
     consumed: int
     feed: Feed
+    bad_samples: BadSampleTally  # --max-bad-samples over every rank (distinct samples)
     runner: StepRunner
     logger: MetricsLogger
     answers: AnswerTally
@@ -181,6 +183,8 @@ class Trainer:
             ckpt = resolve_checkpoint(cfg.checkpoint.load_checkpoint)
             check_resumed_mixture(meta.get("mixture"), self.feed.mixture, checkpoint=ckpt)
             check_resumed_streams(meta.get("streams"), self.feed.stream_position(self.consumed), checkpoint=ckpt)
+        self.bad_samples = BadSampleTally(self.feed.source, limit=cfg.data.max_bad_samples,
+                                          group=self.pstate.world_gloo, announce=self.ctx.is_metrics_rank)
         self.runner = StepRunner(model=self.ctx.model, modules=self.ctx.modules, pstate=self.pstate, layout=layout,
                                  feed=self.feed, modality_inputs_fn=self.ctx.info.modality_inputs,
                                  seq_length=cfg.data.seq_length, local_mbs=cfg.train.micro_batch_size // layout.language.dp,
