@@ -277,14 +277,15 @@ def check_data(ctx: typer.Context) -> None:
 @app.command()
 def summarize(
     run: str = typer.Argument(..., help="a run folder (the finetune's --output-dir)"),
-    png: Optional[str] = typer.Option(None, "--png", help="where to write the plot of the ranks' work per step "
-                                      "(default: RUN/rank_spread.png)"),
+    png: bool = typer.Option(False, "--png", help="also write the plot of the ranks' work per step to "
+                             "RUN/rank_spread.png"),
+    png_path: Optional[str] = typer.Option(None, "--png-path", help="write the plot here instead (implies --png)"),
 ) -> None:
-    """A run's metrics.jsonl in a few lines, a per-rank table of where the time went, and a plot of its spread."""
+    """A run's metrics.jsonl in a few lines, a per-rank table of where the time went, and (--png) a plot of its spread."""
     from mimo_sft.summary import summarize as run_summary
 
     try:
-        lines = run_summary(run, png)
+        lines = run_summary(run, png_path or ("" if png else None))
     except UserError as e:
         _fail(e)
     print("\n".join(lines))

@@ -66,6 +66,8 @@ class StepMetrics:
     mfu: Optional[float]
     update_ok: bool
     consumed_samples: int
+    #: ranks of the layout that ran this step (a run resumed on another layout changes it: ``mimo-sft summarize``)
+    world_size: int
     #: samples of this step whose supervised answer was cut at --seq-length
     truncated_samples: int = 0
     #: samples of this step with an assistant turn that has no text (trained on the end-of-turn token alone)

@@ -71,7 +71,7 @@ def log_step(tr, result) -> None:
         video_frames_decoded=int(frames), video_decode_s=float(video_s),
         peak_memory_bytes=max(peaks.values()), peak_memory_bytes_by_module=peaks,
         model_flops=model_flops, model_tflops_per_gpu=tflops, mfu=mfu,
-        update_ok=result.update_ok, consumed_samples=tr.consumed,
+        update_ok=result.update_ok, consumed_samples=tr.consumed, world_size=tr.layout.world_size,
         truncated_samples=int(t[5]), empty_answers=int(t[6]), moe=moe,
         gpus={**(load.gpu_figures() if load is not None else {}), **balanced}, sources=source_figures(tr, t[7:]),
         ranks=ranks))
