@@ -281,7 +281,7 @@ def summarize(
                              "RUN/rank_spread.png"),
     png_path: Optional[str] = typer.Option(None, "--png-path", help="write the plot here instead (implies --png)"),
 ) -> None:
-    """A run's metrics.jsonl in a few lines, a per-rank table of where the time went, and (--png) a plot of its spread."""
+    """A run's metrics.jsonl in a few lines, a per-rank table of where the time went, (--png) a plot of its spread."""
     from mimo_sft.summary import summarize as run_summary
 
     try:

@@ -175,7 +175,8 @@ def summarize(run: str, png: str | None = None) -> list[str]:
     if logged:
         lines += rank_table(logged)
         if png is None:
-            lines.append(f"plot of the spread of work per step: add --png (writes {os.path.join(run, 'rank_spread.png')})")
+            default = os.path.join(run, "rank_spread.png")
+            lines.append(f"plot of the spread of work per step: add --png (writes {default})")
         else:
             try:
                 path = write_png(logged, png or os.path.join(run, "rank_spread.png"))

@@ -69,7 +69,8 @@ def fixed_size_data(samples: int = 32, *, broken_image: int | None = None, junk_
     for i in range(samples):
         name = sorted(colours)[i % len(colours)]
         path = folder / "img" / f"{i:04d}.png"
-        path.write_bytes(b"not an image" if i == junk_image else _png(56, 56, colours[name], truncate=(i == broken_image)))
+        png = _png(56, 56, colours[name], truncate=(i == broken_image))
+        path.write_bytes(b"not an image" if i == junk_image else png)
         rows.append({"messages": [
             {"role": "user", "content": [{"type": "image", "text": None}, {"type": "text", "text": "Which colour?"}]},
             {"role": "assistant", "content": [{"type": "text", "text": f"It is {name}."}]}],

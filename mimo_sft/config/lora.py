@@ -142,8 +142,8 @@ def recorded_lora_problems(saved: Optional[dict], m, *, path: str, resume: bool)
                 f"(`mimo-sft export --checkpoint {path} --out DIR`) and give DIR as --hf-model"]
     if saved and spec is not None:
         mine = spec.to_dict()
-        differ = [(name, mine[k], saved[k]) for k, name in (("rank", "--lora-rank"), ("alpha", "--lora-alpha"),
-                                                             ("targets", "--lora-target-modules")) if saved[k] != mine[k]]
+        keys = (("rank", "--lora-rank"), ("alpha", "--lora-alpha"), ("targets", "--lora-target-modules"))
+        differ = [(name, mine[k], saved[k]) for k, name in keys if saved[k] != mine[k]]
         out = [f"{name} {_shown(now)} differs from the checkpoint's {_shown(was)} ({path}): its adapters load only "
                f"with its LoRA settings; drop {name} to take the checkpoint's" for name, now, was in differ]
         if resume:

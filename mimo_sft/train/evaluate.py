@@ -222,7 +222,8 @@ def _taken_line(cfg, default_layout: list[str]) -> str:
     said = [cfg.checkpoint.recorded] if cfg.checkpoint.recorded else []
     if default_layout:
         n = int(default_layout[0].rsplit("=", 1)[1])
-        said.append(f"{'one process' if n == 1 else f'{n} processes'} ({' '.join(default_layout)}; no --component given)")
+        processes = "one process" if n == 1 else f"{n} processes"
+        said.append(f"{processes} ({' '.join(default_layout)}; no --component given)")
     return "; ".join(said)
 
 

@@ -1,4 +1,5 @@
-"""Checks 20 and 29: LoRA flags (and a starting checkpoint's LoRA settings they must agree with), per-module learning rates, weight decay and experiment trackers."""
+"""Checks 20 and 29: LoRA flags (and a starting checkpoint's LoRA settings they must agree with), per-module
+learning rates, weight decay and experiment trackers."""
 
 from __future__ import annotations
 
