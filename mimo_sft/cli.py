@@ -192,6 +192,7 @@ def export(
                                  shard_size=shard_size)
     except UserError as e:
         _fail(e)
+    _say_lora("export", checkpoint)
     make_console().print(f"wrote {'PEFT adapter' if adapter_only else 'Hugging Face checkpoint'} to {path}")
 
 
@@ -223,7 +224,18 @@ def generate(
                          image_root=image_root, prefer="cpu" if cpu else "auto")
     except UserError as e:
         _fail(e)
+    _say_lora("generate", target)
     make_console().print(f"wrote {n} answer{'s' if n != 1 else ''} to {out}")
+
+
+def _say_lora(command: str, path: str) -> None:
+    """One line when ``path`` is a LoRA checkpoint: export and generate take its LoRA settings (they have no flags)."""
+    from mimo_sft.config.checks.checkpoint import find_meta
+    from mimo_sft.config.lora import describe_lora
+
+    lora = (find_meta(path) or {}).get("lora") if os.path.isdir(path) else None
+    if lora:
+        print(f"mimo-sft {command}: LoRA settings from the checkpoint: {describe_lora(lora)}")
 
 
 checkpoint_app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -277,14 +289,15 @@ def check_data(ctx: typer.Context) -> None:
 @app.command()
 def summarize(
     run: str = typer.Argument(..., help="a run folder (the finetune's --output-dir)"),
-    png: Optional[str] = typer.Option(None, "--png", help="where to write the plot of the ranks' work per step "
-                                      "(default: RUN/rank_spread.png)"),
+    png: bool = typer.Option(False, "--png", help="also write the plot of the ranks' work per step to "
+                             "RUN/rank_spread.png"),
+    png_path: Optional[str] = typer.Option(None, "--png-path", help="write the plot here instead (implies --png)"),
 ) -> None:
-    """A run's metrics.jsonl in a few lines, a per-rank table of where the time went, and a plot of its spread."""
+    """A run's metrics.jsonl in a few lines, a per-rank table of where the time went, (--png) a plot of its spread."""
     from mimo_sft.summary import summarize as run_summary
 
     try:
-        lines = run_summary(run, png)
+        lines = run_summary(run, png_path or ("" if png else None))
     except UserError as e:
         _fail(e)
     print("\n".join(lines))

@@ -5,7 +5,11 @@ validation. Then, for a run of several ranks, the straggler report's per-rank fi
 logged every ``--log-interval`` steps) as a table: each rank's mean step time, its work (the step time less its
 waits on other ranks), its waits, the phase it spends most in, and how often it was the slowest rank. A PNG of
 the spread of work per step over the run (the band from the least to the most busy rank, the median, the step
-time, and the rank most often slowest) is written to ``RUN/rank_spread.png`` (``--png PATH``).
+time, and the rank most often slowest) is written with ``--png`` (to ``RUN/rank_spread.png``, or ``--png-path``).
+
+A run resumed on another layout has steps of each (``world_size`` in each row; rows logged before that key by
+their per-rank figures): the loss and validation lines cover every step, the speed, memory and per-rank figures
+only the last layout's steps, and a line says where the layout changed.
 
 Reads only the files; imports no torch.
 """
@@ -35,8 +39,30 @@ def read_rows(run: str) -> list[dict]:
     return rows
 
 
-def course_lines(run: str, rows: list[dict]) -> list[str]:
-    """The run's course: loss, vision load, speed, memory, validation."""
+def layout_spans(steps: list[dict]) -> list[tuple[int, int, int | None]]:
+    """``(first step, last step, ranks)`` of each run of consecutive training rows on one layout: ``world_size``,
+    else the number of per-rank figures; a row with neither (an older run's step between log steps) continues the
+    span before it."""
+    spans: list[list] = []
+    for r in steps:
+        ranks = r.get("world_size") or (len(r["rank_work_s"]) if "rank_work_s" in r else None)
+        if spans and (ranks is None or spans[-1][2] in (None, ranks)):
+            spans[-1][1] = r["step"]
+            spans[-1][2] = spans[-1][2] or ranks
+        else:
+            spans.append([r["step"], r["step"], ranks])
+    return [tuple(s) for s in spans]
+
+
+def _span_text(span) -> str:
+    first, last, ranks = span
+    where = "an unknown layout" if ranks is None else f"{ranks} rank{'s' if ranks != 1 else ''}"
+    return f"step{'s' if last != first else ''} {first}{f'-{last}' if last != first else ''} on {where}"
+
+
+def course_lines(run: str, rows: list[dict], since_step: int = 0) -> list[str]:
+    """The run's course: loss, vision load, speed, memory, validation; the speed and memory of steps from
+    ``since_step`` on (the last layout's)."""
     evaluations = [r for r in rows if "valid_loss" in r]
     rows = [r for r in rows if "loss" in r]  # training steps (evaluations have their own rows)
     if not rows:
@@ -46,6 +72,7 @@ def course_lines(run: str, rows: list[dict]) -> list[str]:
     last = sum(r["loss"] for r in rows[-k:]) / k
     out = [f"steps: {len(rows)}   loss: {first:.3f} (mean of first {k}) -> {last:.3f} (mean of last {k})"
            f"   {'falling' if last < first else 'NOT falling'}"]
+    rows = [r for r in rows if r["step"] >= since_step]
     before = [v for r in rows if (v := r.get("vision_load_max_over_mean_before")) is not None]
     after = [v for r in rows if (v := r.get("vision_load_max_over_mean_after")) is not None]
     if before:
@@ -135,17 +162,27 @@ def write_png(logged: list[dict], path: str) -> str:
 
 
 def summarize(run: str, png: str | None = None) -> list[str]:
-    """Every line ``mimo-sft summarize`` prints; writes the PNG where there are per-rank figures."""
+    """Every line ``mimo-sft summarize`` prints; with ``png`` (a path; ``""``: ``RUN/rank_spread.png``) it writes
+    the plot where there are per-rank figures."""
     rows = read_rows(run)
-    lines = course_lines(run, rows)
-    logged = rank_rows(rows)
+    spans = layout_spans([r for r in rows if "loss" in r])
+    since = spans[-1][0] if spans else 0
+    lines = course_lines(run, rows, since_step=since)
+    if len(spans) > 1:
+        lines.insert(1, f"the layout changed: {', '.join(_span_text(s) for s in spans)}; speed, memory and per-rank "
+                        f"figures below are of {_span_text(spans[-1])}")
+    logged = [r for r in rank_rows(rows) if r["step"] >= since]
     if logged:
         lines += rank_table(logged)
-        path = png or os.path.join(run, "rank_spread.png")
-        try:
-            lines.append(f"spread of work per step over the run: {write_png(logged, path)}")
-        except ImportError:
-            lines.append("no plot: matplotlib is not installed (pip install matplotlib)")
+        if png is None:
+            default = os.path.join(run, "rank_spread.png")
+            lines.append(f"plot of the spread of work per step: add --png (writes {default})")
+        else:
+            try:
+                path = write_png(logged, png or os.path.join(run, "rank_spread.png"))
+                lines.append(f"spread of work per step over the run: {path}")
+            except ImportError:
+                lines.append("no plot: matplotlib is not installed (pip install matplotlib)")
     else:
         lines.append("no per-rank figures (a run of one rank, or logged before the straggler report)")
     lines.append(f"metrics: {os.path.join(run, 'metrics.jsonl')}; checkpoints: {os.path.join(run, 'checkpoints')}")

@@ -61,7 +61,7 @@ def test_stand_ins_keep_ranks_in_step(dataset, tiny_ckpt):
 
 def test_over_the_limit_names_samples_and_files(dataset, tiny_ckpt):
     it = _iter(dataset, tiny_ckpt, need_pixels=True, max_bad=1, num_workers=1)
-    with pytest.raises(UserError, match=r"2 samples have unreadable images, more than --max-bad-samples 1: "
+    with pytest.raises(UserError, match=r"2 samples could not be read, more than --max-bad-samples 1: "
                                         r"samples 1 \(.*junk.png\); 2 \(.*cut.png\)") as err:
         next(it)
     assert "\n" not in str(err.value)
@@ -117,21 +117,24 @@ def test_streamed_check_matches_whole_column_and_caches(tmp_path, monkeypatch):
 @pytest.mark.e2e
 @pytest.mark.xdist_group("dist")
 def test_a_corrupt_image_is_skipped_in_a_4_rank_run():
-    """Sample 5's pixels do not decode (only the encoder ranks see it): the run finishes, the step
-    that holds it counts it once, and the log names it; no rank hangs (the same run with
-    ``--max-bad-samples 0`` stops with one line: test_train_e2e's failing-rank test)."""
+    """Sample 5's pixels do not decode (only the encoder rank that decodes it sees it) and sample 6's file is
+    not an image (the language rank and the encoder rank that read it both see it): the run finishes, the step
+    that holds them counts 2, and the log names each once with the run's count; no rank hangs (the same run
+    with ``--max-bad-samples 0`` stops with one line: test_train_e2e's failing-rank test)."""
     from train_helpers import fixed_size_data, metrics, new_dir, tiny_model, torchrun
 
     out = new_dir("bad_sample_skipped")
-    proc = torchrun(4, ["--hf-model", tiny_model(), "--dataset-path", fixed_size_data(16, broken_image=5),
+    proc = torchrun(4, ["--hf-model", tiny_model(), "--dataset-path", fixed_size_data(16, broken_image=5, junk_image=6),
                         "--seq-length", "128", "--micro-batch-size", "4", "--global-batch-size", "4",
                         "--train-iters", "2", "--component", "language=dp=2", "--component",
                         "images=dp=2,rank_offset=2", "--scalable-dp", "--intra-microbatch-reorder",
                         "--num-workers", "0", "--no-tensorboard", "--output-dir", out], timeout=240)
     m = metrics(out)
-    assert [r["bad_samples_skipped"] for r in m] == [0, 1], m
-    assert [r["images_decoded"] for r in m] == [4, 3]  # the blank stand-in is not a decode
-    assert "skipped bad sample 5" in proc.stderr and "0005.png" in proc.stderr
+    assert [r["bad_samples_skipped"] for r in m] == [0, 2], m
+    assert [r["images_decoded"] for r in m] == [4, 2]  # the blank and text-only stand-ins are not decodes
+    said = [ln for ln in proc.stderr.splitlines() if "skipped bad sample" in ln]
+    assert len(said) == 2 and "skipped bad sample 5 (" in said[0] and "0005.png" in said[0], proc.stderr[-3000:]
+    assert "skipped bad sample 6 (" in said[1] and said[1].endswith("; 2 skipped so far (--max-bad-samples 10)")
 
 
 def test_worker_defaults_and_the_shm_warning():
@@ -146,3 +149,79 @@ def test_worker_defaults_and_the_shm_warning():
     line = shm_warning(4, micro_batch_bytes=mb, local_ranks=8, free_bytes=64 * 2**20)  # a container's default
     assert line.startswith("/dev/shm has 64 MiB free") and "384 MiB" in line and "--shm-size=1g" in line
     assert "\n" not in line and shm_warning(0, micro_batch_bytes=mb, free_bytes=0) is None
+
+
+def test_a_bad_row_is_numbered_as_check_data_numbers_it(tmp_path, tiny_ckpt):
+    """Issue 55 item 8: a mixture's second source has a row that names no clip; with --max-bad-samples 0 training
+    refuses it by the mixture's index and its file's row, the line check-data prints for it."""
+    from mimo_sft.config.loader import load_config
+    from mimo_sft.data.check import SampleProblem, check_dataset
+    from mimo_sft.data.loader import build_microbatch_iterator
+
+    (tmp_path / "imgs").mkdir()
+    Image.new("RGB", (56, 56), (200, 30, 30)).save(tmp_path / "imgs" / "a.png")
+    rows = _rows(["a"] * 4)
+    (tmp_path / "first.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    rows[1] = {"messages": [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "And?"}]},
+                            {"role": "assistant", "content": [{"type": "text", "text": "A clip."}]}]}
+    (tmp_path / "second.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    cfg = load_config(["--dataset-path", str(tmp_path / "first.jsonl"), "--dataset-path", str(tmp_path / "second.jsonl"),
+                       "--seq-length", "256", "--max-bad-samples", "0"]).data
+    (problem,) = check_dataset(cfg, model_dir=tiny_ckpt, workers=0)["problems"]
+    listed = str(SampleProblem(**problem))
+    assert listed.startswith(f"sample 5 ({tmp_path / 'second.jsonl'}, row 1): "), listed
+    it = build_microbatch_iterator(cfg, model_dir=tiny_ckpt, micro_batch_size=8, canonical_grid=1, dp_size=1,
+                                   dp_rank=0, need_pixels=True, seed=0, num_workers=0)
+    with pytest.raises(UserError) as err:
+        next(it)
+    assert str(err.value) == listed
+
+
+def count_over_ranks(rank: int, world: int, path: str, ckpt: str, scalable: bool, limit: int) -> dict:
+    """One gloo rank: its shard of the first micro-batch of ``path`` (rows a, junk, cut, b), its decoding iterator
+    handed to the run's tally, and the step's all-reduce of what it met first, as ``train.step_log`` does."""
+    import logging
+
+    import torch.distributed as dist
+
+    from mimo_sft.data.loader import build_microbatch_iterator
+    from mimo_sft.train.bad_samples import BadSampleTally
+
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logging.getLogger("mimo_sft.data").addHandler(handler)
+    cfg = DataConfig(dataset_path=path, seq_length=256, max_bad_samples=limit)
+    it = build_microbatch_iterator(cfg, model_dir=ckpt, micro_batch_size=4, canonical_grid=world, dp_size=world,
+                                   dp_rank=rank, need_pixels=True, seed=0, num_workers=0, scalable_dp=scalable)
+    tally = BadSampleTally(it, limit=limit, group=None, announce=rank == 0)
+    next(it)
+    met = sorted(it.bad_samples)
+    total = torch.tensor([tally.local_count()], dtype=torch.float64)
+    dist.all_reduce(total)
+    try:
+        new, refused = tally.merge(float(total)), None
+    except UserError as err:
+        new, refused = None, str(err)
+    return {"met": met, "new": new, "seen": sorted(tally.seen), "refused": refused, "lines": lines}
+
+
+@pytest.mark.distributed
+def test_bad_samples_are_counted_once_over_all_ranks(dataset, tiny_ckpt):
+    """Issue 55 item 6, on two gloo ranks: each meets a different bad sample (its shard), or both meet sample 1
+    (the micro-batch read whole); either way the run counts 2 distinct samples, says each once with the run's count,
+    and past --max-bad-samples 1 every rank refuses in the same line -- which no rank alone would have reached."""
+    from dist_utils import run_distributed
+
+    split = run_distributed(count_over_ranks, 2, str(dataset), tiny_ckpt, True, 10)
+    assert [r["met"] for r in split] == [[1], [2]]  # a different sample on each rank: "1 skipped so far" on both before
+    assert [r["new"] for r in split] == [2, 2] and all(r["seen"] == [1, 2] for r in split)
+    said = split[0]["lines"]
+    assert len(said) == 2 and said[0].startswith("skipped bad sample 1 (") and said[1].startswith("skipped bad sample 2 (")
+    assert said[1].endswith("; 2 skipped so far (--max-bad-samples 10)") and split[1]["lines"] == []
+    whole = run_distributed(count_over_ranks, 2, str(dataset), tiny_ckpt, False, 10)
+    # read whole, both ranks meet sample 1 (its file does not open; sample 2's pixels are decoded on rank 1 only)
+    assert [r["met"] for r in whole] == [[1], [1, 2]] and [r["new"] for r in whole] == [2, 2]  # sample 1 once
+    refused = run_distributed(count_over_ranks, 2, str(dataset), tiny_ckpt, True, 1)
+    assert refused[0]["refused"] == refused[1]["refused"] and refused[0]["refused"].startswith(
+        "2 samples could not be read, more than --max-bad-samples 1: samples 1 (")

@@ -164,7 +164,7 @@ def test_packing_needs_the_sdpa_core_and_composes_with_everything_else():
 def test_data_scale_settings_are_check_25():
     probs, res = problems(GOOD + ["--max-bad-samples", "-1", "--num-workers", "-2"])
     assert probs == ["[25] --num-workers=-2 must be >= 0, or -1 to pick from the CPUs of each rank",
-                     "[25] --max-bad-samples=-1 must be >= 0 (0: stop at the first unreadable image)"]
+                     "[25] --max-bad-samples=-1 must be >= 0 (0: stop at the first bad sample)"]
     assert not any(n.check == 25 for n in res.notes)  # index mode (the default) moves no bytes: nothing to note
     probs, res = problems(GOOD + ["--reorder-mode", "exchange"])
     assert probs == [] and [n.check for n in res.notes if "exchange" in n.message] == [25]

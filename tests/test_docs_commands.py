@@ -16,8 +16,9 @@ How each runs, on the CPU, in this process (Typer's runner), in a fresh working 
   (``train.elastic.split_launch_flags``: its refusals are the launcher's), and the rest through ``mimo-sft
   validate --world-size N`` -- the same config checks the launcher runs before it starts N workers. Without a
   launcher (no ``--nproc-per-node``, no torchrun) the run's own refusal follows
-  (``parallel.bootstrap.require_launcher``). ``evaluate``'s first argument (a checkpoint) becomes
-  ``--pretrained-checkpoint``, as ``train.evaluate.evaluate_command`` does.
+  (``parallel.bootstrap.require_launcher``); a one-process ``evaluate`` passes with its checks. ``evaluate``'s
+  arguments are what its ranks check (``train.evaluate.evaluate_args``: the checkpoint as
+  ``--pretrained-checkpoint``, its base model, one process without ``--component``).
 * every other command (``validate``, ``plan``, ``check-data``, ``check-model``, ``checkpoint info``, ``export``,
   ``generate``, ``--help``) runs as written.
 
@@ -246,6 +247,7 @@ def _run_meta(args: list[str], step: int) -> dict:
     from mimo_sft.config.checks.checkpoint import data_order_meta, resolved_path
     from mimo_sft.config.loader import load_config
     from mimo_sft.config.lora import distributed_optimizer_in_use
+    from mimo_sft.config.recorded import schedule_meta
     from mimo_sft.train.checkpoint.lora import lora_meta
     from mimo_sft.train.checkpoint.model import layout_signature
     from mimo_sft.train.checkpoint.optimizer import save_format
@@ -259,7 +261,7 @@ def _run_meta(args: list[str], step: int) -> dict:
             "world_size": result.layout.world_size, "layout": layout_signature(result.layout),
             "hf_model": resolved_path(cfg.model.hf_model), "use_distributed_optimizer": distributed_optimizer_in_use(cfg),
             "dtype": cfg.model.dtype, **({"distributed_optimizer_format": fmt} if fmt else {}),
-            **lora_meta(cfg.model), **data_order_meta(cfg)}
+            **lora_meta(cfg.model), **data_order_meta(cfg), **schedule_meta(cfg)}
 
 
 def _checkpoints(root: Path, tiny: Path, data: Path) -> dict[str, Path]:
@@ -301,7 +303,8 @@ def _run_with_phases(folder: Path) -> Path:
                 row[1 + PHASES.index(phase)] = 0.01 + 2e-5 * load
                 row[1 + len(PHASES):] = [0.0, load] if rank < 2 else [load, 0.0]
                 block += row
-            fh.write(json.dumps({"step": step, **report.analyse(step, block)}) + "\n")
+            fh.write(json.dumps({"step": step, "loss": 7.0 - step / 10, "step_time_s": 0.2, "tokens_per_s": 900.0,
+                                 "world_size": 4, **report.analyse(step, block)}) + "\n")
     return folder
 
 
@@ -363,19 +366,6 @@ def _invoke(args: list[str]) -> tuple[int, str]:
     return res.exit_code, res.output
 
 
-def _evaluate_args(args: list[str]) -> list[str]:
-    """``mimo-sft evaluate``'s arguments as its ranks check them (``train.evaluate.evaluate_command``)."""
-    from mimo_sft.train.checkpoint.files import read_meta, resolve_checkpoint
-
-    args = [a for a in args if a != "--json"]
-    if args and not args[0].startswith("-"):
-        args = ["--pretrained-checkpoint", *args]
-    args = ["--pretrained-checkpoint" if a in ("--checkpoint", "--load-checkpoint") else a for a in args]
-    if "--pretrained-checkpoint" in args and "--hf-model" not in args:
-        args += ["--hf-model", read_meta(resolve_checkpoint(args[args.index("--pretrained-checkpoint") + 1]))["hf_model"]]
-    return args
-
-
 def _launch_check(cmd: DocCommand, args: list[str]) -> tuple[int, str]:
     """What ``finetune`` / ``evaluate`` decide before they start a worker: the launcher's flags, then every check
     for the world it would start (validate), then -- without a launcher -- the run's own refusal."""
@@ -390,8 +380,10 @@ def _launch_check(cmd: DocCommand, args: list[str]) -> tuple[int, str]:
     except UserError as e:
         return 2, f"error: {e}"
     world = opts.world_size if opts else cmd.torchrun_world
-    if cmd.args[0] == "evaluate":
-        rest = _evaluate_args(rest)
+    if cmd.args[0] == "evaluate":  # as its ranks check them
+        from mimo_sft.train.evaluate import evaluate_args
+
+        rest, _ = evaluate_args(rest, world or 1)
     code, out = _invoke(["validate", "--json", *rest, *(["--world-size", str(world)] if world else [])])
     if code == 2 and not out.lstrip().startswith("{"):
         return code, out  # a flag the loader refused
@@ -403,6 +395,8 @@ def _launch_check(cmd: DocCommand, args: list[str]) -> tuple[int, str]:
             require_launcher(verdict["world_size"])
         except UserError as e:
             return 2, f"error: {e}"
+        if cmd.args[0] == "evaluate":  # one process, no launcher: what it checks before it loads the weights
+            return 0, out
         raise AssertionError(f"{cmd.where}: a {cmd.args[0]} of one rank without a launcher would train here")
     return 0, out
 

@@ -81,18 +81,18 @@ def test_which_checkpoints_a_run_may_start_from():
             "freeze_projector": False, "freeze_language": False}
     meta = {"lora": lora, "hf_model": "/base"}
     same = model(lora_rank=4, lora_alpha=8, lora_target_modules="linear_qkv")
-    check_lora_compatible(meta, same, flag="--load-checkpoint", path="ck", resume=True)
-    check_lora_compatible({}, same, flag="--pretrained-checkpoint", path="ck", resume=False)  # LoRA on a full FT
-    with pytest.raises(UserError, match="is a LoRA checkpoint .*mimo-sft export --checkpoint ck"):
-        check_lora_compatible(meta, model(), flag="--pretrained-checkpoint", path="ck", resume=False)
-    with pytest.raises(UserError, match="--lora-rank 8 .* use the checkpoint's LoRA settings"):
-        check_lora_compatible(meta, model(lora_rank=8, lora_target_modules="linear_qkv"), flag="--load-checkpoint",
-                              path="ck", resume=True)
+    check_lora_compatible(meta, same, path="ck", resume=True)
+    check_lora_compatible({}, same, path="ck", resume=False)  # LoRA on a full FT
+    with pytest.raises(UserError, match="--lora-rank 0 but the checkpoint ck is a LoRA checkpoint .*drop --lora-rank "
+                                        ".*mimo-sft export --checkpoint ck"):
+        check_lora_compatible(meta, model(), path="ck", resume=False)
+    with pytest.raises(UserError, match="^--lora-rank 8 differs from the checkpoint's 4 .*drop --lora-rank"):
+        check_lora_compatible(meta, model(lora_rank=8, lora_target_modules="linear_qkv"), path="ck", resume=True)
     with pytest.raises(UserError, match="full fine-tuning checkpoint; resume it without --lora-rank"):
-        check_lora_compatible({}, same, flag="--load-checkpoint", path="ck", resume=True)
-    with pytest.raises(UserError, match="--freeze-vision=False; resume with the same freeze flags"):
+        check_lora_compatible({}, same, path="ck", resume=True)
+    with pytest.raises(UserError, match="--freeze-vision=True differs from the checkpoint's --freeze-vision=False"):
         check_lora_compatible(meta, model(lora_rank=4, lora_alpha=8, lora_target_modules="linear_qkv",
-                                          freeze_vision="true"), flag="--load-checkpoint", path="ck", resume=True)
+                                          freeze_vision="true"), path="ck", resume=True)
 
 
 def _tiny():

@@ -136,9 +136,13 @@ def test_checkpoint_holds_adapters_and_resume_is_bit_exact(reference):
     assert tensors["language_model.decoder.layers.self_attention.linear_qkv.lora_a"].shape[:2] == (2, 4)
     resumed = new_dir("lora_resumed")
     export_dir = resumed + "/hf"
-    torchrun(1, ["--hf-model", tiny_model(), "--dataset-path", demo_data(), "--output-dir", resumed, *BASE,
-                 "--train-iters", "4", "--component", "language=dp=1", "--component", "images=dp=1",
-                 "--load-checkpoint", ck, "--export-hf", export_dir])
+    # resumed without the LoRA flags: the checkpoint's settings are taken and said (issue 55 item 4)
+    assert BASE[-6:] == ["--lora-rank", "4", "--lora-alpha", "8", "--lora-target-modules", TARGETS]
+    proc = torchrun(1, ["--hf-model", tiny_model(), "--dataset-path", demo_data(), "--output-dir", resumed,
+                        *BASE[:-6], "--train-iters", "4", "--component", "language=dp=1", "--component",
+                        "images=dp=1", "--load-checkpoint", ck, "--export-hf", export_dir])
+    assert (f"mimo-sft: LoRA settings from the checkpoint: --lora-rank 4 --lora-alpha 8 --lora-dropout 0 "
+            f"--lora-target-modules {TARGETS}\n") in proc.stdout, proc.stdout
     a = {m["step"]: m for m in metrics(reference)}
     b = {m["step"]: m for m in metrics(resumed)}
     assert sorted(b) == [3, 4]

@@ -89,9 +89,9 @@ RESUME = ["--seq-length", "192", "--micro-batch-size", "4", "--global-batch-size
 EP2 = ["language=dp=2,ep=2", "images=dp=1,rank_offset=2"]
 
 
-def _resume_run(name, nproc, components, load=None):
-    return finetune(name, nproc, [*RESUME, *(["--load-checkpoint", load] if load else [])], components=components,
-                    model=tiny_moe(), data=bridge_corner_data())
+def _resume_run(name, nproc, components, load=None, extra=()):
+    return finetune(name, nproc, [*RESUME, *(["--load-checkpoint", load] if load else []), *extra],
+                    components=components, model=tiny_moe(), data=bridge_corner_data())
 
 
 @pytest.fixture(scope="module")
@@ -101,12 +101,19 @@ def continuous():
 
 def test_resume_with_ep_is_bit_exact(continuous):
     """Resumed at step 2 on the same ep 2 layout: steps 3-4 repeat the continuous run bit for bit, and the
-    final weights and sharded Adam state (each rank's experts) equal the continuous run's."""
-    resumed, proc = _resume_run("moe_resumed", 3, EP2, load=continuous + "/checkpoints/iter_0000002")
+    final weights and sharded Adam state (each rank's experts) equal the continuous run's. Resumed with
+    --train-iters 6, it keeps the checkpoint's cosine schedule (warm-up 1, decay over 4 steps: steps 3-4 at the
+    continuous run's learning rates) and steps 5-6 stay at --min-lr (issue 55 item 5)."""
+    resumed, proc = _resume_run("moe_resumed", 3, EP2, load=continuous + "/checkpoints/iter_0000002",
+                                extra=["--train-iters", "6"])
     a = {m["step"]: m for m in metrics(continuous)}
     b = {m["step"]: m for m in metrics(resumed)}
-    assert sorted(b) == [3, 4]
-    assert all(b[s]["loss"] == a[s]["loss"] and b[s]["grad_norm"] == a[s]["grad_norm"] for s in b), (a, b)
+    assert sorted(b) == [3, 4, 5, 6]
+    assert all(b[s]["loss"] == a[s]["loss"] and b[s]["grad_norm"] == a[s]["grad_norm"] and b[s]["lr"] == a[s]["lr"]
+               for s in (3, 4)), (a, b)
+    assert b[5]["lr"] == b[6]["lr"] == 0.0 < b[4]["lr"]
+    assert ("mimo-sft: LR schedule from the checkpoint: warm-up 1, decay over 4 steps; steps 5-6 stay at --min-lr 0 "
+            "(--lr-decay-iters 6 re-stretches it)") in proc.stdout, proc.stdout
     assert RELAYOUT_NOTICE not in proc.stdout
     for read in (checkpoint_tensors, optimizer_tensors):
         end_a, end_b = read(continuous + "/checkpoints/iter_0000004"), read(resumed + "/checkpoints/iter_0000004")

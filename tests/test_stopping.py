@@ -113,3 +113,10 @@ def test_stop_policy_rules():
     assert not StopPolicy(signal_handler=False, exit_interval=None, exit_duration_mins=None).active
     cmd = resume_command("/ck", 4, ["finetune", "--lr", "1e-5", "--load-checkpoint", "/old", "--output-dir", "a b"])
     assert cmd == "torchrun --nproc-per-node 4 -m mimo_sft finetune --lr 1e-5 --output-dir 'a b' --load-checkpoint /ck"
+    # started by `mimo-sft finetune --nproc-per-node 2 --max-restarts 1`: the same launcher again (its workers' argv)
+    from mimo_sft.train.elastic import LaunchOptions
+
+    flags = " ".join(LaunchOptions(nproc_per_node=2, max_restarts=1).flags())
+    assert flags == "--nproc-per-node 2 --max-restarts 1"
+    cmd = resume_command("/ck", 2, ["finetune", "--lr", "1e-5", "--load-checkpoint", "/old"], launch_flags=flags)
+    assert cmd == "mimo-sft finetune --nproc-per-node 2 --max-restarts 1 --lr 1e-5 --load-checkpoint /ck"

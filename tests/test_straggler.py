@@ -136,18 +136,52 @@ def test_summarize_prints_the_per_rank_table_and_writes_the_plot(tmp_path):
     assert table[2].split() == ["2", "1.000", "0.900", "0.100", "data", "wait", "0.700", "6/6"], table
     assert table[0].split()[-1] == "0/6"
     png = tmp_path / "rank_spread.png"
-    assert f"spread of work per step over the run: {png}" in lines and png.read_bytes()[:4] == b"\x89PNG"
+    assert not png.exists() and f"plot of the spread of work per step: add --png (writes {png})" in lines  # asked only
+    assert f"spread of work per step over the run: {png}" in summarize(str(tmp_path), png="")
+    assert png.read_bytes()[:4] == b"\x89PNG"
     def python_m(args):  # the command imports no torch: a fresh interpreter is quick
         return subprocess.run([sys.executable, "-m", "mimo_sft", *args], capture_output=True, text=True, timeout=120)
 
-    proc = python_m(["summarize", str(tmp_path), "--png", str(tmp_path / "spread.png")])
+    proc = python_m(["summarize", str(tmp_path), "--png-path", str(tmp_path / "spread.png")])
     assert proc.returncode == 0 and proc.stdout.splitlines() == [*lines[:-2], f"spread of work per step over the run: "
                                                                  f"{tmp_path / 'spread.png'}", lines[-1]], proc.stderr
+    os.remove(png)
+    proc = python_m(["summarize", str(tmp_path), "--png"])
+    assert proc.returncode == 0 and f"spread of work per step over the run: {png}" in proc.stdout and png.exists()
     os.remove(tmp_path / "metrics.jsonl")
     proc = python_m(["summarize", str(tmp_path)])
     assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
         f"error: {tmp_path / 'metrics.jsonl'} not found: the fine-tune did not log any step (give the run's "
         f"--output-dir)"]
+
+
+def test_summarize_says_where_the_layout_changed_and_keeps_the_layouts_apart(tmp_path):
+    """Issue 55 item 7: steps 1-4 on 2 ranks (per-rank figures every 2 steps), resumed on 1 rank for steps 5-8.
+    The loss covers every step; speed and memory only the last layout's, said in a line; no 2-rank table."""
+    from mimo_sft.summary import summarize
+
+    rows = []
+    for step in range(1, 9):
+        two = step <= 4
+        row = {"step": step, "loss": 2.0 - step / 10, "step_time_s": 1.0 if two else 3.0, "tokens_per_s": 100.0,
+               "peak_memory_bytes_language": (1 if two else 3) * 2**30, "world_size": 2 if two else 1}
+        if two and step % 2 == 0:
+            row.update({"rank_step_s": [1.0, 1.0], "rank_work_s": [0.5, 0.9],
+                        "rank_phase_s": {"optimizer": [0.5, 0.9], "bridge": [0.5, 0.1]}, "slowest_rank": 1})
+        rows.append(row)
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    lines = summarize(str(tmp_path))
+    assert lines[0].startswith("steps: 8   loss: 1.900 (mean of first 1) -> 1.200")
+    assert lines[1] == ("the layout changed: steps 1-4 on 2 ranks, steps 5-8 on 1 rank; speed, memory and per-rank "
+                        "figures below are of steps 5-8 on 1 rank")
+    assert lines[2].startswith("mean step time 3.000 s")  # steps 6-8, not a mean over both layouts
+    assert "language 3.00" in next(ln for ln in lines if ln.startswith("peak memory"))
+    assert "no per-rank figures" in lines[-2]
+    # rows logged before world_size: the per-rank figures still tell 2 ranks from 3; a row without them continues
+    from mimo_sft.summary import layout_spans
+
+    old = [{"step": 1}, {"step": 2, "rank_work_s": [1, 1]}, {"step": 3}, {"step": 4, "rank_work_s": [1, 1, 1]}]
+    assert layout_spans(old) == [(1, 3, 2), (4, 4, 3)]
 
 
 def test_the_peers_median_of_a_large_world_agrees_with_the_plain_definition():

@@ -53,22 +53,24 @@ def _png(w: int, h: int, colour, *, truncate: bool = False) -> bytes:
 
 
 @functools.lru_cache(maxsize=None)
-def fixed_size_data(samples: int = 32, *, broken_image: int | None = None) -> str:
+def fixed_size_data(samples: int = 32, *, broken_image: int | None = None, junk_image: int | None = None) -> str:
     """Single-image samples of one image size.
 
     Images are files referenced by path; ``broken_image`` truncates one file so that its header
-    reads but its pixels do not decode (only ranks that decode pixels fail).
+    reads but its pixels do not decode (only ranks that decode pixels fail); ``junk_image``'s file is not an
+    image at all (every rank that reads the sample's header fails).
     """
     import datasets
 
-    folder = _TMP / f"fixed_{samples}_{broken_image}"
+    folder = _TMP / f"fixed_{samples}_{broken_image}_{junk_image}"
     (folder / "img").mkdir(parents=True, exist_ok=True)
     colours = {"red": (220, 30, 30), "green": (30, 170, 60), "blue": (40, 70, 220), "black": (15, 15, 15)}
     rows = []
     for i in range(samples):
         name = sorted(colours)[i % len(colours)]
         path = folder / "img" / f"{i:04d}.png"
-        path.write_bytes(_png(56, 56, colours[name], truncate=(i == broken_image)))
+        png = _png(56, 56, colours[name], truncate=(i == broken_image))
+        path.write_bytes(b"not an image" if i == junk_image else png)
         rows.append({"messages": [
             {"role": "user", "content": [{"type": "image", "text": None}, {"type": "text", "text": "Which colour?"}]},
             {"role": "assistant", "content": [{"type": "text", "text": f"It is {name}."}]}],

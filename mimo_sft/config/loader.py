@@ -264,6 +264,8 @@ def load_config(args: list[str]) -> ExperimentConfig:
     if not isinstance(raw, dict):
         raise UserError(f"--config {config_path}: the top level must be a mapping of sections")
     raw = {k: (dict(v) if isinstance(v, dict) else v) for k, v in raw.items()}
+    given = {(section, key) for section, keys in raw.items() if isinstance(keys, dict) for key in keys}
+    given |= set(overrides) | ({("parallel", "components")} if components else set())
     _fold_repeated_paths(raw, overrides)
     for (section, key), value in overrides.items():
         raw.setdefault(section, {})
@@ -279,7 +281,10 @@ def load_config(args: list[str]) -> ExperimentConfig:
             specs[spec.name] = spec.to_dict()
         raw.setdefault("parallel", {})
         raw["parallel"]["components"] = specs
-    return resolve_calibration(resolve_auto_resume(config_from_dict(raw, source=config_path or "flags")))
+    from mimo_sft.config.recorded import take_recorded
+
+    cfg = dataclasses.replace(config_from_dict(raw, source=config_path or "flags"), given=frozenset(given))
+    return take_recorded(resolve_calibration(resolve_auto_resume(cfg)))
 
 
 def resolve_calibration(cfg: ExperimentConfig) -> ExperimentConfig:
@@ -300,16 +305,22 @@ def resolve_calibration(cfg: ExperimentConfig) -> ExperimentConfig:
 AUTO_RESUME = "auto"
 
 
+def save_folder(cfg: ExperimentConfig) -> str:
+    """Where the run writes its checkpoints: ``--save``, default ``OUTPUT_DIR/checkpoints``."""
+    return cfg.checkpoint.save or os.path.join(cfg.logging.output_dir, "checkpoints")
+
+
 def resolve_auto_resume(cfg: ExperimentConfig) -> ExperimentConfig:
-    """``--load-checkpoint auto`` (with ``--save DIR``): ``DIR`` when its ``latest`` names a complete checkpoint,
-    else no checkpoint (a fresh start); ``resume_auto`` says it was asked for (the banner says which it was).
-    Without ``--save`` it stays ``auto`` and check 15 refuses it."""
+    """``--load-checkpoint auto``: the run's checkpoint folder (:func:`save_folder`) when its ``latest`` names a
+    complete checkpoint, else no checkpoint (a fresh start); ``resume_auto`` says it was asked for (the banner
+    says which it was)."""
     from mimo_sft.config.checks.checkpoint import find_meta
 
     c = cfg.checkpoint
-    if c.load_checkpoint != AUTO_RESUME or not c.save:
+    if c.load_checkpoint != AUTO_RESUME:
         return cfg
-    found = c.save if find_meta(c.save) is not None else None  # the meta.json its `latest` names
+    folder = save_folder(cfg)
+    found = folder if find_meta(folder) is not None else None  # the meta.json its `latest` names
     return dataclasses.replace(cfg, checkpoint=dataclasses.replace(c, load_checkpoint=found, resume_auto=True))
 
 
@@ -337,7 +348,8 @@ def _fold_repeated_paths(raw: dict, overrides: dict) -> None:
 
 
 def config_to_dict(cfg: ExperimentConfig) -> dict:
-    return dataclasses.asdict(cfg)
+    """The config's sections (config.yaml, the trackers' config), without which keys were given."""
+    return {name: dataclasses.asdict(getattr(cfg, name)) for name in SECTIONS}
 
 
 def dump_config(cfg: ExperimentConfig) -> str:

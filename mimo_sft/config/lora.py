@@ -124,3 +124,43 @@ def lora_problems(m) -> list[str]:
         out.append("--allow-random-init with --lora-rank: a LoRA checkpoint keeps only its adapters and reads the "
                    "base weights from --hf-model's safetensors again; drop --allow-random-init")
     return out
+
+
+def describe_lora(d: dict) -> str:
+    """A meta.json ``lora`` record as the flags that give it."""
+    return f"--lora-rank {d['rank']} --lora-alpha {d['alpha']:g} --lora-target-modules {','.join(d['targets'])}"
+
+
+def recorded_lora_problems(saved: Optional[dict], m, *, path: str, resume: bool) -> list[str]:
+    """Why a run with ``ModelConfig`` ``m`` cannot load the checkpoint at ``path`` whose meta.json ``lora`` is
+    ``saved`` (None: a full fine-tuning checkpoint), one line each. The loader takes the checkpoint's values for
+    every key not given (``config.recorded``), so what differs here is a flag the user gave."""
+    spec = LoraSpec.from_model_config(m)
+    if saved and spec is None:
+        return [f"--lora-rank {m.lora_rank} but the checkpoint {path} is a LoRA checkpoint ({describe_lora(saved)}): "
+                f"drop --lora-rank to take its settings; to train without adapters from it, merge it first "
+                f"(`mimo-sft export --checkpoint {path} --out DIR`) and give DIR as --hf-model"]
+    if saved and spec is not None:
+        mine = spec.to_dict()
+        keys = (("rank", "--lora-rank"), ("alpha", "--lora-alpha"), ("targets", "--lora-target-modules"))
+        differ = [(name, mine[k], saved[k]) for k, name in keys if saved[k] != mine[k]]
+        out = [f"{name} {_shown(now)} differs from the checkpoint's {_shown(was)} ({path}): its adapters load only "
+               f"with its LoRA settings; drop {name} to take the checkpoint's" for name, now, was in differ]
+        if resume:
+            for key in ("freeze_vision", "freeze_projector", "freeze_language"):
+                if bool(saved.get(key)) != bool(getattr(m, key)):
+                    flag = "--" + key.replace("_", "-")
+                    out.append(f"{flag}={bool(getattr(m, key))} differs from the checkpoint's {flag}="
+                               f"{bool(saved.get(key))} ({path}): resume with the same freeze flags (they decide what "
+                               f"the checkpoint holds); drop {flag} to take the checkpoint's")
+        return out
+    if not saved and spec is not None and resume:
+        return [f"--lora-rank {m.lora_rank} but the checkpoint {path} is a full fine-tuning checkpoint; resume it "
+                f"without --lora-rank, or start LoRA from its weights with --pretrained-checkpoint"]
+    return []
+
+
+def _shown(value) -> str:
+    if isinstance(value, (list, tuple)):
+        return ",".join(value)
+    return f"{value:g}" if isinstance(value, float) else str(value)

@@ -19,7 +19,8 @@ def print_report(cfg: ExperimentConfig, result: CheckResult, console: Console, *
     if layout is not None and layout.components:
         mbs = cfg.train.micro_batch_size
         mode = "colocated" if layout.colocated else "non-colocated"
-        title = (f"Layout: {layout.world_size} ranks, {mode}, canonical grid {layout.canonical_grid}, "
+        ranks = f"{layout.world_size} rank{'s' if layout.world_size != 1 else ''}"
+        title = (f"Layout: {ranks}, {mode}, canonical grid {layout.canonical_grid}, "
                  f"micro-batch {mbs}, global batch {cfg.train.global_batch_size}")
         table = Table(title=title, title_justify="left")
         experts = any(s.ep > 1 or s.etp is not None for s in layout.components)  # ep/etp columns only where set

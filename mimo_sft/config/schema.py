@@ -78,7 +78,7 @@ class DataConfig:
     dataloader_type: str = opt("single", "--dataloader-type", "'single' reads in order, 'cyclic' reshuffles each epoch", choices=("single", "cyclic"))
     drop_last: bool = opt(True, "--drop-last", "drop the incomplete last global batch of an epoch", negatable=True)
     num_workers: int = opt(-1, "--num-workers", "DataLoader worker processes per rank (-1: from the CPUs each rank of the node may use, no more than /dev/shm holds)")
-    max_bad_samples: int = opt(10, "--max-bad-samples", "samples with unreadable images (corrupt, or a file gone mid-run) that are skipped, counted and named in the log before the run stops (0: stop at the first)")
+    max_bad_samples: int = opt(10, "--max-bad-samples", "samples that cannot be read (an image or clip that is corrupt or gone mid-run, a row that cannot be trained on) that are skipped, counted once over all ranks and named in the log before the run stops (0: stop at the first)")
     on_truncation: str = opt("drop", "--on-truncation", "what to do with a sample whose image tokens do not fit in --seq-length", choices=("drop", "error"))
     valid_dataset_path: Optional[str] = opt(None, "--valid-dataset-path", "validation set: a dataset in the training set's format and schema (same columns and image settings); evaluated in dataset order, never trained on; with several --dataset-path, repeat it once per source for a validation loss per source", repeatable=True)
     valid_dataset_split: str = opt("train", "--valid-dataset-split", "split of --valid-dataset-path to read (a single file is split 'train')")
@@ -144,7 +144,8 @@ class TrainConfig:
 class OptimizerConfig:
     lr: float = opt(1e-5, "--lr", "peak learning rate")
     min_lr: float = opt(0.0, "--min-lr", "learning rate at the end of cosine decay")
-    lr_warmup_iters: int = opt(0, "--lr-warmup-iters", "linear warmup steps")
+    lr_warmup_iters: int = opt(0, "--lr-warmup-iters", "linear warmup steps (a resumed run: the checkpoint's unless given)")
+    lr_decay_iters: Optional[int] = opt(None, "--lr-decay-iters", "steps over which the learning rate warms up and decays to --min-lr; later steps stay at --min-lr (default: --train-iters; a resumed run: the checkpoint's, so another --train-iters continues its schedule, and giving this re-stretches it)")
     lr_decay_style: str = opt("cosine", "--lr-decay-style", "decay after warmup", choices=("cosine", "linear", "constant"))
     vision_lr: Optional[float] = opt(None, "--vision-lr", "peak learning rate of the vision tower (its blocks and patch embedding, and their LoRA adapters); same schedule shape as --lr, --min-lr scaled alike (default: --lr)")
     projector_lr: Optional[float] = opt(None, "--projector-lr", "peak learning rate of the patch merger (projector) and its adapters; same schedule shape as --lr (default: --lr)")
@@ -164,8 +165,9 @@ class CheckpointConfig:
     save: Optional[str] = opt(None, "--save", "checkpoint folder (default: OUTPUT_DIR/checkpoints)")
     save_interval: Optional[int] = opt(None, "--save-interval", "save every N steps; the final step is always saved unless --no-save")
     no_save: bool = opt(False, "--no-save", "keep no weights: write no checkpoint at all, not even the final one (refused with --save, --save-interval, --export-hf and the --exit-* flags, which need one)")
-    load_checkpoint: Optional[str] = opt(None, "--load-checkpoint", "resume model, optimizer, scheduler, RNG and data position from this folder; 'auto': from the latest complete checkpoint under --save, or start fresh when there is none (the same command line serves a requeued job)")
+    load_checkpoint: Optional[str] = opt(None, "--load-checkpoint", "resume model, optimizer, scheduler, RNG and data position from this folder (its LoRA settings, freeze flags and LR schedule too, unless a flag gives them); 'auto': from the latest complete checkpoint under --save (default OUTPUT_DIR/checkpoints), or start fresh when there is none (the same command line serves a requeued job)")
     resume_auto: bool = opt(False, None, "set when --load-checkpoint auto was resolved (not a setting)")
+    recorded: str = opt("", None, "what was taken from the checkpoint the run starts from because no flag gave it (written when the config is loaded, not a setting)")
     export_hf: Optional[str] = opt(None, "--export-hf", "write the final weights as a Hugging Face folder here")
     export_shard_size: str = opt("5GB", "--export-shard-size", "largest safetensors shard of a Hugging Face export (transformers' max_shard_size: 5GB, 500MB or bytes); the export streams one layer at a time into shards of this size")
     keep_last_checkpoints: Optional[int] = opt(None, "--keep-last-checkpoints", "after each save, remove all but the newest N checkpoints (default: keep all)")
@@ -202,6 +204,9 @@ class ExperimentConfig:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    #: the ``(section, key)`` pairs the user gave (a flag, or a key of the YAML), as opposed to defaults: what a
+    #: checkpoint the run starts from may fill in (``config.recorded``) and what it must agree with (checks 20, 24)
+    given: frozenset = field(default=frozenset(), compare=False, repr=False)
 
 
 SECTIONS = ("model", "data", "parallel", "reorder", "train", "optimizer", "checkpoint", "logging")

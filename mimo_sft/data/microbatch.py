@@ -9,6 +9,7 @@ the index-mode reordering dataset (``data.indexed``) can extend the dataset with
 from __future__ import annotations
 
 import logging
+from collections import deque
 
 import torch
 
@@ -63,8 +64,8 @@ class MicroBatchDataset(torch.utils.data.Dataset):
             try:
                 messages, refs = self.source[j]
             except BadRowError as err:  # known from the row: every rank reading it skips it alike
-                if self.max_bad_samples <= 0:
-                    raise
+                if self.max_bad_samples <= 0:  # named by this dataset's index, as check-data names it
+                    raise BadRowError(j, err.path, err.reason) from None
                 self._bad.append((j, err.path, err.reason, "row"))
                 bad_j, j = j, (step(j) if step else (j + 1) % n)
                 self.stood_in[bad_j] = j
@@ -129,6 +130,20 @@ class MicroBatchDataset(torch.utils.data.Dataset):
         return self.collate(samples[lo:hi], self.need_pixels)
 
 
+def skipped_line(index: int, path, reason: str, count: int, limit: int) -> str:
+    """The log line of a bad sample met for the first time (``count``: distinct ones so far, this one included)."""
+    return (f"skipped bad sample {index} ({path or 'in-dataset bytes'}): {reason}; {count} skipped so far "
+            f"(--max-bad-samples {limit})")
+
+
+def too_many_bad_samples(bad: dict, limit: int) -> str:
+    """The refusal once more distinct bad samples than ``limit`` were met (``bad``: index -> (where, reason)).
+    Samples, not images: a clip that does not decode, or a row that cannot be trained on, counts the same."""
+    named = "; ".join(f"{i} ({p or 'in-dataset bytes'})" for i, (p, _r) in sorted(bad.items()))
+    return (f"{len(bad)} samples could not be read, more than --max-bad-samples {limit}: samples {named}; fix or "
+            f"remove those samples (their images, clips or rows), or raise --max-bad-samples")
+
+
 def identity(x):
     return x
 
@@ -159,6 +174,10 @@ class MicroBatchIterator:
     (each named once in the log; more distinct ones than ``max_bad_samples`` stop the run with one
     line naming them). ``last_report`` is the last micro-batch's, ``images_decoded`` /
     ``bad_samples`` the running totals of this process.
+
+    A training run counts the bad samples over all its ranks instead (``train.bad_samples``: distinct samples,
+    one log line each, one limit): it sets ``tally_here`` off, and takes each sample this process meets for the
+    first time from ``first_seen``, ``(index, where, reason)``, a deque (the reorder thread may be the reader).
     """
 
     def __init__(self, loader, sampler: CanonicalSampler, dataset: MicroBatchDataset):
@@ -169,6 +188,8 @@ class MicroBatchIterator:
         self.bad_samples: dict[int, tuple[str | None, str]] = {}
         # header and row: every rank that reads the sample sees it; pixels: decoding ranks only
         self.bad_by_stage = {"header": 0, "pixels": 0, "row": 0}
+        self.tally_here = True
+        self.first_seen: deque = deque()
         self.last_report: dict = {"bad_samples": [], "images_decoded": 0}
         self.last_stats: dict = {}  # index-mode reordering: the plan figures of the last micro-batch
 
@@ -185,18 +206,18 @@ class MicroBatchIterator:
         self.images_decoded += report["images_decoded"]
         self.video_frames_decoded += report.get("video_frames_decoded", 0)
         self.video_decode_s += report.get("video_decode_s", 0.0)
+        limit = self.dataset.max_bad_samples
         for index, path, reason, stage in report["bad_samples"]:
             if index in self.bad_samples:
                 continue
             self.bad_samples[index] = (path, reason)
             self.bad_by_stage[stage] += 1
-            log.warning("skipped bad sample %d (%s): %s; %d skipped so far (--max-bad-samples %d)", index, path or
-                        "in-dataset bytes", reason, len(self.bad_samples), self.dataset.max_bad_samples)
-        if len(self.bad_samples) > self.dataset.max_bad_samples:
-            named = "; ".join(f"{i} ({p or 'in-dataset bytes'})" for i, (p, _r) in sorted(self.bad_samples.items()))
-            raise UserError(f"{len(self.bad_samples)} samples have unreadable images, more than --max-bad-samples "
-                            f"{self.dataset.max_bad_samples}: samples {named}; fix or remove those images, or raise "
-                            "--max-bad-samples")
+            if self.tally_here:
+                log.warning(skipped_line(index, path, reason, len(self.bad_samples), limit))
+            else:
+                self.first_seen.append((index, path, reason))
+        if self.tally_here and len(self.bad_samples) > limit:
+            raise UserError(too_many_bad_samples(self.bad_samples, limit))
         return batch
 
     def shutdown(self) -> None:

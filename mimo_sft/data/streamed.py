@@ -18,6 +18,7 @@ names or row counts changed is refused (:func:`check_resumed_streams`).
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any, Optional
 
@@ -143,6 +144,8 @@ def open_streamed_sources(data_cfg) -> tuple[list[str], dict[str, int]]:
     out, rows = [], {}
     for name, one in sources:
         if one.dataset_path and path_exists(str(one.dataset_path)) and is_streamed(one):  # (a missing one: check 17)
+            # the random-access settings are check 17's own lines (``c17_data``): opened without them, said once
+            one = dataclasses.replace(one, dataloader_type="single", valid_split=None)
             try:
                 rows[name] = len(load_streamed_source(one, check_files=False))
             except UserError as err:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -40,6 +41,9 @@ from mimo_sft.errors import UserError
 
 #: set by the parent for its workers: where each writes its failure line (read by :func:`first_failure`)
 ERROR_DIR_ENV = "MIMO_SFT_ERROR_DIR"
+#: set by the parent for its workers: its launch flags, so that a stopped run prints the command that started it
+#: (``train.stopping.resume_command``: ``mimo-sft finetune --nproc-per-node N ...``, not the torchrun form)
+LAUNCH_FLAGS_ENV = "MIMO_SFT_LAUNCH_FLAGS"
 
 
 def attempt() -> int:
@@ -73,6 +77,15 @@ class LaunchOptions:
     @property
     def world_size(self) -> int:
         return self.nproc_per_node * self.nnodes
+
+    def flags(self) -> list[str]:
+        """The launch flags that start these workers again (the defaults left out)."""
+        out = ["--nproc-per-node", str(self.nproc_per_node)]
+        for flag, key in FLAGS.items():
+            value = getattr(self, key)
+            if key != "nproc_per_node" and value != getattr(LaunchOptions, key, None) and value is not None:
+                out += [flag, str(value)]
+        return out
 
     @property
     def started_by(self) -> str:
@@ -213,6 +226,7 @@ def launch(command: str, opts: LaunchOptions, args: list[str], *, check) -> int:
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)  # the agent's own lines: ours says it
     folder = tempfile.mkdtemp(prefix="mimo_sft_errors_")
     os.environ[ERROR_DIR_ENV] = folder  # the workers inherit it
+    os.environ[LAUNCH_FLAGS_ENV] = shlex.join(opts.flags())
     previous = signal.signal(signal.SIGUSR1, lambda sig, _frame: forward_signal(folder, sig)) if forward else None
     try:
         elastic_launch(launch_config(opts), sys.executable)("-u", "-m", "mimo_sft", command, *args)
@@ -230,4 +244,5 @@ def launch(command: str, opts: LaunchOptions, args: list[str], *, check) -> int:
         if forward:
             signal.signal(signal.SIGUSR1, previous)
         os.environ.pop(ERROR_DIR_ENV, None)
+        os.environ.pop(LAUNCH_FLAGS_ENV, None)
         shutil.rmtree(folder, ignore_errors=True)

@@ -37,7 +37,7 @@ from mimo_sft.data.loader import build_preprocessor, resolve_num_workers
 from mimo_sft.data.validation import ValidationReader, evaluated_samples, no_supervised_tokens, shard_tokens
 from mimo_sft.errors import UserError
 from mimo_sft.parallel import runtime
-from mimo_sft.parallel.layout import LANGUAGE
+from mimo_sft.parallel.layout import IMAGES, LANGUAGE
 from mimo_sft.train.feed import Feed, checked_source, read_shard
 
 
@@ -162,43 +162,72 @@ EVALUATE_FLAGS = {"CHECKPOINT": "(first argument, optional) a mimo-sft checkpoin
 
 def evaluate_command(args: list[str]) -> int:
     """``mimo-sft evaluate``: every rank loads the config, runs the checks, builds the layout, loads
-    the weights and joins one evaluation; the metrics rank prints the result. A checkpoint's base
-    model (``hf_model`` in its meta.json) is the default ``--hf-model``."""
-    from mimo_sft.train.checkpoint.files import read_meta, resolve_checkpoint
+    the weights and joins one evaluation; the metrics rank prints the result (:func:`evaluate_args`: what it
+    takes without a flag)."""
+    from mimo_sft.parallel.bootstrap import launch_rank_world
     from mimo_sft.train.elastic import launch, split_launch_flags
     from mimo_sft.train.launch import checked_config, launch_checked
 
     opts, args = split_launch_flags(args)
     worker_args = list(args)  # what each worker of mimo-sft's own launcher is given (it reads them as below)
     as_json = "--json" in args
-    args = [a for a in args if a != "--json"]
-    # the weights only, as --pretrained-checkpoint loads them: any layout (no optimizer state is read)
-    if args and not args[0].startswith("-"):
-        args = ["--pretrained-checkpoint", *args]
-    args = ["--pretrained-checkpoint" if a in ("--checkpoint", "--load-checkpoint") else a for a in args]
-    if "--pretrained-checkpoint" in args and "--hf-model" not in args and not _config_names_model(args):
-        i = args.index("--pretrained-checkpoint") + 1
-        base = read_meta(resolve_checkpoint(args[i])).get("hf_model") if i < len(args) else None
-        args += ["--hf-model", base] if base else []
+    args, layout = evaluate_args(args, opts.world_size if opts is not None else launch_rank_world()[1])
     if opts is not None:  # mimo-sft's own launcher: check once, start the workers (train.elastic)
         return launch("evaluate", opts, worker_args,
                       check=lambda _args, world: checked_config(args, world, started_by=opts.started_by))
-    return launch_checked(args, lambda cfg, layout: _evaluate(cfg, layout, as_json))
+    return launch_checked(args, lambda cfg, layout_: _evaluate(cfg, layout_, as_json, default_layout=layout))
 
 
-def _config_names_model(args: list[str]) -> bool:
-    """Whether ``--config``'s YAML names the model itself (then the checkpoint's base model does not override it)."""
+def evaluate_args(args: list[str], world: int) -> tuple[list[str], list[str]]:
+    """``(the config flags, the components it added)``: ``mimo-sft evaluate``'s arguments (without the launcher's)
+    as every rank checks them for a run of ``world`` processes. The checkpoint (first argument, ``--checkpoint``
+    or ``--load-checkpoint``) is loaded as ``--pretrained-checkpoint`` loads weights, on any layout (no optimizer
+    state is read), with its LoRA settings unless given (``config.recorded``); its base model (``hf_model`` in
+    its meta.json) is the default ``--hf-model``; without ``--component`` (or the YAML's layout) every process
+    holds both modules: ``language=dp=W images=dp=W`` (one process: dp 1)."""
+    from mimo_sft.train.checkpoint.files import read_meta, resolve_checkpoint
+
+    args = [a for a in args if a != "--json"]
+    if args and not args[0].startswith("-"):
+        args = ["--pretrained-checkpoint", *args]
+    args = ["--pretrained-checkpoint" if a in ("--checkpoint", "--load-checkpoint") else a for a in args]
+    names_model, names_layout = _config_names(args)
+    if "--pretrained-checkpoint" in args and "--hf-model" not in args and not names_model:
+        i = args.index("--pretrained-checkpoint") + 1
+        base = read_meta(resolve_checkpoint(args[i])).get("hf_model") if i < len(args) else None
+        args += ["--hf-model", base] if base else []
+    layout = []
+    if "--component" not in args and not names_layout:
+        layout = [f"{LANGUAGE}=dp={world}", f"{IMAGES}=dp={world}"]
+        args += [a for c in layout for a in ("--component", c)]
+    return args, layout
+
+
+def _config_names(args: list[str]) -> tuple[bool, bool]:
+    """Whether ``--config``'s YAML names the model itself and the layout (then the checkpoint's base model, and
+    one process, are not the defaults)."""
     from mimo_sft.config.loader import load_config
 
     if "--config" not in args:
-        return False
+        return False, False
     try:
-        return bool(load_config(args).model.hf_model)
+        cfg = load_config(args)
     except UserError:
-        return False  # the run's own check says what is wrong
+        return False, False  # the run's own check says what is wrong
+    return bool(cfg.model.hf_model), bool(cfg.parallel.components)
 
 
-def _evaluate(cfg, layout, as_json: bool) -> int:
+def _taken_line(cfg, default_layout: list[str]) -> str:
+    """What ``mimo-sft evaluate`` took without a flag giving it: the checkpoint's settings, the layout."""
+    said = [cfg.checkpoint.recorded] if cfg.checkpoint.recorded else []
+    if default_layout:
+        n = int(default_layout[0].rsplit("=", 1)[1])
+        processes = "one process" if n == 1 else f"{n} processes"
+        said.append(f"{processes} ({' '.join(default_layout)}; no --component given)")
+    return "; ".join(said)
+
+
+def _evaluate(cfg, layout, as_json: bool, *, default_layout: list[str]) -> int:
     from mimo_sft.data.validation import split_sources, valid_flag
     from mimo_sft.parallel.bootstrap import start_world
     from mimo_sft.train.checkpoint.model import encoder_replica_rank
@@ -214,7 +243,7 @@ def _evaluate(cfg, layout, as_json: bool) -> int:
     ctx = build_model_and_optimizer(cfg, layout, pstate, rank, with_optimizer=False)
     if ckpt:  # the weights only (as --pretrained-checkpoint loads them); no optimizer is built
         folder = resolve_checkpoint(ckpt)
-        check_lora_compatible(read_meta(folder), cfg.model, flag="--checkpoint", path=folder, resume=False)
+        check_lora_compatible(read_meta(folder), cfg.model, path=folder, resume=False)
         load_model_weights(ctx.model, folder, pretrained=True, replicated_encoder_rank=encoder_replica_rank(ctx))
     # opened once per node and checked on one rank, as training does (no verdict cache: no run folder)
     _train, source = split_sources(cfg.data, seed=cfg.train.seed, global_batch_size=cfg.train.global_batch_size,
@@ -229,6 +258,9 @@ def _evaluate(cfg, layout, as_json: bool) -> int:
                         local_mbs=cfg.train.micro_batch_size // layout.language.dp, packing=cfg.data.in_batch_packing)
     result = Evaluator(cfg, layout, pstate, ctx, runner, source, flag=flag).evaluate(0)
     if ctx.is_metrics_rank:
+        taken = _taken_line(cfg, default_layout)
+        if taken:  # one line; beside --json's object, not in it
+            print(f"mimo-sft evaluate: {taken}", file=sys.stderr if as_json else sys.stdout, flush=True)
         what = {"checkpoint": ckpt, "hf_model": cfg.model.hf_model,
                 "dataset": cfg.data.valid_dataset_path or dataset_label(cfg.data)}
         per_source = {name: {"loss": result.valid_sources.get(f"valid_loss/{name}"),

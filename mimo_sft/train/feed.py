@@ -45,7 +45,6 @@ class StepCounters:
     images_decoded: int = 0    # images this rank decoded (its DataLoader workers) for this step's micro-batches
     video_frames_decoded: int = 0  # clip frames this rank's workers decoded for them
     video_decode_s: float = 0.0    # worker time spent decoding and cutting those clips
-    bad_samples_skipped: int = 0  # bad samples this rank counts (see Feed: each sample is counted on one rank)
     vision_patches: float = 0.0  # patches this rank's encoder slice held (0 without an encoder): cost calibration
     language_share: float = 0.0  # real tokens of its language slice / language tp: its share of that work
     source_samples: list = field(default_factory=list)  # a mixture: samples fed per source
@@ -56,16 +55,12 @@ class Feed:
 
     def __init__(self, source: Iterator[dict], *, reorder=None,
                  split: Optional[Callable[[dict], dict]] = None, load_stats: Optional[VisionLoadStats] = None,
-                 flops: Optional[ModelFlopsCounter] = None, packed: bool = False,
-                 count_bad: tuple[str, ...] = ()):
+                 flops: Optional[ModelFlopsCounter] = None, packed: bool = False):
         # reorder: the ReorderingBuffer (exchange mode), or the source itself (index mode: the
         # DataLoader's items carry the plan's figures in ``last_stats``)
         self._src = reorder if reorder is not None else iter(source)
         self.source = source
         self.reorder = reorder
-        #: which bad samples this rank counts ("header": seen by every rank reading the sample, so
-        #: one rank per sample counts them; "pixels": seen only by the rank that decodes it)
-        self.count_bad = count_bad
         self._totals = self._data_totals()
         self.split = split
         self.load_stats = load_stats
@@ -145,20 +140,19 @@ class Feed:
 
     # ---- loop side ------------------------------------------------------------------------------
     def _data_totals(self) -> tuple:
-        """(images decoded, bad samples counted here, clip frames decoded, clip decode seconds) so far, from the
-        data iterator's running totals."""
+        """(images decoded, clip frames decoded, clip decode seconds) so far, from the data iterator's running totals
+        (its bad samples are counted over all ranks: ``train.bad_samples``)."""
         it = self.source
-        if not hasattr(it, "bad_by_stage"):
-            return 0, 0, 0, 0.0
-        return it.images_decoded, sum(it.bad_by_stage[k] for k in self.count_bad), it.video_frames_decoded, it.video_decode_s
+        if not hasattr(it, "images_decoded"):
+            return 0, 0, 0.0
+        return it.images_decoded, it.video_frames_decoded, it.video_decode_s
 
     def end_step(self) -> StepCounters:
         """The step's counters, with what the data iterator decoded and skipped since the last step.
         Running totals (not per micro-batch): with the overlapped exchange the iterator runs ahead."""
         totals = self._data_totals()
         c, before = self.counters, self._totals
-        c.images_decoded, c.bad_samples_skipped, c.video_frames_decoded, c.video_decode_s = (
-            now - was for now, was in zip(totals, before))
+        c.images_decoded, c.video_frames_decoded, c.video_decode_s = (now - was for now, was in zip(totals, before))
         self._totals = totals
         return self.counters
 
@@ -215,16 +209,11 @@ def _build_feed(cfg, layout, pstate, info, *, consumed_samples: int, source) -> 
         it = build_microbatch_iterator(cfg.data, dp_size=plan.dp_size, dp_rank=plan.dp_rank, need_pixels=True,
                                        pixel_slice=plan.encoder, index_reorder=index, **common)
         split = ColocatedSplit.for_plan(plan, layout, image_token_id=info.image_token_id)
-        # ranks that read the same shard all see its bad samples: the first language slice of the
-        # shard on language tp 0 counts them
-        counts = plan.language.start == 0 and coords[LANGUAGE].tp == 0
         return Feed(it, reorder=it if index is not None else None, split=split, load_stats=load_stats, flops=flops,
-                    packed=packed, count_bad=("header", "pixels") if counts else ())
+                    packed=packed)
     (module,) = pstate.mine()
     coord = coords[module]
     spec = layout.spec(module)
-    lead = coord.tp == 0 and coord.cp == 0 and coord.pp == 0  # one rank per DP shard counts its bad samples
-    count_bad = (("header",) if module == LANGUAGE else ("pixels",)) if lead else ()
     r = cfg.reorder
     cost_fn = load_fn = None
     if r.enabled:
@@ -246,7 +235,7 @@ def _build_feed(cfg, layout, pstate, info, *, consumed_samples: int, source) -> 
     it = build_microbatch_iterator(cfg.data, dp_size=spec.dp, dp_rank=coord.dp, need_pixels=module != LANGUAGE,
                                    index_reorder=index, **common)
     if index is not None:
-        return Feed(it, reorder=it, load_stats=load_stats, flops=flops, packed=packed, count_bad=count_bad)
+        return Feed(it, reorder=it, load_stats=load_stats, flops=flops, packed=packed)
     reorder = None
     if r.enabled:
         groups = pstate.modules[module]
@@ -254,7 +243,7 @@ def _build_feed(cfg, layout, pstate, info, *, consumed_samples: int, source) -> 
             iter(it), dp_rank=coord.dp, dp_size=spec.dp, n_groups=layout.canonical_grid,
             cost_fn=cost_fn, group=groups.dp_gloo, side_group=groups.reorder_side_gloo, overlap=r.overlap,
             window_size=r.window_size, load_fn=load_fn, stats_dp_sizes=stats_dp)
-    return Feed(it, reorder=reorder, load_stats=load_stats, flops=flops, packed=packed, count_bad=count_bad)
+    return Feed(it, reorder=reorder, load_stats=load_stats, flops=flops, packed=packed)
 
 
 def _colocated_index(cfg, layout, pstate, info, module: str) -> dict:

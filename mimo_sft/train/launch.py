@@ -31,11 +31,13 @@ def checked_config(args: list[str], world: int | None, *, refuse_reused_output_d
     they start are not the ranks the components use)."""
     cfg = load_config(args)
     if world is not None and cfg.parallel.world_size not in (None, world):
-        raise UserError(f"--world-size {cfg.parallel.world_size} but {world} processes were started; "
-                        f"drop --world-size or start {cfg.parallel.world_size} processes")
+        raise UserError(f"--world-size {cfg.parallel.world_size} but {processes(world)} "
+                        f"{'was' if world == 1 else 'were'} started; drop --world-size or start "
+                        f"{processes(cfg.parallel.world_size)}")
     implied = _implied_world(cfg) if started_by is not None and cfg.parallel.world_size is None else None
     if implied is not None and implied != world:
-        raise UserError(f"{started_by} start {world} processes, but the components use {implied} ranks; make "
+        raise UserError(f"{started_by} start{'s' if world == 1 else ''} {processes(world)}, but the components use "
+                        f"{implied} rank{'s' if implied != 1 else ''}; make "
                         f"--nnodes x --nproc-per-node {implied}, or change the components' dp/tp/pp/rank_offset")
     result = require_valid(cfg, world_size=world, for_run=True)
     if world is None:
@@ -43,6 +45,11 @@ def checked_config(args: list[str], world: int | None, *, refuse_reused_output_d
     if refuse_reused_output_dir:
         _refuse_reused_output_dir(cfg, cfg.logging.output_dir)
     return cfg, result
+
+
+def processes(n: int) -> str:
+    """``1 process``, ``4 processes``."""
+    return f"{n} process{'es' if n != 1 else ''}"
 
 
 def _implied_world(cfg) -> int | None:

@@ -50,7 +50,8 @@ class StepMetrics:
     reorder_bytes: float
     #: images decoded this step, summed over every rank (a colocated layout may decode one image on several)
     images_decoded: int
-    #: samples with unreadable images replaced by a stand-in this step (--max-bad-samples), each counted once
+    #: bad samples (an unreadable image or clip, a row that cannot be trained on) first met this step over all ranks
+    #: and replaced by a stand-in (--max-bad-samples; train.bad_samples): each sample counted once in the run
     bad_samples_skipped: int
     #: clip frames decoded this step, summed over every rank, and the loader workers' seconds decoding, resizing
     #: and cutting those samples (worker time, off the training thread when workers run ahead)
@@ -65,6 +66,8 @@ class StepMetrics:
     mfu: Optional[float]
     update_ok: bool
     consumed_samples: int
+    #: ranks of the layout that ran this step (a run resumed on another layout changes it: ``mimo-sft summarize``)
+    world_size: int
     #: samples of this step whose supervised answer was cut at --seq-length
     truncated_samples: int = 0
     #: samples of this step with an assistant turn that has no text (trained on the end-of-turn token alone)

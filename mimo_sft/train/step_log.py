@@ -1,7 +1,8 @@
 """What happens after a training step's optimizer step: its collectives, then the metrics rank's record.
 
 Every rank joins the same collectives in the same order, decided from the config alone, so they stay matched:
-peak memory per module, then one world all-reduce that carries the model FLOPs, the feed's counters and, every
+peak memory per module, then one world all-reduce that carries the model FLOPs, the feed's counters, the bad
+samples each rank met first (``train.bad_samples``: then gathered, on a step that has any) and, every
 ``--log-interval`` steps, the straggler report's per-rank block (``train.straggler``); the vision-load and
 expert-load figures; and on the last language pipeline stage the host counts over its DP group.
 
@@ -90,8 +91,10 @@ def log_step(tr, result) -> None:
     block = tr.straggler.figures(tr.step)
     model_flops, *summed = step_model_flops(
         tr.feed.flops.step_flops, tr.pstate,
-        (c.reorder_bytes, c.images_decoded, c.bad_samples_skipped, c.video_frames_decoded, c.video_decode_s, *block))
-    reorder_bytes, images, bad, frames, video_s = summed[:_COUNTERS]
+        (c.reorder_bytes, c.images_decoded, tr.bad_samples.local_count(), c.video_frames_decoded, c.video_decode_s,
+         *block))
+    reorder_bytes, images, bad_met, frames, video_s = summed[:_COUNTERS]
+    bad = tr.bad_samples.merge(bad_met)  # every rank: the distinct samples, the same refusal past the limit
     load = tr.feed.load_stats
     before, after = load.step_figures() if load is not None else (None, None)
     moe = tr.expert_load.step_figures(tr.pstate.world_gloo) if tr.expert_load is not None else {}
@@ -121,7 +124,7 @@ def log_step(tr, result) -> None:
         video_frames_decoded=int(frames), video_decode_s=float(video_s),
         peak_memory_bytes=max(peaks.values()), peak_memory_bytes_by_module=peaks,
         model_flops=model_flops, model_tflops_per_gpu=None, mfu=None,
-        update_ok=result.update_ok, consumed_samples=tr.consumed,
+        update_ok=result.update_ok, consumed_samples=tr.consumed, world_size=tr.layout.world_size,
         truncated_samples=int(t[4]), empty_answers=int(t[5]), moe=moe,
         gpus={**(load.gpu_figures() if load is not None else {}), **balanced}, ranks=ranks)
     tr.pending_rows.add(_Pending(record, _device_sums(result.output, n_src), result.clock, float(t[2]), float(t[1]),

@@ -70,8 +70,15 @@ def agree(reason: int, group) -> int:
     return int(t.item())
 
 
-def resume_command(save_dir: str, world_size: int, argv: Optional[list[str]] = None) -> str:
-    """The command that continues this run from ``save_dir``: the same flags, ``--load-checkpoint``."""
+def resume_command(save_dir: str, world_size: int, argv: Optional[list[str]] = None,
+                   launch_flags: Optional[str] = None) -> str:
+    """The command that continues this run from ``save_dir``: the same flags, ``--load-checkpoint``; started the
+    way this run was -- ``mimo-sft COMMAND`` with the launch flags of mimo-sft's own launcher (``launch_flags``,
+    default: what the launcher left in the environment, ``train.elastic.LAUNCH_FLAGS_ENV``), else torchrun."""
+    import os
+
+    from mimo_sft.train.elastic import LAUNCH_FLAGS_ENV
+
     args = list(sys.argv[1:] if argv is None else argv)
     out, skip = [], False
     for a in args:
@@ -84,5 +91,8 @@ def resume_command(save_dir: str, world_size: int, argv: Optional[list[str]] = N
         if a.startswith("--load-checkpoint="):
             continue
         out.append(a)
-    return (f"torchrun --nproc-per-node {world_size} -m mimo_sft "
-            + " ".join(shlex.quote(a) for a in out) + f" --load-checkpoint {shlex.quote(save_dir)}")
+    words = [shlex.quote(a) for a in out] + ["--load-checkpoint", shlex.quote(save_dir)]
+    launch_flags = os.environ.get(LAUNCH_FLAGS_ENV) if launch_flags is None else launch_flags
+    if launch_flags and out:
+        return " ".join(["mimo-sft", words[0], launch_flags, *words[1:]])
+    return " ".join(["torchrun", "--nproc-per-node", str(world_size), "-m", "mimo_sft", *words])

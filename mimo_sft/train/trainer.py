@@ -34,7 +34,8 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from mimo_sft.config.loader import config_to_dict, dump_config
+from mimo_sft.config.loader import config_to_dict, dump_config, save_folder
+from mimo_sft.config.recorded import lr_decay_length
 from mimo_sft.config.schema import ExperimentConfig
 from mimo_sft.data.mixture import MixtureOrder, check_resumed_mixture, resumed_interleave
 from mimo_sft.data.streamed import check_resumed_streams
@@ -45,6 +46,7 @@ from mimo_sft.parallel.bootstrap import start_world
 from mimo_sft.parallel.groups import ParallelState
 from mimo_sft.parallel.layout import LANGUAGE, Layout
 from mimo_sft.progress import PROGRESS
+from mimo_sft.train.bad_samples import BadSampleTally
 from mimo_sft.train.checkpoint.save import restore, save_checkpoint, save_gradients
 from mimo_sft.train.checkpoint.files import BEST, latest_name, mark_best, read_meta, resolve_checkpoint
 from mimo_sft.train.checkpoint.write import PendingSaves
@@ -90,6 +92,7 @@ class Trainer:
     step: int
     consumed: int
     feed: Feed
+    bad_samples: BadSampleTally  # --max-bad-samples over every rank (distinct samples)
     runner: StepRunner
     logger: MetricsLogger
     answers: AnswerTally
@@ -107,7 +110,7 @@ class Trainer:
         self.cfg = cfg
         self.layout = layout
         self.output_dir = cfg.logging.output_dir
-        self.save_dir = cfg.checkpoint.save or os.path.join(self.output_dir, "checkpoints")
+        self.save_dir = save_folder(cfg)
         self.step = 0
         self.consumed = 0
         self._stop_reason = 0
@@ -180,6 +183,8 @@ class Trainer:
             ckpt = resolve_checkpoint(cfg.checkpoint.load_checkpoint)
             check_resumed_mixture(meta.get("mixture"), self.feed.mixture, checkpoint=ckpt)
             check_resumed_streams(meta.get("streams"), self.feed.stream_position(self.consumed), checkpoint=ckpt)
+        self.bad_samples = BadSampleTally(self.feed.source, limit=cfg.data.max_bad_samples,
+                                          group=self.pstate.world_gloo, announce=self.ctx.is_metrics_rank)
         self.runner = StepRunner(model=self.ctx.model, modules=self.ctx.modules, pstate=self.pstate, layout=layout,
                                  feed=self.feed, modality_inputs_fn=self.ctx.info.modality_inputs,
                                  seq_length=cfg.data.seq_length, local_mbs=cfg.train.micro_batch_size // layout.language.dp,
@@ -234,7 +239,8 @@ class Trainer:
         layout_text = " ".join(s.to_flag() for s in layout.components)
         start = (f"resuming at step {self.step} ({self.consumed} samples consumed)" if self.step
                  else "starting at step 0")
-        print(f"mimo-sft: {layout.world_size} ranks, {'colocated' if layout.colocated else 'non-colocated'}: "
+        ranks = f"{layout.world_size} rank{'s' if layout.world_size != 1 else ''}"
+        print(f"mimo-sft: {ranks}, {'colocated' if layout.colocated else 'non-colocated'}: "
               f"{layout_text}\n"
               f"mimo-sft: {t.train_iters} steps of {t.global_batch_size} samples ({self.num_microbatches} "
               f"micro-batches of {t.micro_batch_size}), reordering {f'on ({cfg.reorder.mode})' if cfg.reorder.enabled else 'off'}, "
@@ -244,8 +250,10 @@ class Trainer:
             print(f"mimo-sft: reordering cost weights {cfg.reorder.calibration}", flush=True)
         if cfg.checkpoint.resume_auto:
             print(f"mimo-sft: --load-checkpoint auto: " + (f"resuming from {cfg.checkpoint.load_checkpoint}" if
-                  cfg.checkpoint.load_checkpoint else f"no checkpoint in {cfg.checkpoint.save} yet: starting fresh"),
+                  cfg.checkpoint.load_checkpoint else f"no checkpoint in {self.save_dir} yet: starting fresh"),
                   flush=True)
+        if cfg.checkpoint.recorded:  # what the checkpoint gave where no flag did (config.recorded)
+            print(f"mimo-sft: {cfg.checkpoint.recorded}", flush=True)
         if self.feed.mixture is not None:
             print(f"mimo-sft: data mixture: {self.feed.mixture.rows_text(t.train_iters * t.global_batch_size)}",
                   flush=True)
@@ -312,9 +320,9 @@ class Trainer:
         """Learning rate, zeroed gradients, megatron's schedule over the global batch, optimizer step."""
         clock = runtime.StepClock()
         o = self.cfg.optimizer
-        lr = lr_at(self.step, lr=o.lr, min_lr=o.min_lr, warmup=o.lr_warmup_iters, total=self.cfg.train.train_iters,
-                   style=o.lr_decay_style)
-        apply_schedule(self.ctx.optimizer, self.step, warmup=o.lr_warmup_iters, total=self.cfg.train.train_iters,
+        total = lr_decay_length(self.cfg)  # --lr-decay-iters, a resumed run's recorded one, else --train-iters
+        lr = lr_at(self.step, lr=o.lr, min_lr=o.min_lr, warmup=o.lr_warmup_iters, total=total, style=o.lr_decay_style)
+        apply_schedule(self.ctx.optimizer, self.step, warmup=o.lr_warmup_iters, total=total,
                        style=o.lr_decay_style, weight_decay=o.weight_decay)
         runtime.reset_peak_memory()
         self.ctx.optimizer.zero_grad()

@@ -101,9 +101,8 @@ def c15_checkpoints(ctx):
         if needs:
             yield (f"--no-save with {', '.join(needs)}: those write or need a checkpoint; drop --no-save to keep "
                    f"the weights, or drop {', '.join(needs)}")
-    if c.load_checkpoint == "auto":  # left unresolved by the loader: no --save to look in
-        yield ("--load-checkpoint auto needs --save DIR: the folder the run writes its checkpoints to, where the same "
-               "command line finds the latest one when the job is requeued")
+    if c.recorded:  # what the loader took from the checkpoint the run starts from (config.recorded)
+        yield c.recorded, "note"
     for flag, path in (("--load-checkpoint", c.load_checkpoint if c.load_checkpoint != "auto" else None),
                        ("--pretrained-checkpoint", ctx.cfg.model.pretrained_checkpoint)):
         if path and not os.path.isdir(path):

@@ -11,7 +11,7 @@ def c25_data_scale(ctx):
     if d.num_workers < -1:
         yield f"--num-workers={d.num_workers} must be >= 0, or -1 to pick from the CPUs of each rank"
     if d.max_bad_samples < 0:
-        yield f"--max-bad-samples={d.max_bad_samples} must be >= 0 (0: stop at the first unreadable image)"
+        yield f"--max-bad-samples={d.max_bad_samples} must be >= 0 (0: stop at the first bad sample)"
     if r.enabled and r.mode == "exchange":
         yield ("--reorder-mode exchange: ranks decode their own shard and send the samples the plan moves to other "
                "ranks over gloo (reorder_bytes in the metrics); --reorder-mode index moves none", "note")

@@ -55,6 +55,8 @@ def c01_positive_sizes(ctx):
         yield f"--min-lr={o.min_lr} is above --lr={o.lr}; lower --min-lr"
     if o.lr_warmup_iters < 0:
         yield f"--lr-warmup-iters={o.lr_warmup_iters} must be >= 0"
+    if o.lr_decay_iters is not None and o.lr_decay_iters < 1:
+        yield f"--lr-decay-iters={o.lr_decay_iters} must be >= 1 (the steps of warm-up and decay)"
     if ctx.cfg.parallel.world_size is not None and ctx.cfg.parallel.world_size < 1:
         yield f"--world-size={ctx.cfg.parallel.world_size} must be >= 1"
 

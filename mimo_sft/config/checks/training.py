@@ -1,4 +1,5 @@
-"""Checks 20 and 29: LoRA flags, per-module learning rates, weight decay and experiment trackers."""
+"""Checks 20 and 29: LoRA flags (and a starting checkpoint's LoRA settings they must agree with), per-module
+learning rates, weight decay and experiment trackers."""
 
 from __future__ import annotations
 
@@ -6,11 +7,17 @@ from __future__ import annotations
 def c20_lora(ctx):
     from mimo_sft.config.lora import lora_problems
 
-    yield from lora_problems(ctx.cfg.model)
+    problems = lora_problems(ctx.cfg.model)
+    yield from problems
     from mimo_sft.config.checks.context import family_spec
-    from mimo_sft.config.lora import split_targets
+    from mimo_sft.config.lora import recorded_lora_problems, split_targets
+    from mimo_sft.config.recorded import starting_checkpoint, starting_meta
 
     m = ctx.cfg.model
+    start = starting_checkpoint(ctx.cfg)
+    meta = starting_meta(ctx.cfg) if start and not problems else None
+    if meta is not None:  # an explicit LoRA flag that the checkpoint's adapters cannot load with
+        yield from recorded_lora_problems(meta.get("lora"), m, path=start[0], resume=start[1])
     if m.lora_rank > 0 and family_spec(ctx).architecture.moe and set(split_targets(m.lora_target_modules)) & {
             "linear_fc1", "linear_fc2"}:
         yield ("--lora-target-modules linear_fc1/linear_fc2 on a mixture-of-experts model adapt the dense layers' "

@@ -79,29 +79,11 @@ def lora_meta(model_cfg) -> dict:
                      "freeze_language": bool(model_cfg.freeze_language)}}
 
 
-def _describe(d: dict) -> str:
-    return f"--lora-rank {d['rank']} --lora-alpha {d['alpha']:g} --lora-target-modules {','.join(d['targets'])}"
+def check_lora_compatible(meta: dict, model_cfg, *, path: str, resume: bool) -> None:
+    """Refuse, with what to change, a checkpoint whose LoRA settings this run cannot load (check 20 says the same
+    before any process starts: ``config.lora.recorded_lora_problems``)."""
+    from mimo_sft.config.lora import recorded_lora_problems
 
-
-def check_lora_compatible(meta: dict, model_cfg, *, flag: str, path: str, resume: bool) -> None:
-    """Refuse, with what to change, a checkpoint whose LoRA settings this run cannot load."""
-    saved = meta.get("lora")
-    spec = LoraSpec.from_model_config(model_cfg)
-    if saved and spec is None:
-        raise UserError(f"{flag} {path} is a LoRA checkpoint ({_describe(saved)}, base {meta.get('hf_model')}); "
-                        f"give the same LoRA flags, or merge it with `mimo-sft export --checkpoint {path} --out DIR` "
-                        f"and fine-tune DIR as --hf-model")
-    if saved and spec is not None:
-        mine = spec.to_dict()
-        if any(saved[k] != mine[k] for k in ("rank", "alpha", "targets")):
-            raise UserError(f"{flag} {path} was saved with {_describe(saved)} but this run uses {_describe(mine)}; "
-                            f"use the checkpoint's LoRA settings")
-        if resume:
-            for key in ("freeze_vision", "freeze_projector", "freeze_language"):
-                if bool(saved.get(key)) != bool(getattr(model_cfg, key)):
-                    flag_name = "--" + key.replace("_", "-")
-                    raise UserError(f"{flag} {path} was saved with {flag_name}={saved.get(key)}; resume with the "
-                                    f"same freeze flags (they decide what the checkpoint holds)")
-    if not saved and spec is not None and resume:
-        raise UserError(f"{flag} {path} is a full fine-tuning checkpoint; resume it without --lora-rank, or start "
-                        f"LoRA from its weights with --pretrained-checkpoint")
+    problems = recorded_lora_problems(meta.get("lora"), model_cfg, path=path, resume=resume)
+    if problems:
+        raise UserError(problems[0], problems=problems)

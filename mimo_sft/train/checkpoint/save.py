@@ -47,6 +47,7 @@ import torch.distributed as dist
 
 from mimo_sft.config.lora import distributed_optimizer_in_use
 from mimo_sft.config.checks.checkpoint import data_order_meta, reshard_problem, resolved_path
+from mimo_sft.config.recorded import schedule_meta
 from mimo_sft.errors import UserError
 from mimo_sft.parallel import runtime
 from mimo_sft.train.checkpoint.files import fsync_file, iter_dir, kill_point, publish, read_meta, resolve_checkpoint
@@ -93,7 +94,8 @@ def save_checkpoint(root: str, *, step: int, consumed_samples: int, ctx, extra_m
             # resolved, so that an export or evaluate started in another folder finds the base model
             "hf_model": ctx.cfg.model.hf_model and resolved_path(ctx.cfg.model.hf_model), **_optimizer_kind(ctx),
             **({"distributed_optimizer_format": save_format(ctx.cfg)} if save_format(ctx.cfg) else {}),
-            **bucket_meta(ctx), **lora_meta(ctx.cfg.model), **data_order_meta(ctx.cfg), **(extra_meta or {})}
+            **bucket_meta(ctx), **lora_meta(ctx.cfg.model), **data_order_meta(ctx.cfg), **schedule_meta(ctx.cfg),
+            **(extra_meta or {})}
     box = [None]
 
     def publish_when_written():  # every rank, once every rank's parts are on disk
@@ -269,7 +271,7 @@ def restore(cfg, ctx) -> tuple[int, int]:
         return load_checkpoint(cfg.checkpoint.load_checkpoint, ctx)
     if cfg.model.pretrained_checkpoint:
         ckpt = resolve_checkpoint(cfg.model.pretrained_checkpoint)
-        check_lora_compatible(read_meta(ckpt), cfg.model, flag="--pretrained-checkpoint", path=ckpt, resume=False)
+        check_lora_compatible(read_meta(ckpt), cfg.model, path=ckpt, resume=False)
         trusted_part(os.path.join(ckpt, "model"))  # refused in one line before anything is read
         load_model_weights(ctx.model, ckpt, pretrained=True, replicated_encoder_rank=encoder_replica_rank(ctx),
                            spread_groups=dp_groups(ctx))
@@ -296,7 +298,7 @@ def load_checkpoint(path: str, ctx) -> tuple[int, int]:
             hint = (f"it was written by an older mimo-sft, which can only resume with the layout it was saved "
                     f"with ({_fmt_layout(saved_layout or [])}), or start from its weights with --pretrained-checkpoint")
         raise UserError(f"--load-checkpoint {ckpt}: no sharded optimizer state ({OPTIMIZER_DIR}/); {hint}")
-    check_lora_compatible(meta, ctx.cfg.model, flag="--load-checkpoint", path=ckpt, resume=True)
+    check_lora_compatible(meta, ctx.cfg.model, path=ckpt, resume=True)
     for key, value in _optimizer_kind(ctx).items():
         if key in meta and meta[key] != value:
             flag = {"use_distributed_optimizer": "--use-distributed-optimizer / --no-use-distributed-optimizer",
