@@ -32,7 +32,7 @@ def check_config(cfg: ExperimentConfig, **kw) -> CheckResult:
         result.problems.extend(Problem(17, msg) for msg in problems)
         result.notes.extend(Problem(17, line, "note") for line in source_lines(cfg, rows))
         if not result.problems:  # (the processor is read only for a config that is otherwise sound)
-            from mimo_sft.data.loader import fitted_pixels_note
+            from mimo_sft.data.model_folder import fitted_pixels_note
 
             fitted = fitted_pixels_note(cfg.data, cfg.model.hf_model)
             if fitted:
