@@ -13,7 +13,7 @@ from pathlib import Path
 
 from mimo_sft.data.load_errors import load_failure, object_top_level
 from mimo_sft.config.mixture import is_streamed
-from mimo_sft.data.rows import SFTSource, checked, pick_columns, source_folders
+from mimo_sft.data.rows import VIDEO_COLUMNS, SFTSource, checked, pick_columns, source_folders
 from mimo_sft.data.streamed import load_streamed_source
 from mimo_sft.errors import BadSampleError, UserError
 
@@ -102,7 +102,9 @@ def load_sft_dataset(data_cfg, *, check_files: bool = True) -> SFTSource:
     schema, text_column, images_column = pick_columns(data_cfg, cols)
     if len(ds) == 0:
         raise UserError(f"--dataset-path {data_cfg.dataset_path} (split '{data_cfg.split}') has no samples")
-    keep = [text_column] + ([images_column] if images_column else [])
+    # ShareGPT's clip column (LLaVA-Video's "video"/"videos") is kept too: SFTSource reads a row's clips from it
+    videos = next((c for c in VIDEO_COLUMNS if c in cols), None) if schema == "sharegpt" else None
+    keep = [text_column] + ([images_column] if images_column else []) + ([videos] if videos else [])
     # The images column is read in Arrow format: stored values as they are (bytes/path dicts), so
     # nothing is decoded, and unlike cast_column(Image(decode=False)) no copy of the dataset is
     # written. The text column uses the normal format (datasets may store parts as Json features).
