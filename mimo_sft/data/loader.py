@@ -26,6 +26,7 @@ from mimo_sft.data.microbatch import (ERROR_KEY, MicroBatchDataset, MicroBatchIt
 from mimo_sft.data.preprocess import SamplePreprocessor
 from mimo_sft.data.mixture import MixtureSource
 from mimo_sft.data.sampler import CanonicalSampler
+from mimo_sft.data.source_probe import too_few_samples
 from mimo_sft.data.sources import SFTSource, load_sft_dataset
 from mimo_sft.errors import UserError
 
@@ -34,12 +35,9 @@ log = logging.getLogger("mimo_sft.data")
 
 def check_fits(source: SFTSource, pre: SamplePreprocessor, *, micro_batch_size: int, global_batch_size: int | None = None):
     """User-facing size checks shared by the iterator and ``validate``."""
-    n = len(source)
-    need = max(micro_batch_size, global_batch_size or 0)
-    if n < need and not isinstance(source, MixtureSource):  # a mixture's sources repeat: any size fills a batch
-        which = "--global-batch-size" if global_batch_size and global_batch_size >= micro_batch_size else "--micro-batch-size"
-        raise UserError(f"the dataset has {n} samples, fewer than one global batch ({which} {need}); "
-                        "add samples or lower the batch size")
+    few = too_few_samples(len(source), micro_batch_size=micro_batch_size, global_batch_size=global_batch_size)
+    if few and not isinstance(source, MixtureSource):  # a mixture's sources repeat: any size fills a batch
+        raise UserError(few)
     one = pre.min_tokens_for_one_image()
     if one > pre.seq_length:
         raise UserError(f"--seq-length {pre.seq_length} is too short for one image at --max-pixels {pre.max_pixels} "

@@ -27,13 +27,14 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
-from mimo_sft.config.checks.validation import parse_eval_iters
+from mimo_sft.config.checks.validation import held_out, parse_eval_iters
 from mimo_sft.config.checks.validation import parse_valid_split as config_valid_split
 from mimo_sft.config.mixture import mixture_specs, per_source_validation
 from mimo_sft.data.microbatch import ERROR_KEY, MicroBatchDataset, MicroBatchIterator, identity, worker_init
 from mimo_sft.data.preprocess import SamplePreprocessor
 from mimo_sft.data.mixture import InterleavedView, MixtureSource
 from mimo_sft.data.sampler import RankShare
+from mimo_sft.data.source_probe import VALID_SET, source_valid_set
 from mimo_sft.data.sources import SFTSource, load_sft_dataset
 from mimo_sft.errors import UserError
 
@@ -53,11 +54,9 @@ def holdout_rows(total: int, valid_split: float | int, *, seed: int, min_train: 
     gives a representative set; the same flags always give the same rows. ``min_train``: the
     training rows must still fill one global batch.
     """
-    n_valid = valid_split if isinstance(valid_split, int) else int(round(valid_split * total))
-    n_valid = max(1, n_valid)
-    if total - n_valid < min_train:
-        raise UserError(f"--valid-split {valid_split}: holding out {n_valid} of the {total} samples leaves "
-                        f"{total - n_valid}, fewer than one global batch ({min_train}); hold out fewer samples")
+    n_valid, refused = held_out(total, valid_split, min_train=min_train)
+    if refused:
+        raise UserError(refused)
     g = torch.Generator()
     g.manual_seed(int(seed))
     chosen = set(torch.randperm(total, generator=g)[:n_valid].tolist())
@@ -94,7 +93,7 @@ def split_sources(data_cfg, *, seed: int, global_batch_size: int,
         try:
             return None, (load_valid or load_sft_dataset)(valid_cfg)
         except UserError as e:  # the loader names the training flags; say which set it was
-            raise UserError(f"validation set (--valid-dataset-path, --valid-dataset-split): {e}") from None
+            raise UserError(f"{VALID_SET}: {e}") from None
     split = parse_valid_split(data_cfg.valid_split)
     if split is None:
         return None, None
@@ -120,7 +119,7 @@ def _per_source_valid(specs, load_valid) -> InterleavedView:
         try:
             parts.append(load_valid(one))
         except UserError as e:
-            raise UserError(f"validation set of source '{spec.name}' ({spec.data.valid_dataset_path}): {e}") from None
+            raise UserError(f"{source_valid_set(spec.name, spec.data.valid_dataset_path)}: {e}") from None
         names.append(spec.name)
         shares.append(spec.weight)
     return InterleavedView(MixtureSource(parts, names, shares))
