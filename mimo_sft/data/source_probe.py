@@ -127,13 +127,15 @@ def _open(one) -> Optional[int]:
     """The rows of one source opened as start-up would (streamed, or a loaded parquet's footers), its files
     checked; None where ``validate`` does not open it (no path, a missing one: checks 17 and 28; a hub name
     while online; a JSON file or ``save_to_disk`` folder). Start-up's refusals are raised as its lines."""
+    path = one.dataset_path
+    if not path:
+        return None  # (nothing imported: validate without data flags stays light)
     from mimo_sft.data.rows import checked
     from mimo_sft.data.sources import loaded_kind
     from mimo_sft.data.streamed import load_streamed_source
 
-    path = one.dataset_path
-    if not path or not path_exists(str(path)):
-        if path and not looks_local(str(path)):  # a hub name: start-up's line while offline (a missing path: checks)
+    if not path_exists(str(path)):
+        if not looks_local(str(path)):  # a hub name: start-up's line while offline (a missing path: checks 17, 28)
             loaded_kind(str(path), one.split)
         return None
     if is_streamed(one):

@@ -287,7 +287,8 @@ class ValidationReader:
     """This rank's validation micro-batches; iterate it once per evaluation (same samples each time).
 
     Workers (``--num-workers``) persist between evaluations; the loader has its own generator, so
-    an evaluation never draws from the global torch RNG.
+    an evaluation never draws from the global torch RNG. ``flag``: the flag that named the set, for the
+    line of a sample that cannot be evaluated (:func:`validation_line`).
     """
 
     def __init__(self, source: SFTSource, pre: SamplePreprocessor, *, n_samples: int, micro_batch_size: int,
