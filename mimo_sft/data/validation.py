@@ -12,9 +12,11 @@ seeded choice of rows (``--seed``), the validation rows in dataset order, and th
 then holds only the other rows, so the training sampler never sees them and ``consumed_samples``
 counts positions of that smaller set (a resume with the same flags reads the same stream).
 
-Before step 0 the evaluated samples are tokenised (image headers only): a sample whose image
-tokens do not fit ``--seq-length`` is refused rather than replaced (the value must be the loss of
-the samples the user named), and so is a set without supervised tokens. Training splits that work
+Before step 0 the evaluated samples are tokenised (image and clip headers only, a clip planned as
+training plans it): a sample whose image or video tokens do not fit ``--seq-length`` is refused rather
+than replaced (the value must be the loss of the samples the user named), and so is a set without
+supervised tokens. A refused sample's line says it is a validation sample and names its file and row
+(:func:`validation_line`), at start-up and at an evaluation alike. Training splits that work
 over the ranks (:func:`shard_tokens` on every ``world``-th sample, the verdicts combined in
 ``train.evaluate``); :func:`check_validation_set` is the same check in one process.
 """
