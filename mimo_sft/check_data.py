@@ -66,6 +66,8 @@ def run_check_data(args: list[str]) -> int:
     from mimo_sft.data.check import check_dataset
     from mimo_sft.quiet import quiet_libraries
 
+    from mimo_sft.config.checks.registry import data_flag_problems, refuse
+
     workers, as_json, costs, rest = _split_args(list(args))
     cfg = load_config(rest)
     if not cfg.model.hf_model:
@@ -73,6 +75,7 @@ def run_check_data(args: list[str]) -> int:
                         "decide how every sample is encoded")
     if not os.path.isdir(cfg.model.hf_model):
         raise UserError(f"--hf-model {cfg.model.hf_model}: folder not found; point it at a Hugging Face Qwen-VL checkpoint folder")
+    refuse(data_flag_problems(cfg))  # finetune's checks of the data flags (--video-fps 0, pixel bounds, ...)
     quiet_libraries()
     t0 = time.perf_counter()
     with Progress() as progress:

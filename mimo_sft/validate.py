@@ -5,9 +5,11 @@
 (``memory/``) reads the config schema (``config/``): an arrow from config/ to memory/ would close a circle.
 This module sits above both and is the one place that joins them. Pure like both: no torch, no megatron.
 
-``validate`` (not ``for_run``: the ranks open their sources at start-up anyway) also opens each streamed source
-as start-up does -- shard lists, footers and tar headers, no pixels (:func:`data.streamed.open_streamed_sources`,
-check 17) -- so that it refuses what ``finetune`` refuses.
+``validate`` (not ``for_run``: the ranks open their sources at start-up anyway) also opens each source as far as
+start-up does without converting or decoding anything -- streamed shard lists, footers and tar headers, a loaded
+parquet's footers, a hub name while offline, and one ``stat`` per image and clip file (:func:`data.source_probe.
+probe_sources`, checks 17 and 28) -- so that it refuses what ``finetune`` refuses. Only a config that opens a
+source imports the data layer's heavy parts (transformers through the preprocessor: ``data.model_folder``).
 """
 
 from __future__ import annotations
@@ -26,13 +28,14 @@ def check_config(cfg: ExperimentConfig, **kw) -> CheckResult:
     if not kw.get("for_run"):
         from mimo_sft.config.checks.context import Problem
         from mimo_sft.config.mixture import source_lines
-        from mimo_sft.data.streamed import open_streamed_sources
+        from mimo_sft.data.source_probe import probe_sources
 
-        problems, rows = open_streamed_sources(cfg.data)
-        result.problems.extend(Problem(17, msg) for msg in problems)
+        problems, rows = probe_sources(cfg)
+        known = {p.message for p in result.problems}  # (a streamed source's refusals are check 17's too)
+        result.problems.extend(Problem(n, msg) for n, msg in problems if msg not in known)
         result.notes.extend(Problem(17, line, "note") for line in source_lines(cfg, rows))
         if not result.problems:  # (the processor is read only for a config that is otherwise sound)
-            from mimo_sft.data.loader import fitted_pixels_note
+            from mimo_sft.data.model_folder import fitted_pixels_note
 
             fitted = fitted_pixels_note(cfg.data, cfg.model.hf_model)
             if fitted:
