@@ -44,8 +44,9 @@ def print_report(cfg: ExperimentConfig, result: CheckResult, console: Console, *
         reorder = (f"on ({how}, cost weights encoder {r.encoder_cost_weight} / language "
                    f"{r.language_cost_weight}{', calibrated' if r.calibration else ''})") if r.enabled else "off"
         packing = "packed (one padding-free sequence per language rank)" if cfg.data.in_batch_packing else "padded rows"
-        console.print(f"data: {data_mode}; reordering: {reorder}; language: {packing}, "
-                      f"{cfg.model.attention_backend} attention")
+        kernel = {"auto": "auto attention (torch's varlen kernel on a CUDA GPU in bf16, else sdpa)"}.get(
+            cfg.model.attention_backend, f"{cfg.model.attention_backend} attention")
+        console.print(f"data: {data_mode}; reordering: {reorder}; language: {packing}, {kernel}")
         if r.calibration:
             console.print(f"cost weights {r.calibration}")
         if r.encoder_balance:
