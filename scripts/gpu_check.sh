@@ -14,9 +14,10 @@
 # .venv (scripts/wheels_from_env.py): a clean clone needs no network beyond what `make install` used.
 #
 # Stages, most important first, each with its own limit inside one budget (GPU_CHECK_BUDGET, default 480 s;
-# 540 s in the rehearsal): every family packed on one GPU; transformers' model on the same rows; Qwen3.5 with
-# fla against the torch path; one profiled step's kernels; peak memory against the forecast at micro-batch 2
-# and 8; check-model. Each records ok, failed (its last error line), timed out or skipped (scripts/gpu_check.py).
+# 540 s in the rehearsal): every family packed on one GPU; one profiled step's kernels (the first family's run);
+# transformers' model on the same rows; Qwen3.5 with fla against the torch path; peak memory against the
+# forecast at micro-batch 2 and 8; check-model. Each records ok, failed (its last error line), timed out or
+# skipped (scripts/gpu_check.py).
 # GPU_CHECK_STAGES=hf,memory runs only those (install and inputs always run).
 # Back in OUT, 4 files: log.txt (everything, unfiltered), summary.json, kernels.txt, runs.tgz.
 # Settings: GPU_CHECK_PYTHON (default python3; .venv/bin/python with --rehearse), GPU_CHECK_WHEELS (.whl),

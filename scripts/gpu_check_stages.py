@@ -126,12 +126,14 @@ def _rel_diff(a: list, b: list) -> float:
 def fla(c) -> dict:
     """Qwen3.5 with fla's Gated DeltaNet kernels on the path, against the torch path (family:qwen3_5).
 
-    The fla wheels go into their own folder, put first on PYTHONPATH for this stage only. Whether megatron's
-    layers then call fla is read from the run (gpu_check_run.py's ``gdn_kernels``), not assumed. fla used:
-    its losses must stay within FLA_LOSS_RTOL of the torch path's. fla absent (the rehearsal: fla stays out
-    of the test environment, so the rehearsal installs none) or not used: the run must be the torch path's, to SAME_PATH_LOSS_RTOL -- the
-    record then says that nothing of fla was measured."""
-    # the rehearsal never installs fla, whatever .whl-fla holds: fla stays out of the test environment
+    The fla wheels go into their own folder, first on PYTHONPATH for this stage only; scripts/check_gdn_fla.py
+    compares the kernels, then Qwen3.5 trains on the same rows as the torch path's run. Whether megatron's
+    layers called fla is read from the run (gpu_check_run.py's ``gdn_kernels``), not assumed: fla used, its
+    losses must stay within FLA_LOSS_RTOL of the torch path's; fla installed but not used, the run must be
+    the torch path's own (SAME_PATH_LOSS_RTOL). fla that does not import (the rehearsal: fla stays out of the
+    test environment, so the rehearsal installs none, whatever .whl-fla holds): no second run, since it
+    would be the torch path's again; the stage checks that the torch path's run did call the torch kernels,
+    and its record says that nothing of fla was measured."""
     wheels = [] if c.mode == "rehearse" else sorted(glob.glob(os.path.join(c.fla_whl, "*.whl")))
     target = os.path.join(c.work, "fla")
     if wheels:
@@ -142,20 +144,24 @@ def fla(c) -> dict:
     found = next((ln.split()[1] for ln in tail if ln.startswith("FLA ")), None) if rc == 0 else None
     _, table = c.run([c.py, _script("check_gdn_fla.py")], env=env)
     torch_path, ref_run = _mimo_run(c, "family-qwen3_5", "qwen3_5")
+    ref_kernels = c.runs[ref_run][1].get("gdn_kernels")
+    out = {"fla_wheels": [os.path.basename(w) for w in wheels], "fla": found or "not importable",
+           "torch_path_run": ref_run, "torch_path_kernels": ref_kernels,
+           "check_gdn_fla": [ln.rstrip() for ln in table if ln.strip()][-12:]}
+    if ref_kernels != "torch":
+        raise StageFailed(f"{ref_run}, without fla on the path, called {ref_kernels} Gated DeltaNet kernels, not torch's")
+    if not found:
+        return dict(out, gdn_kernels="torch", note=f"fla not installed ({last_error_line(tail)}): the torch path "
+                    f"only ({ref_run}); nothing of fla was measured")
     rec = c.train("fla-qwen3_5", "qwen3_5", env=env)
     used, diff = rec["gdn_kernels"], _rel_diff(rec["figures"]["losses"], torch_path["losses"])
     limit = FLA_LOSS_RTOL if used == "fla" else SAME_PATH_LOSS_RTOL
-    out = {"fla_wheels": [os.path.basename(w) for w in wheels], "fla": found or "not importable",
-           "gdn_kernels": used, "torch_path_run": ref_run, "max_rel_loss_diff": diff, "loss_rtol": limit,
-           "check_gdn_fla": [ln.rstrip() for ln in table if ln.strip()][-12:], "figures": rec["figures"],
-           "time_over_torch_path": rec["figures"]["median_step_s"] / torch_path["median_step_s"]}
-    if used == "fla" and not found:
-        raise StageFailed("megatron called fla's kernels, yet fla does not import in this environment")
+    out.update(gdn_kernels=used, max_rel_loss_diff=diff, loss_rtol=limit, figures=rec["figures"],
+               time_over_torch_path=rec["figures"]["median_step_s"] / torch_path["median_step_s"])
     if diff > limit:
         raise StageFailed(f"losses differ from the torch path's by {diff:.2e} (relative), over {limit:.0e}")
     if used != "fla":
-        out["note"] = (f"fla {'not installed' if not found else found + ' installed but not used'}: the torch "
-                       f"path only; nothing of fla was measured")
+        out["note"] = f"fla {found} installed but not used: the torch path only; nothing of fla was measured"
     return out
 
 
@@ -192,7 +198,7 @@ def memory(c) -> dict:
     over = [r["run"] for r in rows if r.get("allocated_over_forecast", 0) > 1]
     if over:
         raise StageFailed(f"peak allocated memory above the forecast at {', '.join(over)}: the forecast is no bound")
-    out = {"model": MEMORY_MODEL, "rows": rows}
+    out = {"model": MEMORY_MODEL, "rows": rows, "figures": big["figures"]}
     if rows[0]["device"] == "cpu":
         out["note"] = "CPU run: the peaks are the process's resident set, not comparable with a GPU forecast"
     return out
