@@ -102,7 +102,8 @@ class Check:
         self.mode, self.m = a.mode, MODES[a.mode]
         self.out, self.py = os.path.abspath(a.out), a.python
         self.work = os.path.abspath(a.work or tempfile.mkdtemp(prefix="gpu-check-"))
-        self.site, self.whl, self.fla_whl = os.path.join(self.work, "site"), os.path.abspath(a.whl), os.path.abspath(a.fla)
+        self.site, self.fla_whl = os.path.join(self.work, "site"), os.path.abspath(a.fla)
+        self.whl = a.whl if a.whl == "none" else os.path.abspath(a.whl)
         self.budget = float(a.budget or self.m["budget"])
         self.only = set(a.stages.split(",")) if a.stages else None
         self.t0 = time.monotonic()
@@ -262,7 +263,8 @@ def main(argv=None) -> int:
     p.add_argument("--mode", choices=sorted(MODES), required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--python", default=sys.executable, help="the interpreter every step runs with")
-    p.add_argument("--whl", default=os.path.join(ROOT, ".whl"))
+    p.add_argument("--whl", default=os.path.join(ROOT, ".whl"),
+                   help="folder of the wheels to install; 'none': the interpreter already has every package")
     p.add_argument("--fla", default=os.path.join(ROOT, ".whl-fla"))
     p.add_argument("--work", default=None, help="scratch folder (default: a new temporary one, removed at the end)")
     p.add_argument("--budget", type=float, default=None, help="seconds for all stages")

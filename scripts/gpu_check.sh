@@ -20,7 +20,8 @@
 # skipped (scripts/gpu_check.py).
 # GPU_CHECK_STAGES=hf,memory runs only those (install and inputs always run).
 # Back in OUT, 4 files: log.txt (everything, unfiltered), summary.json, kernels.txt, runs.tgz.
-# Settings: GPU_CHECK_PYTHON (default python3; .venv/bin/python with --rehearse), GPU_CHECK_WHEELS (.whl),
+# Settings: GPU_CHECK_PYTHON (default python3; .venv/bin/python with --rehearse), GPU_CHECK_WHEELS (.whl; "none"
+# on a node whose interpreter already has every package, e.g. GPU_CHECK_PYTHON=.venv/bin/python after make install),
 # GPU_CHECK_FLA_WHEELS (.whl-fla), GPU_CHECK_WORK (scratch, default a new temporary folder, removed after).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -29,7 +30,7 @@ out=""
 for arg in "$@"; do
   case "$arg" in
     --rehearse) mode=rehearse ;;
-    -h|--help) sed -n '2,24p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,25p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     -*) echo "gpu_check: unknown option $arg (see --help)" >&2; exit 2 ;;
     *) out=$arg ;;
   esac

@@ -257,3 +257,17 @@ def test_kernel_table_reads_kernels_runtime_calls_and_host_self_time(tmp_path):
     text = "\n".join(lines)
     assert re.search(r"0\.30 ms +75\.0% x1 +sm90_gemm", text)
     assert re.search(r"0\.10 ms .* x2 +aten::mm", text) and re.search(r"0\.04 ms .* x1 +aten::linear", text)  # self time
+
+
+def test_install_stage_with_no_wheels_uses_the_interpreter_and_with_an_empty_folder_fails(tmp_path):
+    import gpu_check_stages
+
+    c = _check(tmp_path, install=120)
+    c.whl = "none"
+    c.stage("install", lambda: gpu_check_stages.install(c))
+    assert c.records[0]["status"] == "ok" and c.records[0]["wheels"] == []
+    assert c.environment["versions"]["transformers"] and set(c.environment["modules"]) == {
+        mod for _, mod in gpu_check.wheel_list()}
+    c.mode, c.whl = "gpu", str(tmp_path / "empty")
+    c.stage("install", lambda: gpu_check_stages.install(c))
+    assert c.records[1]["status"] == "failed" and "run scripts/fetch_gpu_wheels.sh" in c.records[1]["error"]
