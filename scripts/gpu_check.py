@@ -60,7 +60,12 @@ MODES = {
 
 
 class StageFailed(Exception):
-    """A stage's command failed; the message is its last error line."""
+    """A stage failed; the message is the line that says why (a command's last error line), ``details`` what
+    the stage had measured by then (kept in its record)."""
+
+    def __init__(self, message: str, details: dict | None = None):
+        super().__init__(message)
+        self.details = details or {}
 
 
 class StageTimedOut(Exception):
@@ -111,6 +116,7 @@ class Check:
         self.records: list[dict] = []
         self.runs: dict[str, tuple] = {}  # run name -> (figures, result)
         self.environment: dict = {}
+        os.makedirs(self.out, exist_ok=True)
         for d in ("runs", "results", "models"):
             os.makedirs(os.path.join(self.work, d), exist_ok=True)
 
@@ -190,7 +196,7 @@ class Check:
         try:
             rec.update(status="ok", **(fn() or {}))
         except StageFailed as e:
-            rec.update(status="failed", error=str(e))
+            rec.update(status="failed", error=str(e), **e.details)
         except StageTimedOut as e:
             rec.update(status="timed out", error=str(e))
         except Exception as e:  # this script's own mistake: recorded, and the next stage still runs
@@ -221,14 +227,16 @@ class Check:
         result = json.load(open(result_path)) if os.path.isfile(result_path) else None
         figures = report.run_figures(os.path.join(self.work, "runs", run), self.m["warmup"])
         self.runs[run] = (figures, result)
+        rec = {"run": run, "model": model, "micro_batch": mbs, "gdn_kernels": (result or {}).get("gdn_kernels"),
+               "figures": figures, "memory": report.memory_row(run, figures, result)}
         if rc != 0:
-            raise StageFailed(last_error_line(tail))
+            raise StageFailed(last_error_line(tail), rec)
         if figures is None or figures["steps"] != steps:
-            raise StageFailed(f"{run}: logged {figures['steps'] if figures else 0} of {steps} steps")
+            raise StageFailed(f"{run}: logged {figures['steps'] if figures else 0} of {steps} steps", rec)
         if not figures["loss_fell"]:
-            raise StageFailed(f"{run}: the loss did not fall ({figures['losses'][0]:.4f} -> {figures['losses'][-1]:.4f})")
-        return {"run": run, "model": model, "micro_batch": mbs, "gdn_kernels": result.get("gdn_kernels"),
-                "figures": figures, "memory": report.memory_row(run, figures, result)}
+            raise StageFailed(f"{run}: the loss did not fall ({figures['losses'][0]:.4f} -> "
+                              f"{figures['losses'][-1]:.4f})", rec)
+        return rec
 
     def family(self, name: str) -> dict:
         headline = name == HEADLINE
@@ -289,4 +297,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    # gpu_check_stages imports this module by name: one module object, so that its StageFailed is this one
+    sys.modules["gpu_check"] = sys.modules["__main__"]
     sys.exit(main())

@@ -132,11 +132,13 @@ def _check(tmp_path, **limits) -> gpu_check.Check:
 
 
 def test_stage_records_failed_with_its_last_error_line_and_the_next_stage_runs(tmp_path):
-    c = _check(tmp_path, bad=30, good=30)
+    c = _check(tmp_path, bad=30, good=30, measured=30)
     c.stage("bad", lambda: c.run(["bash", "-c", "echo working; echo 'ValueError: no such flag' >&2; echo bye; exit 3"]))
     c.stage("good", lambda: {"value": c.run(["bash", "-c", "echo fine"])[0]})
     assert c.records[0]["status"] == "failed" and c.records[0]["error"] == "ValueError: no such flag"
     assert c.records[1]["status"] == "ok" and c.records[1]["value"] == 0
+    c.stage("measured", lambda: (_ for _ in ()).throw(gpu_check.StageFailed("over the forecast", {"rows": [1.5]})))
+    assert c.records[2] == dict(c.records[2], status="failed", error="over the forecast", rows=[1.5])
 
 
 def test_stage_past_its_limit_is_timed_out_and_its_processes_are_killed(tmp_path):
