@@ -11,9 +11,9 @@ the run's metrics.jsonl does not hold:
 * ``peak_reserved_bytes``: the most memory the CUDA caching allocator held at any time of the run (sampled
   every 20 ms, and its own peak counter, which the trainer resets each step), beside which the metrics'
   per-step peak allocated is read; None on the CPU;
-* ``gdn_kernels``: whose Gated DeltaNet kernels megatron's layers called: ``fla`` or ``torch`` (mimo-sft's
-  stand-ins), None for a model without linear attention -- read from megatron's module after the run, so it
-  is what ran, whatever decided it;
+* ``gdn_kernels``: whose Gated DeltaNet kernels megatron's layers called: ``fla`` (fla's function, or a
+  wrapper of it) or ``torch`` (mimo-sft's torch kernels), None for a model without linear attention -- read
+  from megatron's module after the run, so it is what ran, whatever decided it;
 * ``device``, ``device_memory_bytes``, ``rc`` (the command's exit status).
 
 Exits with the command's status.
@@ -60,13 +60,29 @@ class ReservedSampler(threading.Thread):
                 self.peak = max(self.peak, torch.cuda.memory_reserved())
 
 
+def kernel_owner(fn) -> str:
+    """``fla`` when ``fn`` is fla's function or wraps one (``__wrapped__``, or a function it closes over),
+    ``torch`` when it is mimo-sft's torch kernel, else its qualified name."""
+    seen, todo = set(), [fn]
+    while todo:
+        f = todo.pop()
+        if f is None or id(f) in seen:
+            continue
+        seen.add(id(f))
+        if (getattr(f, "__module__", None) or "").split(".")[0] == "fla":
+            return "fla"
+        todo.append(getattr(f, "__wrapped__", None))
+        todo.extend(cell.cell_contents for cell in (getattr(f, "__closure__", None) or ())
+                    if callable(getattr(cell, "cell_contents", None)))
+    module = getattr(fn, "__module__", None) or ""
+    return "torch" if module == "mimo_sft.model.gdn_kernels" else f"{module}.{getattr(fn, '__qualname__', fn)}"
+
+
 def gdn_kernels() -> str | None:
-    """``fla`` or ``torch``: the module of the gated delta rule megatron's GDN layers called; None if no GDN."""
+    """Whose gated delta rule megatron's GDN layers called (``kernel_owner``); None without a GDN layer."""
     common = sys.modules.get("megatron.core.ssm.gated_delta_net.common")
     rule = getattr(common, "chunk_gated_delta_rule", None)
-    if rule is None:
-        return None
-    return "torch" if rule.__module__.startswith("mimo_sft") else rule.__module__.split(".")[0]
+    return None if rule is None else kernel_owner(rule)
 
 
 def finetune(flags: list[str]) -> int:

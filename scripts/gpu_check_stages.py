@@ -150,32 +150,31 @@ def fla(c) -> dict:
     table_rc, table = c.run([c.py, _script("check_gdn_fla.py")], env=env, check=False)
     torch_path, ref_run = _mimo_run(c, "family-qwen3_5", "qwen3_5")
     ref_kernels = c.runs[ref_run][1].get("gdn_kernels")
+    # check_gdn_fla.py's status says whether it measured every row (not without CUDA or fla, nor fla's refused
+    # backward): recorded with its lines, not judged here -- the run below shows what training calls
     out = {"fla_wheels": [os.path.basename(w) for w in wheels], "fla": found or "not importable",
-           "torch_path_run": ref_run, "torch_path_kernels": ref_kernels,
-           "check_gdn_fla": [ln.rstrip() for ln in table if ln.strip()][-12:]}
+           "torch_path_run": ref_run, "torch_path_kernels": ref_kernels, "check_gdn_fla_rc": table_rc,
+           "check_gdn_fla": [ln.rstrip() for ln in table if ln.strip()][-14:]}
     if ref_kernels != "torch":
-        raise StageFailed(f"{ref_run}, without fla on the path, called {ref_kernels} Gated DeltaNet kernels, not torch's")
-    kernels_failed = f"scripts/check_gdn_fla.py: {last_error_line(table)}" if table_rc != 0 else None
+        raise StageFailed(f"{ref_run}, without fla on the path, called {ref_kernels} Gated DeltaNet kernels, "
+                          f"not torch's", out)
     if not found:
-        if kernels_failed:
-            raise StageFailed(kernels_failed, out)
         return dict(out, gdn_kernels="torch", note=f"fla not installed ({last_error_line(tail)}): the torch path "
                     f"only ({ref_run}); nothing of fla was measured")
-    try:  # the training run still goes when the kernel comparison failed: which kernels it calls is mimo-sft's choice
+    try:
         rec = c.train("fla-qwen3_5", "qwen3_5", env=env)
     except StageFailed as e:
-        raise StageFailed("; ".join(filter(None, (kernels_failed, str(e)))), dict(out, **e.details)) from None
+        raise StageFailed(str(e), dict(out, **e.details)) from None
     used, diff = rec["gdn_kernels"], _rel_diff(rec["figures"]["losses"], torch_path["losses"])
-    limit = FLA_LOSS_RTOL if used == "fla" else SAME_PATH_LOSS_RTOL
+    limit = SAME_PATH_LOSS_RTOL if used == "torch" else FLA_LOSS_RTOL
     out.update(gdn_kernels=used, max_rel_loss_diff=diff, loss_rtol=limit, figures=rec["figures"],
                time_over_torch_path=rec["figures"]["median_step_s"] / torch_path["median_step_s"])
-    if used != "fla":
+    if used == "torch":
         out["note"] = f"fla {found} installed but not used: the torch path only; nothing of fla was measured"
+    elif used != "fla":
+        out["note"] = f"megatron called {used}: neither fla's kernels nor the torch ones, as far as can be told"
     if diff > limit:
-        kernels_failed = "; ".join(filter(None, (kernels_failed, f"losses differ from the torch path's by "
-                                                 f"{diff:.2e} (relative), over {limit:.0e}")))
-    if kernels_failed:
-        raise StageFailed(kernels_failed, out)
+        raise StageFailed(f"losses differ from the torch path's by {diff:.2e} (relative), over {limit:.0e}", out)
     return out
 
 

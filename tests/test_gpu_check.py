@@ -109,7 +109,7 @@ def test_rehearsal_stages_say_what_they_measured(rehearsal):
     assert fla["torch_path_run"] == "family-qwen3_5" and fla["torch_path_kernels"] == "torch"
     assert "No module named 'fla'" in fla["note"] and "nothing of fla was measured" in fla["note"]
     assert "figures" not in fla  # no second run: it would be the torch path again
-    assert fla["check_gdn_fla"]  # scripts/check_gdn_fla.py ran (and said why it measured nothing)
+    assert fla["check_gdn_fla"] and fla["check_gdn_fla_rc"] in (0, 1)  # scripts/check_gdn_fla.py ran, said why
     prof = by["profile"]
     assert prof["host_ops"] > 0 and prof["kernel"] == 0 and "no kernels" in prof["note"]
     assert "host ops (self time)" in (out / "kernels.txt").read_text()
@@ -273,3 +273,23 @@ def test_install_stage_with_no_wheels_uses_the_interpreter_and_with_an_empty_fol
     c.mode, c.whl = "gpu", str(tmp_path / "empty")
     c.stage("install", lambda: gpu_check_stages.install(c))
     assert c.records[1]["status"] == "failed" and "run scripts/fetch_gpu_wheels.sh" in c.records[1]["error"]
+
+
+def test_gdn_kernel_owner_sees_fla_through_a_wrapper_and_names_the_torch_kernels():
+    import functools
+    import types
+
+    import gpu_check_run
+
+    from mimo_sft.model import gdn_kernels
+
+    fla_rule = types.FunctionType(compile("def rule(): pass", "<fla>", "exec").co_consts[0], {"__name__": "fla.ops.x"})
+    assert gpu_check_run.kernel_owner(fla_rule) == "fla"
+    assert gpu_check_run.kernel_owner(functools.wraps(fla_rule)(lambda: None)) == "fla"  # __wrapped__
+
+    def closing_over(*a):
+        return fla_rule(*a)
+
+    assert gpu_check_run.kernel_owner(closing_over) == "fla"  # a wrapper that keeps fla's function in its closure
+    assert gpu_check_run.kernel_owner(gdn_kernels.chunk_gated_delta_rule) == "torch"
+    assert gpu_check_run.kernel_owner(len) == "builtins.len"
