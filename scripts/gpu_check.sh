@@ -18,7 +18,8 @@
 # transformers' model on the same rows; Qwen3.5 with fla against the torch path; peak memory against the
 # forecast at micro-batch 2 and 8; check-model. Each records ok, failed (its last error line), timed out or
 # skipped (scripts/gpu_check.py).
-# GPU_CHECK_STAGES=hf,memory runs only those (install and inputs always run).
+# Exits 0 when every stage is ok, 1 otherwise. GPU_CHECK_STAGES=hf,memory runs only those (install and inputs
+# always run; the rest are recorded as skipped).
 # Back in OUT, 4 files: log.txt (everything, unfiltered), summary.json, kernels.txt, runs.tgz.
 # Settings: GPU_CHECK_PYTHON (default python3; .venv/bin/python with --rehearse), GPU_CHECK_WHEELS (.whl; "none"
 # on a node whose interpreter already has every package, e.g. GPU_CHECK_PYTHON=.venv/bin/python after make install),
@@ -30,7 +31,7 @@ out=""
 for arg in "$@"; do
   case "$arg" in
     --rehearse) mode=rehearse ;;
-    -h|--help) sed -n '2,25p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,26p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     -*) echo "gpu_check: unknown option $arg (see --help)" >&2; exit 2 ;;
     *) out=$arg ;;
   esac
