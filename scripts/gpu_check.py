@@ -37,7 +37,7 @@ FAMILIES = ("qwen2_5_vl", "qwen3_5", "qwen3_vl", "qwen3_vl_moe", "qwen3_5_moe")
 #: stages in the order they run: most important first, so that a short budget keeps those; the profile comes
 #: right after the families because it reads the headline run's trace (seconds, where a run of its own costs
 #: a model's start-up)
-STAGES = (*(f"family:{f}" for f in FAMILIES), "profile", "hf", "fla", "memory", "check-model")
+STAGES = (*(f"family:{f}" for f in FAMILIES), "profile", "hf", "varlen", "fla", "memory", "check-model")
 #: the headline model (transformers' peer and the profile run on it) and the memory stage's model
 HEADLINE, MEMORY_MODEL = "qwen2_5_vl", "qwen3_vl"
 #: largest relative loss difference per step between fla's Gated DeltaNet and the torch one (bf16 kernels
@@ -50,7 +50,7 @@ MODES = {
                 headline_steps=20, profile_step=12, memory_steps=4, threads="8",
                 extra=["--max-pixels", "1003520", "--gpu-memory-gb", "1000"],
                 limits={"install": 90, "inputs": 120, "family:qwen2_5_vl": 220, "family": 150, "hf": 150,
-                        "fla": 200, "profile": 120, "memory": 180, "check-model": 120}),
+                        "varlen": 90, "fla": 200, "profile": 120, "memory": 180, "check-model": 120}),
     # the CPU stand-in: tiny models, short rows, a rate at which the loss falls in six steps
     "rehearse": dict(budget=540, min_start=10, seq=512, mbs=2, big_mbs=8, lr=2e-3, warmup=2, steps=6,
                      headline_steps=6, profile_step=4, memory_steps=3, threads="1",

@@ -128,6 +128,20 @@ def _rel_diff(a: list, b: list) -> float:
     return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b))
 
 
+def varlen(c) -> dict:
+    """torch's variable-length attention against the padded SDPA path (scripts/check_varlen.py: bf16, causal and
+    not, grouped-query attention, forward and gradients, timed). Exit 3 is "nothing measured" (no CUDA, or a
+    torch without torch.nn.attention.varlen): recorded as such, never a pass of the comparison -- on a GPU the
+    family runs then measured the padded SDPA path, which --attention-backend auto falls back to."""
+    rc, tail = c.run([c.py, _script("check_varlen.py")], check=False)
+    lines = [ln.rstrip() for ln in tail if ln.strip()][-12:]
+    if rc == 3:
+        return {"measured": False, "note": last_error_line(tail), "lines": lines}
+    if rc != 0:
+        raise StageFailed(last_error_line(tail), {"lines": lines})
+    return {"measured": True, "lines": lines}
+
+
 def fla(c) -> dict:
     """Qwen3.5 with fla's Gated DeltaNet kernels on the path, against the torch path (family:qwen3_5).
 
