@@ -18,8 +18,9 @@ from mimo_sft.errors import UserError
 
 CHECK_DATA_FLAGS = {"--workers": "decoding worker processes (default: every CPU; 0: decode in this process)",
                     "--json": "print the counts and every problem as one JSON object",
-                    "--write-costs": "write each source's reordering counts (real and image tokens per row) to "
-                                     "--cost-dir, so --reorder-mode index plans without reading rows"}
+                    "--write-costs": "write each source's per-row counts (real and image tokens, image grids) to "
+                                     "--cost-dir, so --reorder-mode index plans without reading rows and the memory "
+                                     "forecast (check 23) takes this data's largest micro-batch"}
 
 _COUNT_TEXT = {
     "samples": "samples", "images": "images", "clips": "video clips", "clip_frames": "frames sampled from them",

@@ -104,7 +104,8 @@ def _memory_json(memory: dict | None) -> dict:
     """``validate --json``'s memory keys: each module's forecast and the budget it was held to."""
     if memory is None:
         return {"memory": None}
-    return {"memory": memory["modules"], "gpu_memory_bytes": memory["budget_bytes"], "memory_workload": memory["workload"]}
+    return {"memory": memory["modules"], "gpu_memory_bytes": memory["budget_bytes"], "memory_workload": memory["workload"],
+            "memory_worst_case": memory.get("worst_case")}
 
 
 @app.command(context_settings=FLAG_COMMAND)

@@ -4,6 +4,9 @@
 ``config.checks.registry.check_config`` takes check 23's body as an argument because the forecast
 (``memory/``) reads the config schema (``config/``): an arrow from config/ to memory/ would close a circle.
 This module sits above both and is the one place that joins them. Pure like both: no torch, no megatron.
+Check 23 forecasts the largest micro-batch the data's rows can form where ``check-data --write-costs`` counted
+them for these settings (:func:`data_row_counts`: the cost files are named by the rows and settings, so finding
+them reads no row), else the worst case a sample could reach.
 
 ``validate`` (not ``for_run``: the ranks open their sources at start-up anyway) also opens each source as far as
 start-up does without converting or decoding anything -- streamed shard lists, footers and tar headers, a loaded
@@ -14,17 +17,47 @@ source imports the data layer's heavy parts (transformers through the preprocess
 
 from __future__ import annotations
 
+from functools import partial
+
 from mimo_sft.config.checks import registry
 from mimo_sft.config.checks.registry import CheckResult
 from mimo_sft.config.schema import ExperimentConfig
+from mimo_sft.errors import UserError
 from mimo_sft.memory.check import forecast_check
 
 __all__ = ["CheckResult", "check_config", "require_valid"]
+#: ``row_counts``' default: look for the data's cost files
+LOOK = object()
 
 
-def check_config(cfg: ExperimentConfig, **kw) -> CheckResult:
-    """Every numbered check (see ``config.checks.registry.check_config``), check 23 included."""
-    result = registry.check_config(cfg, forecaster=forecast_check, **kw)
+def data_row_counts(cfg: ExperimentConfig):
+    """``(memory.from_data.RowCounts or None, why not)``: the per-row counts check-data wrote for this data and
+    these settings (``data.cost_file.load_row_counts``), which check 23 forecasts the largest micro-batch of.
+    A dataset that cannot be opened has none (check 17 says why)."""
+    from mimo_sft.data import cost_file
+
+    if not cfg.model.hf_model or not cost_file.maybe_written_for(cfg.data):
+        return None, None
+    from mimo_sft.data.loader import build_preprocessor
+    from mimo_sft.data.sources import load_sft_dataset
+
+    try:
+        source = load_sft_dataset(cfg.data, check_files=False)
+        pre = build_preprocessor(cfg.data, cfg.model.hf_model)
+        return cost_file.load_row_counts(source, pre, cost_file.cost_dir(cfg.data))
+    except (UserError, OSError, ValueError):
+        return None, None
+
+
+def _forecaster(cfg: ExperimentConfig, row_counts):
+    counts, why = data_row_counts(cfg) if row_counts is LOOK else (row_counts, None)
+    return partial(forecast_check, counts=counts, counts_note=why)
+
+
+def check_config(cfg: ExperimentConfig, *, row_counts=LOOK, **kw) -> CheckResult:
+    """Every numbered check (see ``config.checks.registry.check_config``), check 23 included: on the data's
+    per-row counts where check-data wrote them (``row_counts``: given, or None for the worst case)."""
+    result = registry.check_config(cfg, forecaster=_forecaster(cfg, row_counts), **kw)
     if not kw.get("for_run"):
         from mimo_sft.config.checks.context import Problem
         from mimo_sft.config.mixture import source_lines
@@ -43,6 +76,6 @@ def check_config(cfg: ExperimentConfig, **kw) -> CheckResult:
     return result
 
 
-def require_valid(cfg: ExperimentConfig, **kw) -> CheckResult:
+def require_valid(cfg: ExperimentConfig, *, row_counts=LOOK, **kw) -> CheckResult:
     """``check_config`` that raises one ``UserError`` listing every problem (``finetune``, ``evaluate``)."""
-    return registry.require_valid(cfg, forecaster=forecast_check, **kw)
+    return registry.require_valid(cfg, forecaster=_forecaster(cfg, row_counts), **kw)

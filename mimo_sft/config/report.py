@@ -85,3 +85,7 @@ def print_memory(memory: dict, console: Console) -> None:
     verdicts = ", ".join(f"{g} {p / gib:.1f} GiB {'fits' if p <= budget else 'DOES NOT FIT'}"
                          for g, p in memory["gpu_peaks"].items())
     console.print(f"memory: {verdicts} ({memory['workload']}; docs/memory.md)", highlight=False)
+    worst = memory.get("worst_case")
+    if worst:  # the data's figure is in force; the worst case beside it
+        peaks = ", ".join(f"{g} {p / gib:.1f} GiB" for g, p in worst["gpu_peaks"].items())
+        console.print(f"memory, not in force: {peaks} for the {worst['workload']}", highlight=False)

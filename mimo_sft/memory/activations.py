@@ -68,7 +68,8 @@ Attention is per image (full-attention blocks) or per window: each segment is on
 (``model.segments``), so its q, k, v, output and log-sum-exp are kept per padded slot, ``(4 b h + 4 heads)``
 each: linear in the patches of every image of a sample, no term in an image's patches squared. The
 formulas count real patches; the padding (each image to a multiple of 8 patches, windows at image edges
-to 64, a short image padded to its group's longest) adds a few % to a block (measured: docs/memory.md).
+to 64, a short image padded to its group's longest) adds a few % to a block (measured: docs/memory.md);
+a forecast from the data (``memory.from_data``) bounds it: ``vision_padding_bytes``, ``language_slot_bytes``.
 Qwen3-VL's block (LayerNorm, plain GELU MLP): norms 2 x (b h input + 8 mean/rstd + b h output),
 mlp 2 b ffn (fc1 output, GELU output), qkv and attention as above (measured at width 1152: 38,032
 bytes per patch in bf16, equal to the formula).
@@ -250,3 +251,27 @@ def vision_input_terms(v: VisionDims, *, b: int, tower_trains: bool) -> float:
     keeps when it trains, and the fp32 rotary cos/sin tables every block reads."""
     head_dim = v.hidden // v.heads
     return FP32 * v.patch_values + (b * v.patch_values if tower_trains else 0) + 2 * FP32 * head_dim
+
+
+#: the padded layout's index (``model.segments.PaddedRows.slots``): one int64 per real position, kept by the
+#: copy back; and its key mask, one bool per padded slot (vision only: causal language rows need none)
+SEGMENT_INDEX, KEY_MASK = 8, 1
+
+
+def language_slot_bytes(d: TextDims, *, tp: int, b: int, layer_type: str = FULL_ATTENTION,
+                        recompute_modules=()) -> float:
+    """Bytes one decoder layer keeps per padded attention slot of a packed micro-batch (``model.segments``:
+    each sample a row of a padded batch): the padded copies of q, k and v that SDPA keeps, its padded output
+    and log-sum-exp. None for a Gated DeltaNet layer (fla's kernels take the packed sequence as it is) or
+    with ``core_attn`` recomputed (the checkpoint keeps only the real q, k, v)."""
+    if layer_type == LINEAR_ATTENTION or "core_attn" in recompute_modules:
+        return 0.0
+    heads, kv = d.heads // tp, d.kv_heads // tp
+    return 2 * b * (heads + kv) * d.head_dim + FP32 * heads
+
+
+def vision_padding_bytes(v: VisionDims, *, b: int, patches: int, slots: int) -> float:
+    """What one vision block keeps for its attention's padding, beyond ``vision_block_terms`` x ``patches``, when
+    its segments take ``slots`` padded slots: per padded slot its q, k, v and output copies and log-sum-exp
+    (``4 b h + 4 heads``), the key mask (a bool per slot), and the layout's index (an int64 per patch)."""
+    return (4 * b * v.hidden + FP32 * v.heads) * max(0, slots - patches) + KEY_MASK * slots + SEGMENT_INDEX * patches
