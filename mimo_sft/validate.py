@@ -36,7 +36,7 @@ def data_row_counts(cfg: ExperimentConfig):
     A dataset that cannot be opened has none (check 17 says why)."""
     from mimo_sft.data import cost_file
 
-    if not cfg.model.hf_model or not cost_file.maybe_written_for(cfg.data):
+    if not cfg.model.hf_model or not cost_file.any_written(cfg.data):
         return None, None
     from mimo_sft.data.loader import build_preprocessor
     from mimo_sft.data.sources import load_sft_dataset

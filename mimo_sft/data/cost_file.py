@@ -200,17 +200,11 @@ class SourceCounts:
 
 
 # ---- the memory forecast's per-row counts (check 23) ---------------------------------------------------
-def maybe_written_for(data_cfg) -> bool:
-    """Whether any cost file in ``--cost-dir`` was written for this ``--seq-length``: read before anything costly
-    (the dataset, the tokenizer), so that a run without cost files pays nothing for looking."""
+def any_written(data_cfg) -> bool:
+    """Whether ``--cost-dir`` holds any cost file: asked before anything costly (the dataset, the tokenizer), so
+    that a run where check-data never wrote one pays nothing for looking."""
     folder = cost_dir(data_cfg)
-    for about in folder.glob("*.json") if folder.is_dir() else []:
-        try:
-            if json.loads(about.read_text()).get("seq_length") == data_cfg.seq_length:
-                return True
-        except (OSError, ValueError):
-            continue
-    return False
+    return folder.is_dir() and any(folder.glob("*.json"))
 
 
 def _source_rows(table: CostTable, grids: np.ndarray):
