@@ -329,3 +329,47 @@ def test_rows_check_data_could_not_count_keep_the_worst_case(wide, tmp_path):
     out = json.loads(_validate(*_args(cfg, costs, 60), "--json").output)
     assert out["memory_workload"].startswith("worst case")
     assert any(n.startswith("[23] forecast for the worst case: 1 rows of") for n in out["notes"]), out["notes"]
+
+
+def test_plan_forecasts_the_datas_largest_micro_batch_where_it_has_the_counts(tmp_path):
+    from mimo_sft.plan import PlanOptions, build_plan
+
+    cfg = _cfg(tiny_checkpoint_dir(), demo_dataset_dir(), tmp_path / "costs", "--seq-length", "256")
+    plan = build_plan(cfg, PlanOptions(steps=2))
+    assert plan["memory_report"]["workload"].startswith("this data: heaviest of 2 planned micro-batches")
+    counts = _write_costs(cfg)
+    plan = build_plan(cfg, PlanOptions(steps=2))
+    assert plan["memory_report"]["workload"].startswith(f"this data: the largest micro-batch its {counts.rows} rows")
+
+
+def test_encoder_balance_bounds_a_tower_that_encodes_images_of_other_rows(tiny_counts):
+    """--encoder-balance moves single images between towers, keeping each tower's patches within the heaviest
+    rank's as read: any set of images within those patches, from any rows, stays within the slot bounds."""
+    from mimo_sft.config.checks.context import read_hf_config
+    from mimo_sft.testing.saved_bytes import image_segments, vision_block
+    from mimo_sft.validate import check_config
+
+    cfg, counts = tiny_counts
+    cfg = load_config(["--hf-model", cfg.model.hf_model, "--dataset-path", cfg.data.dataset_path, "--cost-dir",
+                       cfg.data.cost_dir, "--allow-random-init", "--seq-length", str(SEQ), "--max-pixels", "50176",
+                       "--component", "language=dp=2", "--component", "images=dp=2", "--micro-batch-size", "4",
+                       "--global-batch-size", "4", "--encoder-balance", "--reorder-mode", "index",
+                       "--intra-microbatch-reorder", "--scalable-dp"])
+    result = check_config(cfg, row_counts=None)
+    assert result.ok, result.problems
+    hf = read_hf_config(cfg.model.hf_model)
+    plain = fd.data_workload(dataclasses.replace(cfg, reorder=dataclasses.replace(cfg.reorder, encoder_balance=False)),
+                             result.layout, hf, counts)
+    wl = fd.data_workload(cfg, result.layout, hf, counts)
+    assert wl.image_patches == plain.image_patches and wl.window_slots >= plain.window_slots
+    _, vcfg = vision_block(cfg.model.hf_model, dtype=torch.float32)
+    images = [[int(x) for x in g] for s in counts.sources for g in s.grids]
+    rng = random.Random(3)
+    for _ in range(300):
+        pick, patches = [], 0
+        for g in rng.sample(images, len(images)):
+            if patches + g[0] * g[1] * g[2] <= wl.image_patches:
+                pick.append(g)
+                patches += g[0] * g[1] * g[2]
+        windows, whole = image_segments(vcfg, pick)
+        assert _real_slots(windows) <= wl.window_slots and _real_slots(whole) <= wl.image_slots, pick

@@ -245,4 +245,5 @@ def load_row_counts(source, pre, folder: Path):
         unknown += int(np.sum(np.asarray(table.tokens) == UNKNOWN))
         sources.append(_source_rows(table, np.asarray(grids)))
         files.append(table.path)
-    return RowCounts(sources, mixture=getattr(source, "parts", None) is not None, unknown=unknown, files=files), None
+    counts = RowCounts(sources, mixture=getattr(source, "parts", None) is not None, unknown=unknown, files=files)
+    return (counts, None) if counts.rows else (None, "no row of the data fits in --seq-length")

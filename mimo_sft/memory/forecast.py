@@ -13,6 +13,8 @@ Terms (bytes, per rank; docs/memory.md has every formula and what was measured):
 * ``optimizer``: Adam's two moments, plus fp32 main weights in bf16: 8 or 12 bytes per trainable
   parameter, divided by the module's dp x cp with the distributed optimizer (megatron shards it over
   ``dp_cp``). LoRA runs the plain optimizer.
+* (every activation term is for one ``Workload``: the worst case, ``worst_case_workload``, or the largest
+  micro-batch the data's rows can form, ``memory.from_data``, which also bounds the attention's padding)
 * ``activations``: what autograd keeps (``memory.activations``, on the target ``device``: ``cuda`` by
   default, where torch's RMSNorm is one fused kernel; ``cpu`` for a run on the CPU) times the
   micro-batches the schedule holds: 1F1B (non-colocated) keeps ``stages - stage`` in flight, the encoder stage ``pp + 1``; a
@@ -235,16 +237,16 @@ def language_forecast(cfg, layout, hf_config: dict, wl: Workload, device: str = 
                           terms)
 
 
-def _vision_blocks(v: VisionDims, wl: Workload, *, b: int) -> list[float]:
-    """What each block of the tower keeps for the workload's patches: the per-patch terms, plus the attention's
+def _vision_blocks(v: VisionDims, wl: Workload, *, b: int) -> list[tuple[int, float]]:
+    """``(blocks, bytes each keeps)`` for the workload's patches: the per-patch terms, plus the attention's
     padding where the workload bounds it (windowed blocks over their windows, the others over whole images)."""
     patches = wl.image_patches
     block = sum(act.vision_block_terms(v, b=b).values()) * patches
     if wl.window_slots is None or wl.image_slots is None:
-        return [block] * v.depth
+        return [(v.depth, block)]
     full = block + act.vision_padding_bytes(v, b=b, patches=patches, slots=wl.image_slots)
     windowed = block + act.vision_padding_bytes(v, b=b, patches=patches, slots=wl.window_slots)
-    return [full] * v.full_attention_blocks + [windowed] * (v.depth - v.full_attention_blocks)
+    return [(v.full_attention_blocks, full), (v.depth - v.full_attention_blocks, windowed)]
 
 
 def vision_forecast(cfg, layout, hf_config: dict, wl: Workload) -> ModuleForecast:
@@ -265,9 +267,9 @@ def vision_forecast(cfg, layout, hf_config: dict, wl: Workload) -> ModuleForecas
     if not tower_trains:
         stored, transient = 0, 0
     elif m.recompute_vision:
-        stored, transient = v.depth * act.vision_block_input(v, b=b) * patches, max(blocks)
+        stored, transient = v.depth * act.vision_block_input(v, b=b) * patches, max(one for n, one in blocks if n)
     else:
-        stored, transient = sum(blocks), 0
+        stored, transient = sum(n * one for n, one in blocks), 0
     if merger_trains:
         stored += act.merger_terms(v, b=b) * patches
     terms["inputs"] = int(flight * act.vision_input_terms(v, b=b, tower_trains=tower_trains) * patches)

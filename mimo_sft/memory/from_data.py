@@ -73,6 +73,8 @@ class RowCounts:
     mixture: bool
     unknown: int = 0
     files: list[str] = field(default_factory=list)
+    #: each quantity's largest sum, by quantity, rows per rank and model sizes (``data_workload``)
+    cache: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def rows(self) -> int:
@@ -104,30 +106,24 @@ def image_slots(v: VisionDims, grids: np.ndarray) -> tuple[np.ndarray, np.ndarra
     return windows * widest, full
 
 
-@dataclass
-class _Quantities:
-    """Per row of one source: each quantity a rank's activations grow with."""
-
-    tokens: np.ndarray
-    token_slots: np.ndarray
-    image_tokens: np.ndarray
-    patches: np.ndarray
-    window_slots: np.ndarray
-    full_slots: np.ndarray
-    copies: np.ndarray  # how often the row can stand in one micro-batch (before capping at B)
-
-
-def _quantities(src: SourceRows, v: VisionDims, *, mixture: bool, batch: int) -> _Quantities:
-    n = len(src)
+def _row_values(src: SourceRows, v: VisionDims, name: str) -> np.ndarray:
+    """One quantity a rank's activations grow with, per row of ``src``."""
+    if name in ("tokens", "image_tokens"):
+        return getattr(src, name).astype(np.int64)
+    if name == "token_slots":
+        return segment_slots(src.tokens)
+    if name == "patches":
+        return src.image_tokens.astype(np.int64) * v.merge ** 2
     windowed, full = image_slots(v, src.grids) if len(src.grids) else (np.zeros(0), np.zeros(0))
-    per_row = lambda x: np.bincount(src.image_rows, weights=x, minlength=n).astype(np.int64)  # noqa: E731
-    # a mixture draws its sources with epochs of their own: a micro-batch can reach into the next one
-    epochs = -(-batch // n) + 1 if mixture else 1
-    return _Quantities(tokens=src.tokens.astype(np.int64), token_slots=segment_slots(src.tokens),
-                       image_tokens=src.image_tokens.astype(np.int64),
-                       patches=src.image_tokens.astype(np.int64) * v.merge ** 2,
-                       window_slots=per_row(windowed), full_slots=per_row(full),
-                       copies=src.stands_for.astype(np.int64) * epochs)
+    per_image = windowed if name == "window_slots" else full
+    return np.bincount(src.image_rows, weights=per_image, minlength=len(src)).astype(np.int64)
+
+
+def _copies(src: SourceRows, *, mixture: bool, batch: int) -> np.ndarray:
+    """How often each row can stand in one micro-batch (before capping at ``batch``): once for itself and each
+    dropped row it replaces, and once more per epoch a mixture's source can start inside one micro-batch."""
+    epochs = -(-batch // len(src)) + 1 if mixture else 1
+    return src.stands_for.astype(np.int64) * epochs
 
 
 def top_sum(values: list[np.ndarray], copies: list[np.ndarray], batch: int) -> int:
@@ -164,13 +160,13 @@ def data_workload(cfg, layout, hf_config: dict, counts: RowCounts):
     b_lang = max(1, mbs // lang.dp)
     b_vis = max(1, mbs // (layout.spec(IMAGES).dp if IMAGES in layout.names else 1))
 
-    cache: dict[int, list[_Quantities]] = {}
-
     def top(name: str, batch: int) -> int:
-        if batch not in cache:
-            cache[batch] = [_quantities(s, v, mixture=counts.mixture, batch=batch) for s in counts.sources]
-        qs = cache[batch]
-        return top_sum([getattr(q, name) for q in qs], [q.copies for q in qs], batch)
+        key = (name, batch, v.merge, v.patch, window_tiles(v))
+        if key not in counts.cache:  # (kept: the cheapest fix forecasts the same rows on several layouts)
+            values = [_row_values(s, v, name) for s in counts.sources if len(s)]
+            copies = [_copies(s, mixture=counts.mixture, batch=batch) for s in counts.sources if len(s)]
+            counts.cache[key] = top_sum(values, copies, batch)
+        return counts.cache[key]
 
     if d.in_batch_packing:
         pad = lang.tp - 1 if cfg.model.sequence_parallel and lang.tp > 1 else 0  # a segment of its own
@@ -183,7 +179,7 @@ def data_workload(cfg, layout, hf_config: dict, counts: RowCounts):
     patches = top("patches", b_vis)
     if cfg.reorder.encoder_balance and layout.colocated:
         ratio_w, ratio_f = _peak_ratio(v, counts)
-        windowed, full = int(ratio_w * patches), int(ratio_f * patches)
+        windowed, full = math.ceil(ratio_w * patches), math.ceil(ratio_f * patches)
     else:
         windowed, full = top("window_slots", b_vis), top("full_slots", b_vis)
     return Workload(language_tokens=tokens, image_patches=patches, image_tokens=top("image_tokens", b_lang),
