@@ -34,11 +34,13 @@ def data_row_counts(cfg: ExperimentConfig):
     """``(memory.from_data.RowCounts or None, why not)``: the per-row counts check-data wrote for this data and
     these settings (``data.cost_file.load_row_counts``), which check 23 forecasts the largest micro-batch of.
     A dataset that cannot be opened has none (check 17 says why)."""
+    if not cfg.model.hf_model or not (cfg.data.dataset_path or cfg.data.datasets):
+        return None, None
     from mimo_sft.data import cost_file
 
-    if not cfg.model.hf_model or not cost_file.any_written(cfg.data):
+    if not cost_file.any_written(cfg.data):
         return None, None
-    from mimo_sft.data.loader import build_preprocessor
+    from mimo_sft.data.model_folder import build_preprocessor
     from mimo_sft.data.sources import load_sft_dataset
 
     try:

@@ -96,6 +96,42 @@ def test_window_and_image_bounds_hold_on_transformers_layout(q3b):
         assert _real_slots(windows) <= win_bound.sum() and _real_slots(images) <= full_bound.sum(), grids
 
 
+@pytest.mark.parametrize("segments", [[64, 4], [32, 16, 8, 4], [500], [64] * 7 + [4]])
+def test_a_padded_vision_block_keeps_what_the_padding_terms_say(q3b, segments):
+    """At Qwen2.5-VL's real tower width: a block over padded segments keeps the per-patch terms plus
+    ``vision_padding_bytes`` of its real slots, to the byte."""
+    from mimo_sft.config.checks.context import read_hf_config
+    from mimo_sft.memory import activations as act
+    from mimo_sft.memory.dims import VisionDims
+    from mimo_sft.testing.saved_bytes import vision_block, vision_block_saved
+
+    block, vcfg = vision_block(q3b, dtype=torch.bfloat16)
+    v = VisionDims.from_config(read_hf_config(q3b))
+    patches = sum(segments)
+    measured = vision_block_saved(block, vcfg, patches, dtype=torch.bfloat16, segments=segments)
+    formula = sum(act.vision_block_terms(v, b=2).values()) * patches
+    assert measured == formula + act.vision_padding_bytes(v, b=2, patches=patches, slots=_real_slots(segments))
+
+
+@pytest.mark.parametrize("segments", [[300, 212], [200, 10, 5], [1000, 990]])
+def test_a_packed_decoder_layer_keeps_at_most_the_padding_terms(q3b, segments):
+    """One packed decoder layer at Qwen2.5-VL-3B's width (CUDA's norms) keeps at most the per-token terms plus
+    ``language_slot_bytes`` per padded slot beyond the tokens."""
+    from mimo_sft.config.checks.context import read_hf_config
+    from mimo_sft.memory import activations as act
+    from mimo_sft.memory.dims import TextDims
+    from mimo_sft.testing.saved_bytes import language_layer, language_layer_saved
+
+    block, cfg = language_layer(q3b, dtype=torch.bfloat16)
+    d = TextDims.from_config(read_hf_config(q3b))
+    tokens = sum(segments)
+    measured = language_layer_saved(block, cfg, tokens, dtype=torch.bfloat16, device="cuda", segments=segments)
+    per_token = sum(act.language_layer_terms(d, tp=1, sp=False, b=2, device="cuda").values())
+    pads = _real_slots(segments) - tokens
+    assert pads > 0
+    assert measured <= per_token * tokens + act.language_slot_bytes(d, tp=1, b=2) * pads <= 1.01 * measured
+
+
 def test_top_sum_is_the_largest_sum_the_copies_allow():
     rng = np.random.default_rng(0)
     for _ in range(200):

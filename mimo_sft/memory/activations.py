@@ -253,17 +253,19 @@ def vision_input_terms(v: VisionDims, *, b: int, tower_trains: bool) -> float:
     return FP32 * v.patch_values + (b * v.patch_values if tower_trains else 0) + 2 * FP32 * head_dim
 
 
-#: the padded layout's index (``model.segments.PaddedRows.slots``): one int64 per real position, kept by the
-#: copy back; and its key mask, one bool per padded slot (vision only: causal language rows need none)
-SEGMENT_INDEX, KEY_MASK = 8, 1
+#: the padded layout's indexes (``model.segments.PaddedRows``): one int64 per slot (the packed row each slot
+#: reads) and one per real position (the copy back), kept where any segment is padded
+SEGMENT_INDEX = 8
 
 
 def language_slot_bytes(d: TextDims, *, tp: int, b: int, layer_type: str = FULL_ATTENTION,
                         recompute_modules=()) -> float:
     """Bytes one decoder layer keeps per padded attention slot of a packed micro-batch (``model.segments``:
-    each sample a row of a padded batch): the padded copies of q, k and v that SDPA keeps, its padded output
+    each sample a row of a padded batch): the padded copy of q, k and v that SDPA keeps, its padded output
     and log-sum-exp. None for a Gated DeltaNet layer (fla's kernels take the packed sequence as it is) or
-    with ``core_attn`` recomputed (the checkpoint keeps only the real q, k, v)."""
+    with ``core_attn`` recomputed (the checkpoint keeps only the real q, k, v). (The layout's indexes, 16 bytes
+    a token, are within the padded-row figure per token, which a packed layer keeps 504 bytes under at
+    Qwen2.5-VL-3B's width: docs/memory.md.)"""
     if layer_type == LINEAR_ATTENTION or "core_attn" in recompute_modules:
         return 0.0
     heads, kv = d.heads // tp, d.kv_heads // tp
@@ -272,6 +274,8 @@ def language_slot_bytes(d: TextDims, *, tp: int, b: int, layer_type: str = FULL_
 
 def vision_padding_bytes(v: VisionDims, *, b: int, patches: int, slots: int) -> float:
     """What one vision block keeps for its attention's padding, beyond ``vision_block_terms`` x ``patches``, when
-    its segments take ``slots`` padded slots: per padded slot its q, k, v and output copies and log-sum-exp
-    (``4 b h + 4 heads``), the key mask (a bool per slot), and the layout's index (an int64 per patch)."""
-    return (4 * b * v.hidden + FP32 * v.heads) * max(0, slots - patches) + KEY_MASK * slots + SEGMENT_INDEX * patches
+    its segments take ``slots`` padded slots: per padded slot its stacked q, k, v and output copies and
+    log-sum-exp (``4 b h + 4 heads``); per slot the key mask (SDPA keeps it in the activations' dtype, ``b``) and
+    the layout's gather index, and per patch the index back (``model.segments``)."""
+    return ((4 * b * v.hidden + FP32 * v.heads) * max(0, slots - patches) + (SEGMENT_INDEX + b) * slots
+            + SEGMENT_INDEX * patches)
