@@ -31,6 +31,9 @@ def check_config(cfg: ExperimentConfig, **kw) -> CheckResult:
         problems, rows = open_streamed_sources(cfg.data)
         result.problems.extend(Problem(17, msg) for msg in problems)
         result.notes.extend(Problem(17, line, "note") for line in source_lines(cfg, rows))
+        gdn = _gdn_note(result.hf_config)
+        if gdn:
+            result.notes.append(Problem(16, gdn, "note"))
         if not result.problems:  # (the processor is read only for a config that is otherwise sound)
             from mimo_sft.data.loader import fitted_pixels_note
 
@@ -38,6 +41,18 @@ def check_config(cfg: ExperimentConfig, **kw) -> CheckResult:
             if fitted:
                 result.notes.append(Problem(17, fitted, "note"))
     return result
+
+
+def _gdn_note(hf_config) -> str | None:
+    """For a checkpoint with Gated DeltaNet layers (Qwen3.5): which kernels run them here, and the rule."""
+    from mimo_sft.config.families import family_for_model_type
+
+    spec = family_for_model_type((hf_config or {}).get("model_type"))
+    if spec is None or not spec.architecture.hybrid_gdn:
+        return None
+    from mimo_sft.gdn_path import validate_line
+
+    return validate_line()
 
 
 def require_valid(cfg: ExperimentConfig, **kw) -> CheckResult:
