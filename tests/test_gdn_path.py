@@ -189,7 +189,10 @@ def test_where_fla_is_correct_it_runs_with_a_device_copy_of_host_bounds(fake_fla
     devices = [c[1] for c in fake_fla.calls]
     assert all(d.device.type == "meta" and d.dtype == torch.int32 for d in devices)
     assert all(d is devices[0] for d in devices[:4]) and devices[4] is devices[5] is not devices[0]
-    assert [c[2] for c in fake_fla.calls] == [host[0], None, host[0], None, host[1], None]  # (identity: `is`)
+    hosts = [c[2] for c in fake_fla.calls]
+    assert hosts[1] is hosts[3] is hosts[5] is None  # the rule's fla takes no cu_seqlens_cpu here
+    assert hosts[0] is hosts[2] and torch.equal(hosts[0], host[0]) and torch.equal(hosts[4], host[1])
+    assert hosts[0].dtype == hosts[4].dtype == torch.int64 and hosts[0].device.type == "cpu"
     fake_fla.calls.clear()
     gdn.causal_conv1d(x=meta["x"], weight=torch.empty(6, 4, device="meta"), cu_seqlens=devices[0])
     cpu_x = torch.randn(1, 10, 6)

@@ -116,8 +116,9 @@ def device_bounds(cu_seqlens: torch.Tensor, device: torch.device) -> torch.Tenso
 
 
 def _with_device_bounds(fla_fn):
-    """fla's ``fla_fn`` called with a device ``cu_seqlens`` (and the host one as ``cu_seqlens_cpu`` where it
-    takes that argument) when megatron hands it a host tensor; otherwise called as it is."""
+    """fla's ``fla_fn`` called with a device ``cu_seqlens`` (and the host one, int64, as ``cu_seqlens_cpu``
+    where it takes that argument: fla then counts its chunks on the host, without the device sync its
+    ``repeat_interleave`` would cost) when megatron hands it a host tensor; otherwise called as it is."""
     takes_host = "cu_seqlens_cpu" in inspect.signature(fla_fn).parameters
 
     @functools.wraps(fla_fn)
@@ -125,8 +126,8 @@ def _with_device_bounds(fla_fn):
         if cu_seqlens is not None:
             device = (args[0] if args else kwargs.get("x", kwargs.get("q"))).device
             if cu_seqlens.device != device:
-                if takes_host and kwargs.get("cu_seqlens_cpu") is None:
-                    kwargs["cu_seqlens_cpu"] = cu_seqlens
+                if takes_host and kwargs.get("cu_seqlens_cpu") is None:  # int64, as fla declares it; one per
+                    kwargs["cu_seqlens_cpu"] = gk._cached(cu_seqlens, ("int64",), cu_seqlens.long)  # micro-batch
                 cu_seqlens = device_bounds(cu_seqlens, device)
         return fla_fn(*args, cu_seqlens=cu_seqlens, **kwargs)
 
