@@ -86,7 +86,7 @@ class GdnChoice:
 
     def line(self) -> str:
         """One line for the banner, ``validate`` and ``check-model``."""
-        name = "fla's triton kernels" if self.uses_fla else "mimo-sft's torch kernels (model.gdn_kernels)"
+        name = "fla's kernels" if self.uses_fla else "mimo-sft's torch kernels (model.gdn_kernels)"
         return f"Gated DeltaNet: {name}: {self.reason}"
 
 
@@ -119,7 +119,8 @@ def choose(facts: GdnFacts) -> GdnChoice:
         return GdnChoice(TORCH, "no CUDA GPU (fla's kernels are triton, GPU only)")
     sm = f"sm {facts.capability[0]}{facts.capability[1]}"
     if facts.capability[0] != 9:
-        return GdnChoice(FLA, f"fla {facts.fla} on {sm} (not Hopper, where triton 3.4.0 to 3.7.0 miscompile fla)")
+        return GdnChoice(FLA, f"fla {facts.fla} on {sm}: not Hopper, where triton 3.4.0 to 3.7.0 miscompile its "
+                              "gated backward")
     fault = _hopper_fault(facts)
     if fault is not None:
         return GdnChoice(TORCH, fault)

@@ -483,3 +483,20 @@ def test_the_test_environment_has_no_fla():
     import importlib.util
 
     assert importlib.util.find_spec("fla") is None
+
+
+def test_the_bench_times_ours_beside_the_kernels_before_on_the_same_work():
+    """``scripts/bench_gdn.py --quick --baseline tests/gdn_kernels_before.py``: every case timed on both sides,
+    and the sanity column (ours against before) within fp32 / bf16 rounding."""
+    import importlib.util
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("bench_gdn", root / "scripts" / "bench_gdn.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    names, rows = bench.run(bench.QUICK, 1, bench.load_baseline(str(root / "tests" / "gdn_kernels_before.py")),
+                            transformers=False)
+    assert names == ["ours", "before"] and len(rows) == 2 * len(bench.QUICK["cases"])
+    for dtype, _case, t_ours, t_before, diff in rows:
+        assert t_ours > 0 and t_before > 0 and diff <= (1e-6 if dtype == "float32" else 1e-2), rows

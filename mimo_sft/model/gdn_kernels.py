@@ -164,7 +164,7 @@ def _refuse_extras(fn: str, kwargs: dict) -> None:
     so it fails instead (``cu_seqlens_cpu`` only repeats ``cu_seqlens`` and is ignored)."""
     used = sorted(k for k, v in kwargs.items() if k != "cu_seqlens_cpu" and v is not None and v is not False)
     if used:
-        raise NotImplementedError(f"{fn}: the CPU stand-in does not implement {', '.join(used)}")
+        raise NotImplementedError(f"{fn}: the torch kernel does not implement {', '.join(used)}")
 
 
 def _laid_out_inputs(xs, prefix, bounds, cu_seqlens) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
