@@ -165,6 +165,8 @@ def check_model(
         verdict = "[bold green]OK[/bold green]" if report["ok"] else "[bold red]MISMATCH[/bold red]"
         console.print(f"{verdict} {hf_model}: max relative logit difference {report['max_rel_logit_diff']:.3e}, "
                       f"loss difference {report['loss_diff']:.3e} (tolerance {tolerance:g})")
+        if "gdn_kernels" in report:
+            console.print(report["gdn_kernels"], highlight=False, markup=False)
     if not report["ok"]:
         raise typer.Exit(1)
 

@@ -69,6 +69,9 @@ def check_config(cfg: ExperimentConfig, *, row_counts=LOOK, **kw) -> CheckResult
         known = {p.message for p in result.problems}  # (a streamed source's refusals are check 17's too)
         result.problems.extend(Problem(n, msg) for n, msg in problems if msg not in known)
         result.notes.extend(Problem(17, line, "note") for line in source_lines(cfg, rows))
+        gdn = _gdn_note(result.hf_config)
+        if gdn:
+            result.notes.append(Problem(16, gdn, "note"))
         if not result.problems:  # (the processor is read only for a config that is otherwise sound)
             from mimo_sft.data.model_folder import fitted_pixels_note
 
@@ -76,6 +79,18 @@ def check_config(cfg: ExperimentConfig, *, row_counts=LOOK, **kw) -> CheckResult
             if fitted:
                 result.notes.append(Problem(17, fitted, "note"))
     return result
+
+
+def _gdn_note(hf_config) -> str | None:
+    """For a checkpoint with Gated DeltaNet layers (Qwen3.5): which kernels run them here, and the rule."""
+    from mimo_sft.config.families import family_for_model_type
+
+    spec = family_for_model_type((hf_config or {}).get("model_type"))
+    if spec is None or not spec.architecture.hybrid_gdn:
+        return None
+    from mimo_sft.gdn_path import validate_line
+
+    return validate_line()
 
 
 def require_valid(cfg: ExperimentConfig, *, row_counts=LOOK, **kw) -> CheckResult:

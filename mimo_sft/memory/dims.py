@@ -102,7 +102,8 @@ class TextDims:
     rotary_dim: int = 0
     #: the decoder's RMSNorms are torch's ``nn.RMSNorm`` (``model.norm.RMSNorm``: Qwen2.5-VL, Qwen3-VL), which
     #: CUDA torch runs as one fused kernel keeping less for backward than the CPU's composite
-    #: (``memory.activations.norm_bytes``); False: our own composite norms on every device (Qwen3.5's zero-centred)
+    #: (``memory.activations.norm_bytes``); False: Qwen3.5's zero-centred norms, one ``F.rms_norm`` over an fp32
+    #: copy of the input (``memory.activations.decoder_norm_bytes``)
     torch_norm: bool = True
     #: a mixture-of-experts decoder: routed experts, picked per token, their FFN width, and the sparse layers
     #: (``config.families.sparse_layer_indexes``); 0 / empty for a dense decoder

@@ -189,8 +189,9 @@ def cuda_rms_norm_saved_tensors():
     duration -- torch's own reference of the CUDA kernel, its decomposition (``torch._decomp``: the one fake
     tensors use; rstd in fp32 for bf16, as the CUDA kernel's accumulate type) -- so ``rms_norm`` dispatches
     exactly as on CUDA (the composite still where CUDA takes it: channels-last, complex, a weight of another
-    dtype) and torch's real autograd node records the saved tensors. Only torch's ``rms_norm`` changes:
-    our own norms (Qwen3.5's zero-centred, the towers') are composites on every device."""
+    dtype) and torch's real autograd node records the saved tensors. Only ``rms_norm`` changes: torch's
+    RMSNorm and Qwen3.5's zero-centred norms (one ``F.rms_norm`` over an fp32 copy) take the fused op,
+    the towers' norms (transformers' composites) stay composites."""
     from torch._decomp import decomposition_table
     from torch.library import Library
 
@@ -295,7 +296,7 @@ def language_layer_saved(block, cfg, tokens: int, *, dtype: torch.dtype, batch: 
         extra["packed_seq_params"] = packed_params(segments)
     emb = rope(pos, cfg.mrope_section)
     params = list(block.parameters())
-    from mimo_sft.model.gdn_kernels import compiled_helpers
+    from mimo_sft.model.gdn_binding import compiled_helpers
 
     norms = cuda_rms_norm_saved_tensors() if device == "cuda" else nullcontext()
     with flash_sdpa(), fla_saved_tensors(block), compiled_helpers(), norms:  # megatron's compiled helpers, as on a GPU
