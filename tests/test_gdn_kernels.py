@@ -427,37 +427,12 @@ def test_megatron_gated_delta_net_packed_equals_each_segment_alone():
 
 def test_a_packed_gdn_layer_reads_only_its_host_bounds_once_per_micro_batch():
     """One GDN layer (torch kernels, the gated output norm) forward + backward, twice, then a second layer on
-    the same micro-batch, under the host-read counter of ``test_host_syncs``: every read from
+    the same micro-batch, under a host-read counter (:class:`HostReads`): every read from
     ``gdn_kernels`` or ``norm`` is of the micro-batch's host ``cu_seqlens`` (no device sync on a GPU), one
     per micro-batch; the layouts built from it serve every call after."""
-    from test_host_syncs import SyncCounter, _call_site
-
     from mimo_sft.model.gdn_binding import install
     from mimo_sft.model.norm import GatedOutputRMSNorm
     from mimo_sft.parallel.bootstrap import start_single_process
-
-    class HostReads(SyncCounter):
-        """Also says whether each read was of one of ``hosts`` (the micro-batches' ``cu_seqlens``)."""
-
-        def __init__(self, hosts):
-            super().__init__()
-            self.hosts = hosts
-
-        def _wrap(self, name, original):
-            counter = self
-
-            def wrapper(*args, **kwargs):
-                inner = getattr(counter._depth, "n", 0)
-                if inner == 0 and threading.get_ident() == counter._thread:
-                    host = next((f"cu{j}" for j, h in enumerate(counter.hosts) if args and args[0] is h), "other")
-                    counter.sites[f"{name}  {_call_site()}  {host}"] += 1
-                counter._depth.n = inner + 1
-                try:
-                    return original(*args, **kwargs)
-                finally:
-                    counter._depth.n = inner
-
-            return wrapper
 
     state = start_single_process("cpu")
     install()
@@ -500,3 +475,63 @@ def test_the_bench_times_ours_beside_the_kernels_before_on_the_same_work():
     assert names == ["ours", "before"] and len(rows) == 2 * len(bench.QUICK["cases"])
     for dtype, _case, t_ours, t_before, diff in rows:
         assert t_ours > 0 and t_before > 0 and diff <= (1e-6 if dtype == "float32" else 1e-2), rows
+
+
+class HostReads:
+    """Counts the calls that read a tensor's value on the host (``.item()``, ``.tolist()``, ``.cpu()``, ...) made on
+    this thread, by call site (the first frame outside torch) and by whether the tensor was one of ``hosts``.
+    (The suite's device audit counts reads of device tensors; this counts reads of any tensor, host ones
+    included, to show which host tensor the kernels read.)"""
+
+    METHODS = ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__", "__index__")
+
+    def __init__(self, hosts):
+        import collections
+
+        self.hosts, self.sites, self._saved = hosts, collections.Counter(), {}
+        self._depth = threading.local()
+
+    def _site(self) -> str:
+        import os
+        import sys
+
+        torch_dir = os.path.dirname(torch.__file__) + os.sep
+        frame = sys._getframe(3)
+        while frame is not None and (frame.f_code.co_filename.startswith(torch_dir) or frame.f_code.co_filename == __file__):
+            frame = frame.f_back
+        path = frame.f_code.co_filename if frame is not None else "?"
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+        return path.split(root, 1)[-1].split("site-packages" + os.sep, 1)[-1]
+
+    def _wrap(self, name, original):
+        def wrapper(*args, **kwargs):
+            inner = getattr(self._depth, "n", 0)
+            if inner == 0 and threading.get_ident() == self._thread:
+                host = next((f"cu{j}" for j, h in enumerate(self.hosts) if args and args[0] is h), "other")
+                self.sites[f"{name}  {self._site()}  {host}"] += 1
+            self._depth.n = inner + 1
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self._depth.n = inner
+
+        return wrapper
+
+    def __enter__(self):
+        self._thread = threading.get_ident()
+        for name in self.METHODS:
+            self._saved[name] = torch.Tensor.__dict__.get(name)
+            setattr(torch.Tensor, name, self._wrap(name, getattr(torch.Tensor, name)))
+        return self
+
+    def __exit__(self, *exc):
+        for name, original in self._saved.items():
+            if original is None:
+                delattr(torch.Tensor, name)
+            else:
+                setattr(torch.Tensor, name, original)
+        return False
+
+    @property
+    def total(self) -> int:
+        return sum(self.sites.values())
