@@ -99,7 +99,9 @@ def build_mimo_model(hf_dir: str, *, layout, parallel_state, model_cfg=None, ran
     if IMAGES in layout.names:
         info.vision_config = src.adapter.vision_transformer_config(src.hf_cfg, dtype=src.dtype, cpu_init=cpu_init,
                                                                  overrides=overrides)
-        tower_device = torch.device("cpu") if cpu_init else runtime.device()
+        # where megatron puts its own parameters: the process's device, or with cpu_init the default device (the
+        # host; export's meta_model builds under a meta context)
+        tower_device = torch.get_default_device() if cpu_init else runtime.device()
         modality_specs[IMAGES] = _vision_spec(src, parallel_state, attention, tower_device)
     model = _assemble(src, info, parallel_state, modality_specs, attention=attention, max_seq_len=max_seq_len)
     _load_weights(model, src, info, parallel_state, hf_dir)
