@@ -232,12 +232,13 @@ class Trainer:
         """End the start-up clock; the slowest rank's figures (every rank's, gathered: step 1 waits for the last
         one ready) go to the banner and the first metrics row, with that rank's number (``startup_rank``)."""
         self.startup.stop()
-        figures = [self.startup.metrics()]
+        mine = self.startup.metrics()
+        figures = [mine]
         if self.layout.world_size > 1:
             figures = [None] * self.layout.world_size
-            dist.all_gather_object(figures, self.startup.metrics(), group=self.pstate.world_gloo)
-        rank, mine = slowest(figures)
-        self.startup_figures = {**mine, "startup_rank": rank}
+            dist.all_gather_object(figures, mine, group=self.pstate.world_gloo)
+        rank, worst = slowest(figures)
+        self.startup_figures = {**worst, "startup_rank": rank}
         self.logger.first_row = dict(self.startup_figures)
 
     def _profiled_modules(self) -> dict:
