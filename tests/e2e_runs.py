@@ -104,9 +104,14 @@ REORDERED = ["--scalable-dp", "--intra-microbatch-reorder", "--num-workers", "0"
 
 def non_colocated_reordered() -> str:
     """Language and images dp 2 on their own ranks with :data:`REORDERED`: test_train_e2e's
-    equal-DP test (same step as :func:`reference`, the metrics record) and test_reorder_index's
-    index-mode side (the same run in exchange mode must equal it bit for bit)."""
-    return layout_run("equal", 4, NON_COLOCATED_4, extra=REORDERED)
+    equal-DP test (same step as :func:`reference`, the metrics record, the start-up banner) and
+    test_reorder_index's index-mode side (the same run in exchange mode must equal it bit for bit)."""
+    return non_colocated_reordered_run().out
+
+
+def non_colocated_reordered_run() -> Run:
+    """:func:`non_colocated_reordered` with its torchrun output (the banner)."""
+    return shared_run("equal", 4, [*STEP, "--save-grads", "{out}/grads", *REORDERED], components=NON_COLOCATED_4)
 
 
 @functools.lru_cache(maxsize=None)

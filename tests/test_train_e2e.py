@@ -15,7 +15,7 @@ import pytest
 
 from e2e_runs import (CORNER, GROUP_LAYOUTS, NON_COLOCATED_4, PACKED, SINGLE, STEP, assert_packed_equals_padded,
                       assert_same_step, colocated_fan_in, language_pp2, layout_run, non_colocated_reordered,
-                      packed_non_colocated, reference, train_rows)
+                      non_colocated_reordered_run, packed_non_colocated, reference, train_rows)
 from train_helpers import (BRIDGE_CORNER_IMAGES, bridge_corner_data, checkpoint_tensors, demo_data, fixed_size_data,
                            metrics, new_dir, tiny_model, torchrun)
 
@@ -39,12 +39,15 @@ def test_equal_dp_non_colocated_with_reordering_matches_single_process(reference
     m = metrics(run)[0]
     assert m["vision_load_max_over_mean_after"] <= m["vision_load_max_over_mean_before"]
     from mimo_sft.train.metrics import StepMetrics
+    from mimo_sft.train.startup import PARTS
 
     keys = StepMetrics.json_keys(["language", "images"])  # the record's fields, per-module peaks flattened
     # then the straggler report's per-rank figures at a log step (tests/test_straggler.py)
     keys += ["rank_step_s", "rank_work_s", "rank_phase_s", "rank_patches", "rank_tokens", "slowest_rank",
              "slowest_excess", "slowest_phase"]
-    assert list(m) == keys and all(m[k] is not None for k in keys), m
+    startup = ["startup_s", *(f"startup_{p}_s" for p in PARTS), "startup_rank"]  # the first row only
+    assert list(m) == keys + startup and all(m[k] is not None for k in keys + startup), m
+    _assert_startup(m, non_colocated_reordered_run().proc.stdout)
     assert len(m["rank_work_s"]) == 4 and 0 <= m["slowest_rank"] < 4
     # the work each rank was given: language ranks 0-1 their tokens, encoder ranks 2-3 their patches, only
     assert m["rank_patches"][:2] == [0.0, 0.0] and min(m["rank_patches"][2:]) > 0, m["rank_patches"]
@@ -56,6 +59,20 @@ def test_equal_dp_non_colocated_with_reordering_matches_single_process(reference
     assert metrics(reference_variable)[0]["mfu"] is None  # no --peak-tflops and no GPU: unknown peak
     events = [f for f in os.listdir(os.path.join(run, "tensorboard")) if f.startswith("events.out.tfevents")]
     assert events and os.path.isfile(os.path.join(run, "config.yaml"))
+
+
+def _assert_startup(row: dict, stdout: str) -> None:
+    """The first row's start-up figures: every part timed and non-negative, the parts within the total, of the
+    slowest of the 4 ranks; the banner says the same in one line."""
+    from mimo_sft.train.startup import PARTS, StartupClock
+
+    parts = [row[f"startup_{p}_s"] for p in PARTS]
+    assert min(parts) >= 0 and sum(parts) <= row["startup_s"] + 1e-3 * len(parts), row  # each rounded to 1 ms
+    assert row["startup_imports_s"] > 0 and row["startup_model_s"] > 0 and row["startup_data_s"] > 0, row
+    assert row["startup_resume_s"] == 0 and 0 <= row["startup_rank"] < 4, row
+    (line,) = [x for x in stdout.splitlines() if x.startswith("mimo-sft: start-up ")]
+    assert line == f"mimo-sft: {StartupClock.line_of(row)} (rank {row['startup_rank']}, the slowest of 4)", line
+    assert all(f"{name} " in line for name in ("imports", "groups", "model", "optimizer", "data", "first batch"))
 
 
 def _from_the_reference(reference_variable):

@@ -75,6 +75,9 @@ def build_mimo_model(hf_dir: str, *, layout, parallel_state, model_cfg=None, ran
     parameters in host memory (default: when the process's device is the CPU; export asks for it on
     GPU machines too). ``runtime.init_megatron`` must have run.
     """
+    from mimo_sft.parallel.megatron_patches import swiglu_uncompiled
+
+    swiglu_uncompiled()  # no compile in step 1, none per packed length (parallel.megatron_patches)
     if cpu_init is None:
         cpu_init = runtime.device().type == "cpu"
     from mimo_sft.model.attention import core_backend
@@ -110,7 +113,10 @@ def build_mimo_model(hf_dir: str, *, layout, parallel_state, model_cfg=None, ran
     if IMAGES in layout.names:
         info.vision_config = src.adapter.vision_transformer_config(src.hf_cfg, dtype=src.dtype, cpu_init=cpu_init,
                                                                  overrides=overrides)
-        modality_specs[IMAGES] = _vision_spec(src, parallel_state, attention)
+        # where megatron puts its own parameters: the process's device, or with cpu_init the default device (the
+        # host; export's meta_model builds under a meta context)
+        tower_device = torch.get_default_device() if cpu_init else runtime.device()
+        modality_specs[IMAGES] = _vision_spec(src, parallel_state, attention, tower_device)
     model = _assemble(src, info, parallel_state, modality_specs, attention=attention, max_seq_len=max_seq_len)
     _load_weights(model, src, info, parallel_state, hf_dir)
     _freeze(model, src.adapter, model_cfg)
@@ -165,16 +171,20 @@ def _language_stage(info, parallel_state) -> tuple[int, bool, bool]:
     return pp_rank, pp_rank == 0, pp_rank == info.language_config.pipeline_model_parallel_size - 1
 
 
-def _vision_spec(src: _BuildInputs, parallel_state, attention: str):
+def _vision_spec(src: _BuildInputs, parallel_state, attention: str, device: torch.device):
+    """The images module's spec: the family's tower, built on ``device`` (``model.tower_build``: parameters
+    for the checkpoint to fill, or initialised there with random init)."""
     from megatron.core.models.mimo.submodules.vision import VisionModalitySubmodules
     from megatron.core.transformer.spec_utils import ModuleSpec
+
+    from mimo_sft.model.tower_build import built_on
 
     encoder_class = src.adapter.encoder_class()
     implementation = VISION_ATTENTION[attention]
     assert implementation != SEGMENT_ATTENTION or issubclass(encoder_class, SegmentAttentionTower), (
         f"{encoder_class.__name__} must mix in model.vision_attention.SegmentAttentionTower to run "
         f"{SEGMENT_ATTENTION!r} (transformers would look for a flash-attn kernel by that name)")
-    enc_spec = ModuleSpec(module=encoder_class,
+    enc_spec = ModuleSpec(module=built_on(encoder_class, device, from_checkpoint=src.ckpt is not None),
                           params=src.adapter.encoder_params(src.hf_cfg, attn_implementation=implementation))
     return ModuleSpec(module=VisionModalitySubmodules,
                       params={"pg_collection": parallel_state.modules[IMAGES].pg_collection},

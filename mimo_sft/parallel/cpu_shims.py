@@ -528,25 +528,5 @@ def apply_cpu_shims(target: torch.device = torch.device("cpu")) -> None:
     _patch_module_globals()
     _patch_type_assertions()
     _patch_rng_state_functions()
-    _patch_compiled_fusions()
     _patch_moe_host_splits()
     _patch_uneven_tp_collectives()
-
-
-#: megatron's ``jit_fuser`` (``torch.compile``) fusions on mimo-sft's path, by module
-_COMPILED_FUSIONS = {"megatron.core.fusions.fused_bias_swiglu": ("swiglu", "bias_swiglu", "weighted_swiglu",
-                                                                  "swiglu_back", "bias_swiglu_back",
-                                                                  "weighted_swiglu_back")}
-
-
-def _patch_compiled_fusions() -> None:
-    """Gap 8: megatron's fused SwiGLU (``bias_activation_fusion``) calls ``torch.compile``d functions,
-    which inductor compiles on the CPU in 7-9 s per process (and again per new shape). On the CPU the
-    same functions run uncompiled: the autograd Functions around them save the same tensors (only
-    fc1's output), so the numbers and the memory are the fused path's."""
-    for name, functions in _COMPILED_FUSIONS.items():
-        mod = importlib.import_module(name)
-        for fn in functions:
-            original = getattr(getattr(mod, fn), "_torchdynamo_orig_callable", None)
-            if original is not None:
-                setattr(mod, fn, original)

@@ -1,5 +1,6 @@
 """What mimo-sft changes in megatron-core's behaviour on every device (``cpu_shims`` holds the CPU-only
-shims). Three changes, each for fewer host syncs in a training step, none editing megatron's files:
+shims), none editing megatron's files: the first four for fewer host syncs in a training step, the last for no
+compilation at all:
 
 * :func:`guard_bridge_debug_logging`: megatron's ``BridgeCommunicator`` (the non-colocated encoder ->
   language bridge) writes ``logging.debug(f"... sum {tensor.sum()}")`` around its sends and receives.
@@ -37,6 +38,15 @@ shims). Three changes, each for fewer host syncs in a training step, none editin
   ``_foreach_norm`` stacked into one norm that stays on the device, ``_foreach_mul_``, ``_foreach_copy_``,
   and torch's fused AdamW (:func:`use_fused_adam`; its step counters are device tensors, which
   :func:`adam_steps_on_policy` puts right after a checkpoint load in either direction).
+* :func:`swiglu_uncompiled`: megatron ``torch.compile``s its fused SwiGLU. Inductor compiles it in the first
+  step, and again at the next new packed length (then with dynamic shapes): steps 1 and 2 of the first H200 run
+  took 13.5 s and 4.2 s against a 1.03 s median, and on the CPU each compile takes 7-9 s per process. Marking
+  the length dynamic (``dynamic=True``) would still compile once in step 1, so here the functions run
+  uncompiled on every device -- the same autograd Functions, which keep only fc1's output for backward -- with
+  the backward as torch's SiLU backward and a product (:func:`swiglu_grad`). The cost, read rather than
+  measured on a GPU: per MLP 2 kernels forward and 4 backward instead of 1 and 1, and about 2.7x the fused
+  kernels' memory traffic on these elementwise passes (docs/benchmarks.md puts it at a few milliseconds per
+  step for Qwen2.5-VL-3B).
 """
 
 from __future__ import annotations
@@ -443,3 +453,38 @@ def adam_steps_on_policy(optimizer) -> int:
                     state["step"] = step.detach().to(device=want, dtype=torch.float32).clone()
                     moved += 1
     return moved
+
+
+# ---- megatron's fused SwiGLU, never compiled ------------------------------------------------------------
+#: megatron's ``torch.compile``d SwiGLU functions (``jit_fuser``); its autograd Functions call them by these names
+_SWIGLU_MODULE = "megatron.core.fusions.fused_bias_swiglu"
+_SWIGLU_FUNCTIONS = ("swiglu", "bias_swiglu", "weighted_swiglu", "swiglu_back", "bias_swiglu_back",
+                     "weighted_swiglu_back")
+
+
+def swiglu_uncompiled() -> None:
+    """megatron's fused SwiGLU (``bias_activation_fusion``) with nothing compiled, on every device (idempotent;
+    ``model.builder`` applies it before it builds). Why and what it costs: module docstring."""
+    mod = importlib.import_module(_SWIGLU_MODULE)
+    for name in _SWIGLU_FUNCTIONS:
+        original = getattr(getattr(mod, name), "_torchdynamo_orig_callable", None)
+        if original is not None:
+            setattr(mod, name, original)
+    mod.swiglu_back = swiglu_grad  # the bias and weighted backwards call it by this name
+
+
+def swiglu_grad(g: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The gradient of ``silu(a) * b`` for ``y = [a | b]`` (last dimension) given the output's gradient ``g``:
+    torch's SiLU backward of ``g * b`` and ``g * silu(a)``, each written into its half of one tensor -- what
+    autograd computes for the unfused MLP, bit for bit, in four kernels (megatron's formula run uncompiled takes
+    eleven, and computes the sigmoid twice). Operands of two dtypes are promoted first, as megatron's formula does."""
+    import torch.nn.functional as F
+
+    dtype = torch.promote_types(g.dtype, y.dtype)
+    g, y = g.to(dtype), y.to(dtype)
+    gate, up = torch.chunk(y, 2, -1)
+    grad = torch.empty_like(y)
+    d_gate, d_up = torch.chunk(grad, 2, -1)
+    torch.ops.aten.silu_backward.grad_input(g * up, gate, grad_input=d_gate)
+    torch.mul(g, F.silu(gate), out=d_up)
+    return grad

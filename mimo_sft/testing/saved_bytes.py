@@ -234,7 +234,9 @@ def language_layer(hf_dir: str, *, dtype: torch.dtype, recompute: dict | None = 
     from mimo_sft.model.hf_checkpoint import read_config_json
     from mimo_sft.model.registry import get_family
     from mimo_sft.parallel.bootstrap import start_single_process
+    from mimo_sft.parallel.megatron_patches import swiglu_uncompiled
 
+    swiglu_uncompiled()  # the fused SwiGLU as every model runs it (uncompiled)
     state = start_single_process("cpu") if pstate is None else pstate
     tp = state.modules["language"].pg_collection.tp.size()
     raw = read_config_json(hf_dir)

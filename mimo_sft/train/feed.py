@@ -74,6 +74,7 @@ class Feed:
         self.token_share = 0.0
         #: the training data source and what places a stream position in it (``stream_position``), set by build_feed
         self.train_source, self.position_args = None, {}
+        self._ahead: Optional[dict] = None  # the micro-batch :meth:`prefetch` took, handed out by the next ``next()``
 
     @property
     def mixture(self):
@@ -92,10 +93,19 @@ class Feed:
     def __iter__(self) -> "Feed":
         return self
 
+    def prefetch(self) -> None:
+        """Take the first micro-batch from the source now: the trainer counts the wait for it (the loader's workers
+        starting, the first images decoded, the first reorder plan) as start-up, not as step 1's data wait. Every
+        rank takes it at the same point of its set-up, so the index mode's cost gather stays matched. The next
+        ``next()`` hands it out and counts it as it would have; a source with nothing to give is left to that call."""
+        assert self._ahead is None, "prefetch takes the first micro-batch only"
+        with phase("data wait"):
+            self._ahead = next(self._src, None)
+
     def __next__(self) -> dict:
         t0 = time.perf_counter()
         with phase("data wait"):
-            batch = next(self._src)
+            batch, self._ahead = (self._ahead, None) if self._ahead is not None else (next(self._src), None)
         self.counters.data_wait_s += time.perf_counter() - t0
         if self.reorder is not None:
             stats = self.reorder.last_stats

@@ -270,6 +270,8 @@ class MetricsLogger:
         self._t0 = time.perf_counter()
         self._steps_timed = 0
         self._step_times: list[float] = []  # each step's own time after the first (its warm-up): the ETA's pace
+        #: keys the first step row this logger writes carries besides the step's own (the trainer's ``startup_*``)
+        self.first_row: dict = {}
         if not enabled:
             return
         os.makedirs(output_dir, exist_ok=True)
@@ -290,7 +292,11 @@ class MetricsLogger:
     def log(self, record: StepMetrics) -> None:
         if not self.enabled:
             return
-        self.write_row(record.to_json(), record.step)
+        row = record.to_json()
+        if self.first_row:
+            row.update(self.first_row)
+            self.first_row = {}
+        self.write_row(row, record.step)
         self._steps_timed += 1
         if self._steps_timed > 1:
             self._step_times.append(record.step_time_s)

@@ -12,6 +12,7 @@ by ``train.checkpoint.restore`` (the trainer's ``resume``). This file only wires
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -70,15 +71,15 @@ class TrainContext:
 
 
 def build_model_and_optimizer(cfg: ExperimentConfig, layout: Layout, pstate: ParallelState, rank: int, *,
-                              with_optimizer: bool = True) -> TrainContext:
-    """``with_optimizer=False`` (``mimo-sft evaluate``): the DDP-wrapped model only, no optimizer state."""
+                              with_optimizer: bool = True, startup=None) -> TrainContext:
+    """``with_optimizer=False`` (``mimo-sft evaluate``): the DDP-wrapped model only, no optimizer state.
+    ``startup``: the trainer's ``train.startup.StartupClock``, which times the optimizer's part."""
     from mimo_sft.data.processor import resolve_image_backend
     from mimo_sft.model import build_mimo_model
     from mimo_sft.model.builder import set_pixel_norm
     from mimo_sft.model.pixels import pixel_norm_from
 
     runtime.init_megatron(cfg.train.seed, **megatron_ranks(pstate))
-    bf16 = cfg.model.dtype == "bf16"
     model, info = build_mimo_model(
         cfg.model.hf_model, layout=layout, parallel_state=pstate, model_cfg=cfg.model,
         random_init=cfg.model.allow_random_init,
@@ -103,6 +104,15 @@ def build_model_and_optimizer(cfg: ExperimentConfig, layout: Layout, pstate: Par
     modules, bucket_size, vision_size = _wrap_in_ddp(cfg, model, info, pstate, rank)
     if not with_optimizer:
         return TrainContext(cfg, layout, pstate, model, info, modules, None, rank, bucket_size, vision_size)
+    with startup.part("optimizer") if startup is not None else nullcontext():
+        optimizer = _build_optimizer(cfg, model, modules)
+    return TrainContext(cfg, layout, pstate, model, info, modules, optimizer, rank, bucket_size, vision_size)
+
+
+def _build_optimizer(cfg: ExperimentConfig, model, modules: dict):
+    """megatron's MIMO optimizer over ``modules`` (none for a module with nothing to train), with mimo-sft's
+    kernels (``parallel.megatron_patches``)."""
+    bf16 = cfg.model.dtype == "bf16"
     o = cfg.optimizer
     opt_cfg = OptimizerConfig(
         optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay, adam_beta1=o.adam_beta1,
@@ -113,7 +123,7 @@ def build_model_and_optimizer(cfg: ExperimentConfig, layout: Layout, pstate: Par
     install_optimizer_kernels()  # a few kernels per bucket where megatron would loop over tensors
     optimizer = _without_empty_optimizers(build_mimo_optimizer(model, opt_cfg, _lr_overrides(o)), modules)
     use_fused_adam(optimizer)
-    return TrainContext(cfg, layout, pstate, model, info, modules, optimizer, rank, bucket_size, vision_size)
+    return optimizer
 
 
 def _wrap_in_ddp(cfg: ExperimentConfig, model, info, pstate: ParallelState, rank: int):

@@ -18,6 +18,7 @@ attribute       what                                                          bu
 ``feed``        this rank's micro-batches, with the step's observers          ``train.feed.build_feed``
 ``runner``      megatron's schedule for this layout                           ``train.step.StepRunner``
 ``logger``      metrics.jsonl, TensorBoard and the progress line              ``train.metrics``
+``startup``     seconds from the process's start to step 1, by part           ``train.startup``
 ``evaluator``   validation loss (None without a validation set)               ``train.evaluate``
 ==============  ============================================================  ===========================
 
@@ -63,6 +64,7 @@ from mimo_sft.train.step_log import PendingRows, log_step
 from mimo_sft.train.straggler import StragglerReport, host_names, install_test_hook
 from mimo_sft.train.watchdog import start_watchdog
 from mimo_sft.train.setup import TrainContext, build_model_and_optimizer, build_state
+from mimo_sft.train.startup import StartupClock, slowest
 from mimo_sft.train.step import StepOutput, StepRunner
 from mimo_sft.train.stopping import REASONS, StopPolicy, agree, resume_command
 from mimo_sft.train.trackers import open_trackers
@@ -107,6 +109,8 @@ class Trainer:
     straggler: StragglerReport  # per-rank phase times every --log-interval steps
     expert_load: Optional[ExpertLoad]  # a mixture-of-experts model's routing figures (None: dense)
     mixture_order: Optional[MixtureOrder] = None  # a mixture's interleave, for its sources' epochs (built once)
+    startup: StartupClock  # this rank's start-up seconds by part (train.startup)
+    startup_figures: dict  # the slowest rank's ``startup_*`` figures and ``startup_rank`` (the banner's, metrics')
 
     def __init__(self, cfg: ExperimentConfig, layout: Layout):
         self.cfg = cfg
@@ -159,32 +163,29 @@ class Trainer:
 
     # ---- building ---------------------------------------------------------------------------------
     def setup(self) -> None:
-        """Start the world, build groups, model and optimizer, resume, then the feed, runner and logger."""
+        """Start the world, build groups, model and optimizer, resume, then the feed, runner and logger, and take
+        the first micro-batch; each part timed (``train.startup``: the banner's start-up line, ``startup_*``)."""
         cfg, layout = self.cfg, self.layout
         t = cfg.train
+        clock = self.startup = StartupClock()
         self.stop = StopPolicy(signal_handler=t.exit_signal_handler, exit_interval=t.exit_interval,
                                exit_duration_mins=t.exit_duration_in_mins)
-        self.rank, _ = start_world(timeout_s=cfg.train.dist_timeout_s)
-        self.watchdog = start_watchdog(cfg, self.output_dir, self.rank)
-        if self.rank == 0:
-            os.makedirs(self.output_dir, exist_ok=True)
-            with open(os.path.join(self.output_dir, "config.yaml"), "w") as fh:
-                fh.write(dump_config(cfg))
-        self.pstate = build_state(cfg, layout)
-        self.ctx = build_model_and_optimizer(cfg, layout, self.pstate, self.rank)
+        with clock.part("groups"):
+            self.rank, _ = start_world(timeout_s=cfg.train.dist_timeout_s)
+            self.watchdog = start_watchdog(cfg, self.output_dir, self.rank)
+            if self.rank == 0:
+                os.makedirs(self.output_dir, exist_ok=True)
+                with open(os.path.join(self.output_dir, "config.yaml"), "w") as fh:
+                    fh.write(dump_config(cfg))
+            self.pstate = build_state(cfg, layout)
+        with clock.part("model"):
+            self.ctx = build_model_and_optimizer(cfg, layout, self.pstate, self.rank, startup=clock)
         self.expert_load = expert_load_for(cfg, self.ctx, layout)  # None for a dense model
         self.pending_saves = PendingSaves() if cfg.checkpoint.async_save else None
-        self.resume()
-        train_source, valid_source = split_sources(cfg.data, seed=t.seed, global_batch_size=t.global_batch_size,
-                                                   load_full=lambda: checked_source(cfg, self.pstate),
-                                                   load_valid=lambda data_cfg: checked_source(cfg, self.pstate, data_cfg))
-        meta = read_meta(resolve_checkpoint(cfg.checkpoint.load_checkpoint)) if cfg.checkpoint.load_checkpoint else {}
-        self.feed = build_feed(cfg, layout, self.pstate, self.ctx.info, consumed_samples=self.consumed,
-                               train_source=train_source, interleave=resumed_interleave(meta.get("mixture")))
-        if cfg.checkpoint.load_checkpoint:  # a mixture resumes only on the same sources, rows and shares
-            ckpt = resolve_checkpoint(cfg.checkpoint.load_checkpoint)
-            check_resumed_mixture(meta.get("mixture"), self.feed.mixture, checkpoint=ckpt)
-            check_resumed_streams(meta.get("streams"), self.feed.stream_position(self.consumed), checkpoint=ckpt)
+        with clock.part("resume"):
+            self.resume()
+        with clock.part("data"):
+            valid_source = self._open_data()
         self.bad_samples = BadSampleTally(self.feed.source, limit=cfg.data.max_bad_samples,
                                           group=self.pstate.world_gloo, announce=self.ctx.is_metrics_rank)
         self.runner = StepRunner(model=self.ctx.model, modules=self.ctx.modules, pstate=self.pstate, layout=layout,
@@ -214,7 +215,38 @@ class Trainer:
         install_test_hook(self.rank)
         self.profiler.say_if_passed(self.step)  # after resume(): a range the checkpoint is already past
         self.peak_tflops = cfg.logging.peak_tflops or (peak_tflops_for(runtime.device_name()) if runtime.on_gpu() else None)
+        with clock.part("first_batch"):
+            self.feed.prefetch()
+        self._startup_figures()
         self._announce()
+
+    def _open_data(self):
+        """The training feed (``self.feed``) from the checked sources; the validation source (None: no set)."""
+        cfg, t = self.cfg, self.cfg.train
+        train_source, valid_source = split_sources(cfg.data, seed=t.seed, global_batch_size=t.global_batch_size,
+                                                   load_full=lambda: checked_source(cfg, self.pstate),
+                                                   load_valid=lambda data_cfg: checked_source(cfg, self.pstate, data_cfg))
+        meta = read_meta(resolve_checkpoint(cfg.checkpoint.load_checkpoint)) if cfg.checkpoint.load_checkpoint else {}
+        self.feed = build_feed(cfg, self.layout, self.pstate, self.ctx.info, consumed_samples=self.consumed,
+                               train_source=train_source, interleave=resumed_interleave(meta.get("mixture")))
+        if cfg.checkpoint.load_checkpoint:  # a mixture resumes only on the same sources, rows and shares
+            ckpt = resolve_checkpoint(cfg.checkpoint.load_checkpoint)
+            check_resumed_mixture(meta.get("mixture"), self.feed.mixture, checkpoint=ckpt)
+            check_resumed_streams(meta.get("streams"), self.feed.stream_position(self.consumed), checkpoint=ckpt)
+        return valid_source
+
+    def _startup_figures(self) -> None:
+        """End the start-up clock; the slowest rank's figures (every rank's, gathered: step 1 waits for the last
+        one ready) go to the banner and the first metrics row, with that rank's number (``startup_rank``)."""
+        self.startup.stop()
+        mine = self.startup.metrics()
+        figures = [mine]
+        if self.layout.world_size > 1:
+            figures = [None] * self.layout.world_size
+            dist.all_gather_object(figures, mine, group=self.pstate.world_gloo)
+        rank, worst = slowest(figures)
+        self.startup_figures = {**worst, "startup_rank": rank}
+        self.logger.first_row = dict(self.startup_figures)
 
     def _profiled_modules(self) -> dict:
         """The modules whose forward and backward are phases, and ranges in a ``--profile-steps`` trace (the
@@ -248,6 +280,9 @@ class Trainer:
               f"micro-batches of {t.micro_batch_size}), reordering {f'on ({cfg.reorder.mode})' if cfg.reorder.enabled else 'off'}, "
               f"{start}, output {self.output_dir}\n"
               f"mimo-sft: {self._checkpoint_plan()}", flush=True)
+        where = (f" (rank {self.startup_figures['startup_rank']}, the slowest of {layout.world_size})"
+                 if layout.world_size > 1 else "")
+        print(f"mimo-sft: {StartupClock.line_of(self.startup_figures)}{where}", flush=True)
         if cfg.reorder.enabled and cfg.reorder.calibration:
             print(f"mimo-sft: reordering cost weights {cfg.reorder.calibration}", flush=True)
         if family_for_model_type(self.ctx.info.model_type).architecture.hybrid_gdn:
