@@ -190,6 +190,8 @@ def audited(tmp_path_factory):
         spec[f"{family} packed"] = {"flags": _flags(model, data, str(root / f"{family}_p")), "steps": STEPS}
         spec[f"{family} padded"] = {"flags": _flags(model, data, str(root / f"{family}_u"), "--no-in-batch-packing"),
                                     "steps": STEPS}
+    spec["qwen3_5_moe aux-loss"] = {"flags": _flags(str(root / "qwen3_5_moe"), data, str(root / "aux"),
+                                                    "--moe-aux-loss-coeff", "0.01"), "steps": STEPS}
     deep = str(write_tiny_checkpoint(root / "qwen2_5_vl_8", seed=0, text_layers=8, vision_depth=8))
     spec["qwen2_5_vl 8 layers"] = {"flags": _flags(deep, data, str(root / "deep")), "steps": STEPS}
     (root / "spec.json").write_text(json.dumps(spec))
@@ -229,7 +231,7 @@ def test_every_family_trains_on_the_stand_in_device_mixing_nothing(audited):
     report, reference = audited
     print(_listing(report))
     assert sorted(report) == sorted([f"{f} {m}" for f in FAMILIES for m in ("packed", "padded")]
-                                    + ["qwen2_5_vl 8 layers"])
+                                    + ["qwen2_5_vl 8 layers", "qwen3_5_moe aux-loss"])
     for name, run in report.items():
         for step, (stepped, logged) in enumerate(zip(run["steps"], run["logs"]), start=1):
             over = _within_budget(name.split()[0], step, stepped["reads"], logged["reads"])

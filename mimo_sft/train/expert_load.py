@@ -39,6 +39,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from mimo_sft.parallel.runtime import host_to
+
 
 class _AttachAux(torch.autograd.Function):
     """Returns ``output`` unchanged; in backward adds ``weight`` * d(aux) to the graph (``aux``'s gradient
@@ -138,10 +140,11 @@ class ExpertLoad:
                 return None
             hidden = inputs[0]
             rows = hidden.reshape(-1, hidden.shape[-1])
-            real = self._real_rows(rows.shape[0]).to(rows.device)
+            real = self._real_rows(rows.shape[0])  # on the host: which rows are tokens is known there
             if not bool(real.any()):
                 return None  # this sequence-parallel slice holds padding only
-            logits = torch.nn.functional.linear(rows[real].float(), module.router.weight.float())
+            picked = host_to(real.nonzero().reshape(-1), rows.device)  # one copy; no mask index (a device read)
+            logits = torch.nn.functional.linear(rows.index_select(0, picked).float(), module.router.weight.float())
             aux = switch_aux_loss(logits, self.topk)
             if self.aux_sum is None:
                 self.aux_sum = torch.zeros(self.num_layers, dtype=torch.float64, device=aux.device)
