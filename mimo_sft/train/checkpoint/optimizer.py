@@ -92,8 +92,28 @@ def _optimizer_sharded_state_dict(ctx, *, is_loading: bool, sharding: str | None
             _zero_padding(sharded)
         sharded[_COMMON] = ShardedObject(f"optimizer.mimo.{name}.common", common, (1,), (0,),
                                          replica_id=_get_replica_id(info.pg_collection))
+        _count_cp_replicas(sharded, _get_replica_id(info.pg_collection), ctx.pstate.modules[name].pg_collection)
         sd[name] = sharded
     return sd
+
+
+def _count_cp_replicas(node, replica_id: tuple, pgc) -> None:
+    """Under context parallelism, the objects megatron's MIMO optimizer marks with replica id ``(tp, pp, dp)``
+    (``_get_replica_id``: its parameter groups, sharding type, the common state) are held by every cp rank of a
+    DP rank alike: number the replicas over dp x cp instead, so that one rank writes each."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    if pgc is None or pgc.cp.size() == 1:
+        return
+    if isinstance(node, ShardedObject):
+        if tuple(node.replica_id) == tuple(replica_id):
+            node.replica_id = (*replica_id[:2], pgc.dp_cp.rank())
+    elif isinstance(node, dict):
+        for value in node.values():
+            _count_cp_replicas(value, replica_id, pgc)
+    elif isinstance(node, (list, tuple)):
+        for value in node:
+            _count_cp_replicas(value, replica_id, pgc)
 
 
 def _zero_padding(node) -> None:
