@@ -5,32 +5,20 @@ text-only rows -- non-colocated with index-mode reordering and packing, and colo
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 
 pytest.importorskip("torchvision")
 
-from e2e_runs import (COLOCATED_FAN_IN, NON_COLOCATED_4, PACKED, SINGLE, assert_packed_equals_padded,  # noqa: E402
-                      assert_same_step, layout_run)
-from train_helpers import metrics, new_dir  # noqa: E402
+from e2e_runs import (COLOCATED_FAN_IN, GROUP_VIDEO, NON_COLOCATED_4, PACKED, VIDEO,  # noqa: E402
+                      assert_packed_equals_padded, assert_same_step, layout_run, video_data, video_reference)
+from train_helpers import metrics  # noqa: E402
 
-pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("e2e_video")]
-
-#: clips take more tokens than the demo's receipts
-VIDEO = ["--seq-length", "256"]
-
-
-@functools.lru_cache(maxsize=None)
-def video_data() -> str:
-    from mimo_sft.testing.clips import write_video_dataset
-
-    return str(write_video_dataset(new_dir("video_data"), samples=16, seed=3))
+pytestmark = [pytest.mark.e2e, GROUP_VIDEO]
 
 
 @pytest.fixture(scope="module")
 def reference():
-    return layout_run("vid_ref", 1, SINGLE, video_data(), VIDEO)
+    return video_reference()
 
 
 def test_non_colocated_reordered_packed_matches_single_process(reference):

@@ -1,0 +1,101 @@
+"""Context parallelism's pieces (``model.context_parallel``, ``train.packing.pack_documents``): the per-document
+zigzag against megatron's own THD rotary and Gated DeltaNet splits, the packed documents, and the Ulysses
+all-to-all attention against the whole sequence's attention in one process (forward and every gradient)."""
+
+import pytest
+import torch
+
+from mimo_sft.model.context_parallel import ContextSplit, kv_repeat, zigzag_positions
+from mimo_sft.train.packing import pack_documents
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_zigzag_is_the_split_megatron_rotary_and_gdn_assume(cp):
+    """megatron's THD rotary picks each document's chunks r and 2cp-1-r of the whole packed angles
+    (``_get_thd_freqs_on_this_cp_rank`` with the document's offset), and its Gated DeltaNet undoes the same split
+    after its all-to-all (``_build_thd_cp_a2a_perm``): ours must be both."""
+    from megatron.core.models.common.embeddings.rope_utils import _get_thd_freqs_on_this_cp_rank
+    from megatron.core.ssm.gated_delta_net.common import _build_thd_cp_a2a_perm
+
+    lengths = [4 * cp, 2 * cp, 10 * cp, 2 * cp]
+    total = sum(lengths)
+    freqs = torch.arange(total)
+    per_rank = [zigzag_positions(lengths, cp, r) for r in range(cp)]
+    for rank in range(cp):
+        start, picked = 0, []
+        for n in lengths:
+            picked.append(_get_thd_freqs_on_this_cp_rank(rank, cp, torch.zeros(n // cp), freqs, start))
+            start += n
+        assert torch.equal(torch.cat(picked), per_rank[rank])
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    to_natural, _ = _build_thd_cp_a2a_perm(cu, cp, total)
+    split = ContextSplit.build(lengths, cp=cp, rank=0, group=None, device="cpu")
+    assert torch.equal(to_natural, split.natural) and torch.equal(torch.cat(per_rank)[split.natural], freqs)
+    assert sorted(torch.cat(per_rank).tolist()) == list(range(total))  # every position once
+
+
+def test_kv_repeat_makes_cp_divide_the_kv_heads():
+    assert kv_repeat(8, 4, 2) == 1 and kv_repeat(8, 1, 2) == 2 and kv_repeat(28, 4, 7) == 7
+    assert kv_repeat(14, 2, 7) == 7 and kv_repeat(12, 3, 4) == 4
+
+
+def _batch(lengths, s=11):
+    b = len(lengths)
+    mask = torch.arange(s)[None] < torch.tensor(lengths)[:, None]
+    ids = torch.arange(b * s).reshape(b, s) + 100
+    labels = ids + 1000
+    loss = (torch.arange(s)[None] % 2 == 0) & mask
+    labels[~loss] = 7  # the pad id: every unsupervised label
+    pos = torch.arange(s).expand(3, b, s).clone() * torch.tensor([1, 2, 3])[:, None, None]
+    return dict(input_ids=ids, labels=labels, loss_mask=loss.float(), attention_mask=mask, position_ids=pos,
+                source_ids=torch.arange(b))
+
+
+def test_pack_documents_pads_each_document_to_2cp():
+    batch = _batch([5, 0, 11, 3])
+    out, kwargs, rows = pack_documents(batch, cp=2, multiple=4)
+    assert kwargs["cu_seqlens_q"].tolist() == [0, 8, 20, 24, 32]  # 5->8, (empty row dropped), 11->12, 3->4, pad 8
+    assert out["input_ids"].shape == (1, 32) and out["position_ids"].shape == (3, 1, 32)
+    assert rows[24:].tolist() == [-1] * 8 and out["loss_mask"][0, 24:].sum() == 0
+    assert rows[:8].tolist() == [0] * 5 + [-1] * 3 and rows[8:20].tolist() == [2] * 11 + [-1]
+    assert out["input_ids"][0, :5].tolist() == batch["input_ids"][0, :5].tolist()
+    assert out["input_ids"][0, 5:8].tolist() == [7, 7, 7] and out["loss_mask"][0, 5:8].tolist() == [0, 0, 0]
+    assert out["loss_mask"].sum() == batch["loss_mask"].sum()  # every supervised token once, no pad supervised
+    # a document's pads continue its positions (they are attended only by themselves: after every real token)
+    assert out["position_ids"][:, 0, 5:8].tolist() == [[5, 6, 7], [9, 10, 11], [13, 14, 15]]
+    padded, kw, _ = pack_documents(batch, cp=2, keep_padding=True)  # --no-in-batch-packing: whole rows
+    assert kw["cu_seqlens_q"].tolist() == [0, 12, 24, 36, 48]
+    assert torch.equal(padded["position_ids"][:, 0, :11], batch["position_ids"][:, 0])
+
+
+def _attention_ranks(rank, world, lengths, heads, groups, d):
+    import torch.distributed as dist
+
+    from mimo_sft.model.context_parallel import ulysses_attention
+    from mimo_sft.model.segments import SegmentBatch
+
+    gen = torch.Generator().manual_seed(0)
+    total = sum(lengths)
+    q, k, v = (torch.randn(total, n, d, generator=gen, dtype=torch.float64) for n in (heads, groups, groups))
+    w = torch.randn(total, heads, d, generator=gen, dtype=torch.float64)
+    ref_in = [x.clone().requires_grad_() for x in (q, k, v)]
+    ref = SegmentBatch(lengths, torch.device("cpu")).attend(*ref_in, causal=True, scale=0.3)
+    (ref * w).sum().backward()
+    split = ContextSplit.build(lengths, cp=world, rank=rank, group=dist.group.WORLD, device="cpu")
+    mine = [x[split.local_host].clone().requires_grad_() for x in (q, k, v)]
+    out = ulysses_attention(*mine, split, SegmentBatch(lengths, torch.device("cpu")), scale=0.3)
+    (out.view(-1, heads, d) * w[split.local_host]).sum().backward()
+    errors = [(out.view(-1, heads, d) - ref[split.local_host]).abs().max().item()]
+    errors += [(m.grad - r.grad[split.local_host]).abs().max().item() for m, r in zip(mine, ref_in)]
+    return errors
+
+
+@pytest.mark.parametrize("world,heads,groups", [(2, 4, 2), (2, 4, 1), (4, 8, 2)])
+def test_ulysses_attention_equals_the_whole_sequence(world, heads, groups):
+    """Each rank's output and the gradients of its q, k and v positions are the one-process attention's over the
+    whole packed sequence (documents of several lengths; GQA, with K/V repeated where cp does not divide them)."""
+    from dist_utils import run_distributed
+
+    lengths = [2 * world, 6 * world, 4 * world]
+    for errors in run_distributed(_attention_ranks, world, lengths, heads, groups, 8):
+        assert max(errors) < 1e-12, errors
