@@ -104,3 +104,138 @@ def test_qwen3_5_gdn_cp2_non_colocated_packed():
 def test_qwen3_5_gdn_cp4_colocated_packed():
     got = run("qwen3_5", "cp_q35_cp4", 4, ("language=cp=4,dp=1", "images=dp=4"), PACKED)
     _exact(family_reference("qwen3_5"), got, loose=DECAY)
+
+
+# ---- checkpoints across cp sizes, a mixture's per-source losses, evaluation --------------------------------------
+RESUME = ["--seq-length", "160", "--micro-batch-size", "4", "--global-batch-size", "8", "--lr", "1e-3",
+          "--lr-warmup-iters", "0", "--lr-decay-style", "constant", "--dataloader-type", "cyclic", "--seed", "7",
+          "--no-tensorboard", "--scalable-dp", "--weight-decay", "0.05", "--save-interval", "2", "--eval-iters", "1",
+          *PACKED]
+CP = {1: ("language=dp=1", "images=dp=1"), 2: ("language=cp=2,dp=1", "images=dp=2"),
+      4: ("language=cp=4,dp=1", "images=dp=4")}
+SOURCES = ("docs", "chat")
+
+
+def _resume_run(name, cp, iters, load=None):
+    """The two-source mixture of test_mixture_e2e.py (each source with its validation set) at language cp."""
+    from e2e_runs import finetune
+    from test_mixture_e2e import _sources
+
+    docs, chat, docs_valid, chat_valid = _sources()
+    flags = [*RESUME, "--train-iters", str(iters), "--dataset-path", chat, "--dataset-weights", "0.7,0.3",
+             "--valid-dataset-path", docs_valid, "--valid-dataset-path", chat_valid,
+             *(["--load-checkpoint", load] if load else [])]
+    return finetune(name, cp, flags, components=CP[cp], data=docs).out
+
+
+def _by_step(run_dir, key):
+    return {m["step"]: m for m in metrics(run_dir) if key in m}
+
+
+@pytest.mark.xdist_group("e2e_cp_resume")
+def test_checkpoints_reshard_between_cp_sizes_with_per_source_losses_and_evaluation():
+    """A cp 2 run's checkpoint (the distributed optimizer's default DP-only form: its shards are over dp x cp)
+    resumes at cp 1 and at cp 4, and checkpoints saved at cp 1 and cp 4 resume at cp 2: each resumed step's loss,
+    gradient norm, per-source losses (each cp rank's positions attributed to their source) and validation losses
+    (every cp rank's sums) equal the uninterrupted cp 2 run's within 1e-6 (another reduction order, not bit for
+    bit)."""
+    from e2e_runs import assert_continues
+
+    cont = _resume_run("cp_cont", 2, 6)
+    at1 = _resume_run("cp_2to1", 1, 4, load=cont + "/checkpoints/iter_0000002")
+    at4 = _resume_run("cp_2to4", 4, 4, load=cont + "/checkpoints/iter_0000002")
+    from1 = _resume_run("cp_1to2", 2, 6, load=at1 + "/checkpoints/iter_0000004")
+    from4 = _resume_run("cp_4to2", 2, 6, load=at4 + "/checkpoints/iter_0000004")
+    train, valid = _by_step(cont, "loss"), _by_step(cont, "valid_loss")
+    for resumed, steps in ((at1, [3, 4]), (at4, [3, 4]), (from1, [5, 6]), (from4, [5, 6])):
+        assert_continues(cont, resumed, steps, rel=EXACT)
+        got, got_valid = _by_step(resumed, "loss"), _by_step(resumed, "valid_loss")
+        for step in steps:
+            for name in SOURCES:
+                a, b = train[step].get(f"loss/{name}"), got[step].get(f"loss/{name}")
+                assert (a is None) == (b is None) and (a is None or abs(a - b) <= EXACT * a), (step, name, a, b)
+        assert sorted(got_valid) == [steps[-1]], sorted(got_valid)  # evaluated after its last step
+        if steps[-1] in valid:  # the runs that end where the uninterrupted one does
+            for key in ("valid_loss", *(f"valid_loss/{n}" for n in SOURCES)):
+                a, b = valid[steps[-1]][key], got_valid[steps[-1]][key]
+                assert abs(a - b) <= EXACT * a, (resumed, key, a, b)
+    for m in train.values():  # at cp 2 the per-source losses weighted by their tokens are the logged loss
+        weighted = sum(m[f"loss/{n}"] * m[f"tokens/{n}"] for n in SOURCES if f"loss/{n}" in m)
+        assert abs(weighted / m["supervised_tokens"] - m["loss"]) <= EXACT * m["loss"], m
+        assert sum(m[f"tokens/{n}"] for n in SOURCES) == m["supervised_tokens"]
+    losses = [train[s]["loss"] for s in sorted(train)]
+    assert losses[-1] < losses[0], losses  # it trains
+
+
+# ---- a long clip: refused at cp 1, trains at cp 4 on the same GPU budget -------------------------------------
+@functools.lru_cache(maxsize=None)
+def long_clip_data() -> str:
+    """One row: a 4-second 224 x 224 clip read at 30 frames a second (``--video-fps 30``; the video processor
+    samples 64 of its 120 frames): 32 temporal patches of 64 merged tokens, 2,048 clip tokens."""
+    import json
+
+    from mimo_sft.testing.clips import write_clip
+    from train_helpers import new_dir
+
+    folder = Path(new_dir("long_clip"))
+    folder.mkdir(parents=True)
+    write_clip(folder / "long.mp4", frames=120, width=224, height=224, fps=30.0)
+    row = {"messages": [{"role": "user", "content": [{"type": "video", "video": "long.mp4"},
+                                                     {"type": "text", "text": "What happens in the clip?"}]},
+                        {"role": "assistant", "content": [{"type": "text", "text": "Colours move across."}]}]}
+    (folder / "train.jsonl").write_text(json.dumps(row) + "\n")
+    return str(folder / "train.jsonl")
+
+
+LONG = ["--seq-length", "4096", "--micro-batch-size", "1", "--global-batch-size", "1", "--train-iters", "1",
+        "--video-fps", "30", "--lr", "1e-4", "--lr-warmup-iters", "0", "--no-tensorboard", "--dataloader-type",
+        "cyclic", *PACKED]
+LONG_CP = {1: ("language=dp=1", "images=dp=1"), 4: ("language=cp=4,dp=1", "images=tp=4,dp=1")}
+
+
+@functools.lru_cache(maxsize=None)
+def long_clip_model() -> str:
+    """The tiny Qwen2.5-VL with a wider language model (hidden 256, 4 layers): its activations, not the fixed
+    allowance, decide whether a 4,096-token row fits."""
+    from mimo_sft.testing.tiny_checkpoint import write_tiny_checkpoint
+
+    folder = Path(tempfile.mkdtemp(prefix="mimo_sft_cp_long_")) / "qwen2_5_vl"
+    return str(write_tiny_checkpoint(folder, seed=0, text_hidden=256, intermediate=1024, text_layers=4))
+
+
+def _forecast(cp: int) -> dict:
+    """check 23's forecast for the long-clip run at ``cp``, as finetune checks it on this machine (the CPU's
+    kernels): the colocated GPU's peak and the language module's terms."""
+    from mimo_sft.config.loader import load_config
+    from mimo_sft.validate import check_config
+
+    args = ["--hf-model", long_clip_model(), "--dataset-path", long_clip_data(), *LONG]
+    for c in LONG_CP[cp]:
+        args += ["--component", c]
+    memory = check_config(load_config(args), for_run=True).memory
+    (peak,) = memory["gpu_peaks"].values()
+    return {"peak": peak, **memory["modules"]["language"]["terms"]}
+
+
+@pytest.mark.xdist_group("e2e_cp_long_clip")
+def test_a_long_clip_is_refused_at_cp1_and_trains_at_cp4_on_the_same_gpu_budget():
+    """The forecast divides the language activations (and logits) by cp; a budget between the two forecasts
+    refuses cp 1 before it trains (check 23) and lets cp 4 train the clip (64 frames sampled,
+    2,048 clip tokens, split over 4 ranks); the vision tower, replicated on its 4 tp ranks, is forecast whole on each."""
+    from e2e_runs import finetune
+
+    one, four = _forecast(1), _forecast(4)
+    assert four["activations"] <= 0.26 * one["activations"] and four["logits"] <= 0.26 * one["logits"], (one, four)
+    assert four["peak"] < 0.9 * one["peak"], (one, four)
+    budget = ["--gpu-memory-gb", f"{(one['peak'] * four['peak']) ** 0.5 / 1024 ** 3:.6f}"]
+    refused = finetune("long_cp1", 1, [*LONG, *budget], components=LONG_CP[1], model=long_clip_model(),
+                       data=long_clip_data(), check=False).proc
+    assert refused.returncode != 0 and "[23] language (every rank) and images (every rank): forecast" in refused.stderr \
+        and "exceeds --gpu-memory-gb" in refused.stderr, refused.stderr[-2000:]
+    trained = finetune("long_cp4", 4, [*LONG, *budget], components=LONG_CP[4], model=long_clip_model(),
+                       data=long_clip_data())
+    m = metrics(trained.out)[0]
+    # the clip's 64 sampled frames (32 temporal patches of 64 tokens) on every rank of the replicated tower; each
+    # cp rank's language share is a quarter of the row's ~2,100 real tokens
+    assert m["supervised_tokens"] > 0 and m["video_frames_decoded"] == 4 * 64, m
+    assert sum(m["rank_tokens"]) > 2000 and len(set(m["rank_tokens"])) == 1, m["rank_tokens"]

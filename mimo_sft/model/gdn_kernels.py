@@ -276,6 +276,7 @@ def install() -> bool:
     """
     import mimo_sft.parallel  # noqa: F401  (makes megatron importable without triton)
 
+    _install_cp_permutation()
     common = importlib.import_module(_MEGATRON_MODULES[0])
     if common.chunk_gated_delta_rule is chunk_gated_delta_rule:
         return True
@@ -290,6 +291,31 @@ def install() -> bool:
                 setattr(module, attr, value)
     _run_helpers_eagerly()
     return True
+
+
+def _install_cp_permutation() -> None:
+    """Under context parallelism (``model.context_parallel``) megatron's GatedDeltaNet builds its sequence
+    permutation from ``cu_seqlens`` (``_build_thd_cp_a2a_perm``) in every layer and indexes its activations with
+    it. The forward step keeps ``cu_seqlens`` on the host (megatron's THD rotary reads them there), so the
+    permutation would be a host index into device activations (an error on a GPU). Bound on every device, fla or
+    not: the same function, its result copied to the process's device once per ``cu_seqlens`` tensor (one
+    forward) and shared by every GDN layer."""
+    gdn = importlib.import_module("megatron.core.ssm.gated_delta_net.gdn")
+    original = gdn._build_thd_cp_a2a_perm
+    if getattr(original, "_mimo_on_device", False):
+        return
+
+    def on_device(cu_seqlens, cp_size, t_global):
+        from mimo_sft.parallel import runtime
+
+        cache = cu_seqlens.__dict__.setdefault("_mimo_cp_perm", {})
+        if (cp_size, t_global) not in cache:
+            cache[(cp_size, t_global)] = tuple(runtime.host_to(t, runtime.device())
+                                               for t in original(cu_seqlens, cp_size, t_global))
+        return cache[(cp_size, t_global)]
+
+    on_device._mimo_on_device = True
+    gdn._build_thd_cp_a2a_perm = on_device
 
 
 #: megatron's ``jit_fuser`` (``torch.compile``) helpers on Qwen3.5's path: ``(module, class, method)``
