@@ -121,3 +121,39 @@ def test_saved_bytes_per_rank_at_cp4_are_under_0_3x_cp1(tmp_path):
     per_rank = run_distributed(_saved_ranks, 4, hf_dir, lengths)
     assert max(per_rank) <= 0.3 * whole, (per_rank, whole)
     assert min(per_rank) >= 0.2 * whole, (per_rank, whole)  # each rank holds a quarter: nothing went missing
+
+
+def _audit_ranks(rank, world, flags):
+    from mimo_sft.testing.audit_run import audit_training
+
+    return audit_training(flags, 2, world_size=world)
+
+
+_audit_ranks.on_standin_device = True  # dist_utils: this rank's device is the device audit's stand-in
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_5"])
+def test_cp2_trains_on_the_stand_in_device_mixing_nothing_and_reading_no_more(tmp_path, family):
+    """Two cp ranks on the device audit's stand-in (``testing.device_audit``): the split's indexes, the all-to-alls,
+    the encoder rows' gradient sum and (Qwen3.5) GDN's permutation mix no host tensor into device work, and a step
+    reads back no more than a run without cp (the grad norm's list; the losses at the log step)."""
+    from dist_utils import run_distributed
+    from test_device_audit import STEPS, _within_budget
+
+    from mimo_sft.testing.clips import write_video_dataset
+    from mimo_sft.testing.tiny_checkpoint import write_tiny_checkpoint
+
+    data = str(write_video_dataset(tmp_path / "video", samples=4, seed=3).parent)
+    model = str(write_tiny_checkpoint(tmp_path / family, seed=0, family=family))
+    flags = ["--hf-model", model, "--dataset-path", data, "--output-dir", str(tmp_path / "run"),
+             "--component", "language=cp=2,dp=1", "--component", "images=dp=2", "--seq-length", "256",
+             "--micro-batch-size", "2", "--global-batch-size", "2", "--train-iters", str(STEPS + 1), "--no-save",
+             "--no-tensorboard", "--dataloader-type", "cyclic", "--num-workers", "0", "--lr", "1e-3",
+             "--lr-warmup-iters", "0", "--seed", "5", "--log-interval", "2"]
+    for report in run_distributed(_audit_ranks, 2, flags, timeout=600):
+        for part in [report["setup"], *report["steps"], *report["logs"]]:
+            assert not part["mixed"], part["mixed"]
+        for step, (stepped, logged) in enumerate(zip(report["steps"], report["logs"]), start=1):
+            over = _within_budget(family, step, stepped["reads"], logged["reads"])
+            assert not over, (step, over)
+        assert all(0 < loss < 20 for loss in report["losses"]), report["losses"]

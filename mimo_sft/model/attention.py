@@ -16,6 +16,10 @@ Two input formats, as megatron's ``Attention`` passes them:
   across samples, no ``t x t`` mask is built, and the flash kernel stays eligible on GPUs. The
   layout is built once per forward from host ``cu_seqlens`` and shared by every layer.
 
+Under context parallelism (``language=...,cp=N``) the packed rows hold this rank's zigzag share of every document
+and ``packed_seq_params`` carries the micro-batch's split: the core exchanges q, k and v with its cp group and
+attends over whole documents (``model.context_parallel.ulysses_attention``).
+
 GQA uses SDPA's ``enable_gqa`` (no repeated K/V copies). No attention dropout: training builds the
 language model with ``attention_dropout=0`` (``train.setup``), so a dropout path here would never run
 in a test; a training forward with dropout asked for fails loudly instead of silently skipping it.
