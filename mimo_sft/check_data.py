@@ -18,8 +18,9 @@ from mimo_sft.errors import UserError
 
 CHECK_DATA_FLAGS = {"--workers": "decoding worker processes (default: every CPU; 0: decode in this process)",
                     "--json": "print the counts and every problem as one JSON object",
-                    "--write-costs": "write each source's reordering counts (real and image tokens per row) to "
-                                     "--cost-dir, so --reorder-mode index plans without reading rows"}
+                    "--write-costs": "write each source's per-row counts (real and image tokens, image grids) to "
+                                     "--cost-dir, so --reorder-mode index plans without reading rows and the memory "
+                                     "forecast (check 23) takes this data's largest micro-batch"}
 
 _COUNT_TEXT = {
     "samples": "samples", "images": "images", "clips": "video clips", "clip_frames": "frames sampled from them",
@@ -66,6 +67,8 @@ def run_check_data(args: list[str]) -> int:
     from mimo_sft.data.check import check_dataset
     from mimo_sft.quiet import quiet_libraries
 
+    from mimo_sft.config.checks.registry import data_flag_problems, refuse
+
     workers, as_json, costs, rest = _split_args(list(args))
     cfg = load_config(rest)
     if not cfg.model.hf_model:
@@ -73,6 +76,7 @@ def run_check_data(args: list[str]) -> int:
                         "decide how every sample is encoded")
     if not os.path.isdir(cfg.model.hf_model):
         raise UserError(f"--hf-model {cfg.model.hf_model}: folder not found; point it at a Hugging Face Qwen-VL checkpoint folder")
+    refuse(data_flag_problems(cfg))  # finetune's checks of the data flags (--video-fps 0, pixel bounds, ...)
     quiet_libraries()
     t0 = time.perf_counter()
     with Progress() as progress:

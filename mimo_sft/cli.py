@@ -104,7 +104,8 @@ def _memory_json(memory: dict | None) -> dict:
     """``validate --json``'s memory keys: each module's forecast and the budget it was held to."""
     if memory is None:
         return {"memory": None}
-    return {"memory": memory["modules"], "gpu_memory_bytes": memory["budget_bytes"], "memory_workload": memory["workload"]}
+    return {"memory": memory["modules"], "gpu_memory_bytes": memory["budget_bytes"], "memory_workload": memory["workload"],
+            "memory_worst_case": memory.get("worst_case")}
 
 
 @app.command(context_settings=FLAG_COMMAND)
@@ -164,6 +165,8 @@ def check_model(
         verdict = "[bold green]OK[/bold green]" if report["ok"] else "[bold red]MISMATCH[/bold red]"
         console.print(f"{verdict} {hf_model}: max relative logit difference {report['max_rel_logit_diff']:.3e}, "
                       f"loss difference {report['loss_diff']:.3e} (tolerance {tolerance:g})")
+        if "gdn_kernels" in report:
+            console.print(report["gdn_kernels"], highlight=False, markup=False)
     if not report["ok"]:
         raise typer.Exit(1)
 

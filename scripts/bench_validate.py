@@ -2,11 +2,13 @@
 
     .venv/bin/python scripts/bench_validate.py
 
-Prints a table: world size, layout, wall seconds (median of 3 runs of the whole CLI process).
+Prints a table: world size, layout, wall seconds and CPU seconds (user + system; median of 3 runs of the whole
+CLI process). On a shared machine the wall time follows the load; the CPU time barely does.
 """
 
 from __future__ import annotations
 
+import resource
 import statistics
 import subprocess
 import sys
@@ -25,21 +27,24 @@ def run(components, mbs, world):
             "--global-batch-size", str(mbs * 2), "--scalable-dp"]
     for c in components:
         args += ["--component", c]
-    times = []
+    times, cpus = [], []
     for _ in range(3):
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
         t = time.perf_counter()
         proc = subprocess.run(args, capture_output=True, text=True)
         times.append(time.perf_counter() - t)
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        cpus.append(after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime)
     verdict = "VALID" if proc.returncode == 0 else "INVALID"
-    return statistics.median(times), verdict
+    return statistics.median(times), statistics.median(cpus), verdict
 
 
 def main():
-    print("| world | layout | verdict | validate wall time (s, median of 3) |")
-    print("|---|---|---|---|")
+    print("| world | layout | verdict | validate wall time (s, median of 3) | CPU time (s, median of 3) |")
+    print("|---|---|---|---|---|")
     for world, comps, mbs in LAYOUTS:
-        secs, verdict = run(comps, mbs, world)
-        print(f"| {world} | {' '.join(comps)} | {verdict} | {secs:.2f} |")
+        secs, cpu, verdict = run(comps, mbs, world)
+        print(f"| {world} | {' '.join(comps)} | {verdict} | {secs:.2f} | {cpu:.2f} |")
 
 
 if __name__ == "__main__":

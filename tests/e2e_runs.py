@@ -96,9 +96,8 @@ def reference() -> str:
     return layout_run("ref_var", 1, SINGLE)
 
 
-#: clips take more tokens than the demo's receipts (test_video_e2e.py, test_context_parallel_e2e.py)
+#: clips take more tokens than the demo's receipts (test_context_parallel_e2e.py)
 VIDEO = ["--seq-length", "256"]
-GROUP_VIDEO = pytest.mark.xdist_group("e2e_video")
 
 
 @functools.lru_cache(maxsize=None)
@@ -107,13 +106,13 @@ def video_data() -> str:
     different sizes and text-only rows (``testing.clips``)."""
     from mimo_sft.testing.clips import write_video_dataset
 
-    return str(write_video_dataset(new_dir("video_data"), samples=16, seed=3))
+    return str(write_video_dataset(new_dir("cp_video_data"), samples=16, seed=3))
 
 
 def video_reference() -> str:
-    """The tiny Qwen2.5-VL's padded single-process step on :func:`video_data`: test_video_e2e's and
-    test_context_parallel_e2e's reference."""
-    return layout_run("vid_ref", 1, SINGLE, video_data(), VIDEO)
+    """The tiny Qwen2.5-VL's padded single-process step on :func:`video_data`: test_context_parallel_e2e's
+    reference."""
+    return layout_run("cp_vid_ref", 1, SINGLE, video_data(), VIDEO)
 
 
 #: non-colocated, vision load balanced by index-mode reordering (the default mode), data read in the

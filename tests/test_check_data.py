@@ -318,3 +318,20 @@ def test_a_bad_row_is_the_same_wherever_its_images_are_named(tiny_ckpt, tmp_path
                 with pytest.raises(UserError, match=r"^sample 1 .*2 image placeholder\(s\)") as err:
                     next(it)
                 assert "\n" not in str(err.value)
+
+
+def test_check_data_refuses_the_data_flags_finetune_refuses(tiny_ckpt, messy):
+    """Issue 55 item 2: check-data decoded with --video-fps 0 (and crossed pixel bounds) that validate and finetune
+    refuse; it now applies finetune's checks of the data flags first, in finetune's words, exit 2."""
+    from mimo_sft.config.loader import load_config
+    from mimo_sft.validate import check_config
+
+    bad = ["--video-fps", "0", "--min-pixels", "100000", "--max-pixels", "1000"]
+    res = _check_data(tiny_ckpt, messy, "--workers", "0", *bad)
+    assert res.exit_code == 2 and "Traceback" not in res.output, res.output
+    errors = [ln for ln in res.stderr.splitlines() if ln.startswith("error:")]
+    validate = check_config(load_config(["--component", "language=dp=1", "--component", "images=dp=1", "--hf-model",
+                                         str(tiny_ckpt), "--dataset-path", str(messy), "--seq-length", "256", *bad]))
+    wanted = [str(p) for p in validate.problems if p.check == 17]
+    assert len(wanted) == 2 and "--video-fps=0.0 must be > 0" in wanted[1], wanted
+    assert errors == [f"error: 2 problem(s) in the config: {'; '.join(wanted)}"], res.stderr

@@ -28,7 +28,7 @@ def test_issue_example_is_valid_with_table():
 def test_validate_shows_packing_and_refuses_it_with_the_local_core():
     res = runner.invoke(app, ["validate", *GOOD, "--in-batch-packing"])
     assert res.exit_code == 0, res.output
-    assert "language: packed" in res.output and "sdpa attention" in res.output
+    assert "language: packed" in res.output and "auto attention (torch's varlen kernel" in res.output
     assert "in_batch_packing: true" in res.output
     res = runner.invoke(app, ["validate", *GOOD, "--in-batch-packing", "--attention-backend", "local"])
     assert res.exit_code == 2 and "[19] --in-batch-packing with --attention-backend local" in res.output
@@ -170,3 +170,19 @@ def test_make_console_keeps_rich_on_a_terminal(monkeypatch):
     assert make_console(force_terminal=True).width == Console(force_terminal=True).width
     monkeypatch.setenv("COLUMNS", "100")
     assert make_console(file=io.StringIO()).width == 100
+
+
+def test_validate_without_model_or_data_imports_no_transformers_or_torchvision():
+    """Issue 55 item 3: ``validate`` with neither --hf-model nor --dataset-path opens no source, so it imports
+    neither transformers nor torchvision (nor torch): they took 4.6 of its 4.95 s when ``validate.check_config``
+    imported the data loader every time (scripts/bench_validate.py has the figures, docs/benchmarks.md)."""
+    probe = ("import sys\nfrom mimo_sft.cli import main\n"
+             "sys.argv = ['mimo-sft', 'validate', '--quiet', '--component', 'language=tp=8,pp=4,dp=16,rank_offset=0',"
+             " '--component', 'images=tp=1,dp=16,pp=1,rank_offset=512', '--micro-batch-size', '64',"
+             " '--global-batch-size', '128', '--scalable-dp']\n"
+             "try:\n    main()\nexcept SystemExit as e:\n    code = e.code\n"
+             "print('LOADED', code, sorted(m for m in ('transformers', 'torchvision', 'torch', 'datasets')"
+             " if m in sys.modules))\n")
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("LOADED")]
+    assert line == ["LOADED 0 []"], proc.stdout[-2000:] + proc.stderr[-2000:]

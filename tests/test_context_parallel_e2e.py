@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from e2e_runs import (GROUP_VIDEO, PACKED, SINGLE, VIDEO, assert_same_gradients, assert_same_step, layout_run,
+from e2e_runs import (PACKED, SINGLE, VIDEO, assert_same_gradients, assert_same_step, layout_run,
                       video_data, video_reference)
 from train_helpers import metrics
 
@@ -60,7 +60,7 @@ def family_reference(family: str) -> str:
     return layout_run(f"cp_ref_{family}", 1, SINGLE, video_data(), [*VIDEO, "--scalable-dp"], model=tiny(family))
 
 
-@GROUP_VIDEO
+@pytest.mark.xdist_group("e2e_cp_qwen2_5_vl")
 def test_qwen2_5_vl_cp4_colocated_packed():
     got = layout_run("cp4_co", 4, ("language=cp=4,dp=1", "images=dp=4"), video_data(),
                      [*VIDEO, "--scalable-dp", *PACKED])
@@ -68,7 +68,7 @@ def test_qwen2_5_vl_cp4_colocated_packed():
     assert metrics(got)[0]["video_frames_decoded"] > 0
 
 
-@GROUP_VIDEO
+@pytest.mark.xdist_group("e2e_cp_qwen2_5_vl")
 def test_qwen2_5_vl_tp2_cp2_sequence_parallel_non_colocated_packed():
     got = layout_run("cp2_tp2_nc", 5, ("language=tp=2,cp=2,dp=1", "images=dp=1,rank_offset=4"), video_data(),
                      [*VIDEO, "--scalable-dp", *PACKED, *SP])

@@ -346,7 +346,8 @@ def test_validate_and_the_banner_say_how_often_each_source_is_read(tmp_path):
     assert lines[1].endswith("10.0% of the samples (~12 draws), loaded; rows not counted by validate (check-data "
                              "counts them)")
     notes = [str(n) for n in check_config(cfg).notes if n.check == 17]
-    assert len(notes) == 2 and "read" not in notes[0]  # a loaded source's rows are not read by validate
+    # a loaded parquet's rows are counted from its footer (issue 55 item 2); a JSON file's are not (no footer)
+    assert len(notes) == 2 and notes[0] == f"[17] {lines[0]}" and notes[1] == f"[17] {lines[1]}", notes
     mix = MixtureSource([list("abcd"), list(range(48))], ["small", "big"], [0.9, 0.1])
     assert mix.rows_text(120) == "small 4 rows (90.0%, read 27.00 times), big 48 rows (10.0%, read 0.25 times)"
     order = mix.order(seed=0, shuffle=False)

@@ -219,10 +219,11 @@ def _data_folder(root: Path) -> Path:
 
 
 def _shared_folder(root: Path) -> Path:
-    """/shared: parquet shards and WebDataset tars, read in place."""
+    """/shared: parquet shards and WebDataset tars, read in place; one global batch of the pages' config (96 rows:
+    validate counts a streamed source's rows, as start-up does)."""
     from mimo_sft.testing.demo_data import demo_rows, write_shards
 
-    rows = demo_rows(24, seed=3)
+    rows = demo_rows(96, seed=3)
     write_shards(rows, root / "docs", shards=2)
     write_shards(rows, root / "web", shards=2, kind="webdataset")
     return root

@@ -140,3 +140,68 @@ def test_a_permission_error_is_not_read_as_a_missing_file(tmp_path, monkeypatch,
     monkeypatch.setattr(file_check.os, "stat", denied)
     with pytest.raises(PermissionError):
         file_check.check_image_files(source, threads=threads)
+
+
+def _clip_rows(tmp_path, gone: dict[int, str], *, images_column: bool = False) -> list[dict]:
+    """Messages rows naming a clip each (``clips/c.mp4``), a frame list at row 3, the rows in ``gone`` naming a
+    file that does not exist instead (the clip, or for row 3 one of its frames); ``images_column``: every row's
+    image in an ``images`` column (the clips stay in the content)."""
+    from mimo_sft.testing.clips import write_clip
+
+    (tmp_path / "clips").mkdir(exist_ok=True)
+    write_clip(tmp_path / "clips" / "c.mp4", frames=4, width=32, height=32, fps=4)
+    for j in range(2):
+        Image.new("RGB", (16, 16)).save(tmp_path / "clips" / f"f{j}.png")
+    Image.new("RGB", (8, 8)).save(tmp_path / "page.png")
+    rows = []
+    for i in range(6):
+        clip = gone.get(i, "clips/c.mp4")
+        if i == 3:
+            clip = ["clips/f0.png", gone.get(i, "clips/f1.png")]
+        parts = [{"type": "video", "video": clip}, {"type": "text", "text": "?"}]
+        row = {"messages": [{"role": "user", "content": parts},
+                            {"role": "assistant", "content": [{"type": "text", "text": "a"}]}]}
+        if images_column:
+            parts.insert(0, {"type": "image"})
+            row["images"] = ["page.png"]
+        rows.append(row)
+    return rows
+
+
+@pytest.mark.parametrize("layout", ["jsonl", "parquet_images_column", "sharegpt_video_column"])
+def test_a_missing_clip_is_refused_before_step_0_as_a_missing_image_is(tmp_path, layout):
+    """Issue 55 item 2: a missing clip file (or a missing frame of a frame list) was found only when its row was
+    read, and skipped; the start-up check now stats clip files as it stats images, and names them in the same
+    line: inline clip parts (JSON Lines, whose mixed file/frame-list parts datasets stores as JSON text), a
+    parquet with an images column beside inline clips, and ShareGPT's ``video`` column."""
+    import datasets
+
+    from mimo_sft.data.sources import load_sft_dataset
+
+    gone = {1: "clips/gone1.mp4", 3: "clips/gone3.png"}
+    if layout == "jsonl":
+        path = tmp_path / "d.jsonl"
+        path.write_text("\n".join(json.dumps(r) for r in _clip_rows(tmp_path, gone)))
+    elif layout == "parquet_images_column":
+        rows = [r for r in _clip_rows(tmp_path, {1: "clips/gone1.mp4"}, images_column=True) if not
+                isinstance(r["messages"][0]["content"][1]["video"], list)]  # one type per parquet column
+        path = tmp_path / "d.parquet"
+        datasets.Dataset.from_list(rows).to_parquet(str(path))
+        gone = {1: "clips/gone1.mp4"}
+    else:
+        gone = {1: "clips/gone1.mp4"}
+        rows = [{"conversations": [{"from": "human", "value": "<video>?"}, {"from": "gpt", "value": "a"}],
+                 "video": gone.get(i, "clips/c.mp4")} for i in range(4)]
+        _clip_rows(tmp_path, {})  # the files
+        path = tmp_path / "d.jsonl"
+        path.write_text("\n".join(json.dumps(r) for r in rows))
+    cfg = DataConfig(dataset_path=str(path))
+    source = load_sft_dataset(cfg, check_files=False)
+    want = "; ".join(f"sample {i}: video file {tmp_path / f} not found" for i, f in sorted(gone.items()))
+    assert _verdict(source, threads=1) == f"{want}; check the paths or set --image-root"
+    with pytest.raises(UserError, match="video file .* not found"):
+        load_sft_dataset(cfg)  # what finetune's start-up runs (train.feed.checked_source: the same check)
+    assert type(source[0][1][-1]).__name__ == "VideoRef"  # (ShareGPT's video column is read: it was dropped)
+    if layout == "jsonl":  # every file there: the check passes (frames, the clip file, nothing decoded)
+        path.write_text("\n".join(json.dumps(r) for r in _clip_rows(tmp_path, {})))
+        assert _verdict(load_sft_dataset(cfg, check_files=False), threads=1) is None

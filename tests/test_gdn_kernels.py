@@ -19,6 +19,9 @@ float orderings agree.
 
 from __future__ import annotations
 
+import threading
+
+import gdn_kernels_before as before
 import pytest
 import torch
 import torch.nn.functional as F
@@ -262,36 +265,120 @@ def test_rule_and_conv_refuse_bad_inputs():
         gk.causal_conv1d(torch.randn(1, 4, 3), torch.randn(3, 4), residual=torch.randn(1, 4, 3))
 
 
+# ---- the same numbers as before issue 53 ----------------------------------------------------------------
+#: packed cases: segments of lengths off the 64-token chunk (and on it), an empty one, many of them
+BEFORE_CASES = {"four": [130, 7, 64, 1], "nine with an empty one": [61, 0, 200, 5, 128, 33, 64, 1, 90],
+                "one": [150], "unpacked rows": None}
+
+
+@pytest.mark.parametrize("case", BEFORE_CASES)
+def test_rule_equals_the_implementation_before_issue_53(case):
+    """fp32, against ``tests/gdn_kernels_before.py`` (the kernels as they were: the layout built on the device,
+    the scan one chunk at a time): outputs, final states from given initial states, and the gradient of
+    q, k, v, g, beta and the initial state."""
+    lengths = BEFORE_CASES[case]
+    batch, total = (2, 150) if lengths is None else (1, sum(lengths))
+    nseg = 1 if lengths is None else len(lengths)
+    cu = None if lengths is None else _cu(lengths)
+    inputs = _rule_inputs(total, batch=batch, dtype=torch.float32, normed=False, seed=11)
+    init = torch.randn(batch * nseg, 4, 16, 8, generator=torch.Generator().manual_seed(2)) * 0.1
+    outs, grads = [], []
+    for module in (gk, before):
+        leaves = _leaves(*inputs, init)
+        out, final = module.chunk_gated_delta_rule(*leaves[:5], initial_state=leaves[5], output_final_state=True,
+                                                   use_qk_l2norm_in_kernel=True, cu_seqlens=cu)
+        wo = torch.randn(out.shape, generator=torch.Generator().manual_seed(4))
+        wf = torch.randn(final.shape, generator=torch.Generator().manual_seed(5))
+        outs.append((out, final))
+        grads.append(torch.autograd.grad((out * wo).sum() + (final * wf).sum(), leaves))
+    for a, r in zip(outs[0], outs[1]):
+        torch.testing.assert_close(a, r, rtol=1e-5, atol=1e-6)
+    for name, a, r in zip("q k v g beta init".split(), *grads):
+        torch.testing.assert_close(a, r, rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"d{name}: {m}")
+
+
+def test_conv_equals_the_implementation_before_issue_53():
+    """fp32, packed (an empty segment too) with initial and final states: outputs and every gradient."""
+    lengths = [5, 0, 70, 3, 64]
+    x, w, b = _conv_inputs(sum(lengths), dtype=torch.float32, seed=3)
+    init = torch.randn(len(lengths), 6, 4)
+    results = []
+    for module in (gk, before):
+        leaves = _leaves(x, w, b, init)
+        out, final = module.causal_conv1d(*leaves[:3], "silu", initial_state=leaves[3], output_final_state=True,
+                                          cu_seqlens=_cu(lengths))
+        results.append((out, final, *torch.autograd.grad((out * out.detach()).sum() + final.sum(), leaves)))
+    for a, r in zip(*results):
+        torch.testing.assert_close(a, r, rtol=1e-6, atol=1e-6)
+
+
+# ---- the norms ----------------------------------------------------------------------------------------
+def _zero_centred_before(x, weight, eps):
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (h * (1.0 + weight.float())).to(x.dtype)
+
+
+def _gated_output_before(x, weight, eps):
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def _norms(hidden=24):
+    from types import SimpleNamespace
+
+    from mimo_sft.model.norm import GatedOutputRMSNorm, ZeroCenteredRMSNorm
+
+    cfg = SimpleNamespace(normalization="RMSNorm", sequence_parallel=False)
+    norms = {"zero-centred": (ZeroCenteredRMSNorm(cfg, hidden, eps=1e-6), _zero_centred_before),
+             "gated output": (GatedOutputRMSNorm(cfg, hidden, eps=1e-6), _gated_output_before)}
+    with torch.no_grad():
+        for norm, _ in norms.values():
+            norm.weight.add_(torch.randn(hidden, generator=torch.Generator().manual_seed(1)))
+    return norms
+
+
+@pytest.mark.parametrize("name", ["zero-centred", "gated output"])
+def test_norms_equal_their_composites_before_issue_53(name):
+    """Each norm is one ``F.rms_norm``: fp32 output and both gradients equal the composite it replaced; a
+    bf16 input gives the same bf16 output (the weight applied where it was)."""
+    norm, reference = _norms()[name]
+    x = torch.randn(3, 5, 24, generator=torch.Generator().manual_seed(0)) * 3
+    ours, theirs = _leaves(x, norm.weight)
+    out = torch.func.functional_call(norm, {"weight": theirs}, (ours,))
+    x_ref, w_ref = _leaves(x, norm.weight)
+    ref = reference(x_ref, w_ref, norm.eps)
+    torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
+    weight = torch.randn_like(out)
+    for a, r in zip(torch.autograd.grad((out * weight).sum(), (ours, theirs)),
+                    torch.autograd.grad((ref * weight).sum(), (x_ref, w_ref))):
+        torch.testing.assert_close(a, r, rtol=1e-5, atol=1e-6)
+    low = x.bfloat16()
+    torch.testing.assert_close(norm(low), reference(low, norm.weight, norm.eps), rtol=0, atol=0)
+
+
+def test_each_norm_calls_rms_norm_once_and_normalises_nothing_else():
+    """What one ``F.rms_norm`` buys: on CUDA the fused kernel (one kernel, input and rstd kept for backward)."""
+    from torch.overrides import TorchFunctionMode
+
+    class Calls(TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            self.names.append(getattr(func, "__name__", str(func)))
+            return func(*args, **(kwargs or {}))
+
+    for name, (norm, _) in _norms().items():
+        with Calls() as calls:
+            norm(torch.randn(2, 24))
+        assert calls.names.count("rms_norm") == 1 and not {"rsqrt", "pow", "mean"} & set(calls.names), (name, calls.names)
+
+
 # ---- megatron ---------------------------------------------------------------------------------------
-def test_install_is_idempotent_and_binds_every_name():
-    import importlib
-
-    assert gk.install() is True and gk.install() is True
-    ours = {"causal_conv1d": gk.causal_conv1d, "l2norm": gk.l2norm,
-            "chunk_gated_delta_rule": gk.chunk_gated_delta_rule}
-    for name in gk._MEGATRON_MODULES:
-        module = importlib.import_module(name)
-        assert vars(module).get("HAVE_FLA", True) is True, name
-        bound = {attr: getattr(module, attr) for attr in ours if attr in vars(module)}
-        assert bound and all(fn is ours[attr] for attr, fn in bound.items()), name
-    gdn = importlib.import_module("megatron.core.ssm.gated_delta_net.gdn")
-    assert gdn.causal_conv1d is gk.causal_conv1d and gdn.chunk_gated_delta_rule is gk.chunk_gated_delta_rule
-
-
-def test_install_leaves_fla_in_place(monkeypatch):
-    """Where megatron imported fla (a GPU machine), install() changes nothing."""
-    import megatron.core.ssm.gated_delta_net.common as common
-
-    def fla_kernel(*a, **k):
-        raise AssertionError("not called")
-
-    monkeypatch.setattr(common, "chunk_gated_delta_rule", fla_kernel)
-    monkeypatch.setattr(common, "HAVE_FLA", True)
-    assert gk.install() is False
-    assert common.chunk_gated_delta_rule is fla_kernel
-
-
-def _gdn_layer(pg_collection):
+def _gdn_layer(pg_collection, out_norm=None):
     from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
@@ -302,28 +389,32 @@ def _gdn_layer(pg_collection):
                             linear_conv_kernel_dim=4, linear_key_head_dim=8, linear_value_head_dim=8,
                             linear_num_key_heads=2, linear_num_value_heads=4, normalization="RMSNorm",
                             activation_func=F.silu)
-    sub = GatedDeltaNetSubmodules(in_proj=ColumnParallelLinear, out_norm=WrappedTorchNorm, out_proj=RowParallelLinear)
+    sub = GatedDeltaNetSubmodules(in_proj=ColumnParallelLinear, out_norm=out_norm or WrappedTorchNorm,
+                                  out_proj=RowParallelLinear)
     return GatedDeltaNet(cfg, sub, layer_number=1, pg_collection=pg_collection)
+
+
+def _packed(cu):
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu)
 
 
 def test_megatron_gated_delta_net_packed_equals_each_segment_alone():
     """megatron's GatedDeltaNet built on the CPU (no fla), thd-packed forward vs one forward per segment,
     and the input gradient of both. torch.compile is switched off for the layer's ``jit_fuser`` helpers
     (megatron wraps them in torch.compile; compiling them on this CPU costs ~40 s and proves nothing)."""
-    from megatron.core.packed_seq_params import PackedSeqParams
-
+    from mimo_sft.model.gdn_binding import install
     from mimo_sft.parallel.bootstrap import start_single_process
 
     state = start_single_process("cpu")
-    assert gk.install() is True
+    assert install().kernels == "torch"
     layer = _gdn_layer(state.modules["language"].pg_collection)
     assert layer.gated_delta_rule is gk.chunk_gated_delta_rule and layer.conv1d.weight.device.type == "cpu"
     lengths = [70, 1, 5, 66]
     x = torch.randn(sum(lengths), 1, 32, generator=torch.Generator().manual_seed(0), requires_grad=True)
-    cu = _cu(lengths)
     with torch._dynamo.config.patch(disable=True):
-        packed, _ = layer(x, None, packed_seq_params=PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu,
-                                                                     cu_seqlens_kv=cu))
+        packed, _ = layer(x, None, packed_seq_params=_packed(_cu(lengths)))
         alone = torch.cat([layer(x[seg], None)[0] for seg in _segments(lengths)], 0)
         joined, _ = layer(x.detach(), None)
     torch.testing.assert_close(packed, alone, rtol=1e-5, atol=1e-6)
@@ -334,23 +425,56 @@ def test_megatron_gated_delta_net_packed_equals_each_segment_alone():
     assert (joined[70:] - packed[70:]).abs().max() > 1e-4  # without packing the segments would mix
 
 
-def test_install_runs_megatrons_compiled_helpers_eagerly_and_can_restore_them():
-    """On the stand-ins' path the GDN and output-gate helpers are plain functions (no inductor compile per
-    rank and sequence length); ``compiled_helpers`` puts megatron's compiled ones back (the memory
-    measurement) and takes them out again."""
-    from megatron.core.ssm.gated_delta_net import common
-    from megatron.core.transformer.attention import Attention
+def test_a_packed_gdn_layer_reads_only_its_host_bounds_once_per_micro_batch():
+    """One GDN layer (torch kernels, the gated output norm) forward + backward, twice, then a second layer on
+    the same micro-batch, under the host-read counter of ``test_host_syncs``: every read from
+    ``gdn_kernels`` or ``norm`` is of the micro-batch's host ``cu_seqlens`` (no device sync on a GPU), one
+    per micro-batch; the layouts built from it serve every call after."""
+    from test_host_syncs import SyncCounter, _call_site
 
-    from mimo_sft.model import gdn_kernels
+    from mimo_sft.model.gdn_binding import install
+    from mimo_sft.model.norm import GatedOutputRMSNorm
+    from mimo_sft.parallel.bootstrap import start_single_process
 
-    gdn_kernels.install()
-    owners = [(common._GDNBase, "_apply_gated_norm"), (common._GDNBase, "_compute_g_and_beta"),
-              (common._GDNBase, "_prepare_input_for_gated_delta_rule"), (Attention, "_apply_output_gate")]
-    compiled = lambda fn: hasattr(fn, "_torchdynamo_orig_callable")  # noqa: E731
-    assert not any(compiled(owner.__dict__[name]) for owner, name in owners)
-    with gdn_kernels.compiled_helpers():
-        assert all(compiled(owner.__dict__[name]) for owner, name in owners)
-    assert not any(compiled(owner.__dict__[name]) for owner, name in owners)
+    class HostReads(SyncCounter):
+        """Also says whether each read was of one of ``hosts`` (the micro-batches' ``cu_seqlens``)."""
+
+        def __init__(self, hosts):
+            super().__init__()
+            self.hosts = hosts
+
+        def _wrap(self, name, original):
+            counter = self
+
+            def wrapper(*args, **kwargs):
+                inner = getattr(counter._depth, "n", 0)
+                if inner == 0 and threading.get_ident() == counter._thread:
+                    host = next((f"cu{j}" for j, h in enumerate(counter.hosts) if args and args[0] is h), "other")
+                    counter.sites[f"{name}  {_call_site()}  {host}"] += 1
+                counter._depth.n = inner + 1
+                try:
+                    return original(*args, **kwargs)
+                finally:
+                    counter._depth.n = inner
+
+            return wrapper
+
+    state = start_single_process("cpu")
+    install()
+    pg = state.modules["language"].pg_collection
+    layers = [_gdn_layer(pg, out_norm=GatedOutputRMSNorm) for _ in range(2)]
+    micro_batches = [[70, 1, 5, 130], [64, 3, 200]]
+    hosts = [_cu(lengths) for lengths in micro_batches]
+    with HostReads(hosts) as reads, torch._dynamo.config.patch(disable=True):
+        for cu in hosts:
+            x = torch.randn(int(cu[-1]), 1, 32, requires_grad=True)
+            for layer in (layers[0], layers[0], layers[1]):
+                out, _ = layer(x, None, packed_seq_params=_packed(cu))
+                out.square().sum().backward()
+    ours = {site: n for site, n in reads.sites.items()
+            if site.split("  ")[1].startswith(("mimo_sft/model/gdn_kernels.py", "mimo_sft/model/norm.py"))}
+    assert sorted(site.rsplit("  ", 1)[1] for site, n in ours.items() for _ in range(n)) == ["cu0", "cu1"], ours
+    assert reads.total > 2  # the counter counts: megatron reads the bounds too (host tensors there)
 
 
 def test_the_test_environment_has_no_fla():
@@ -359,3 +483,20 @@ def test_the_test_environment_has_no_fla():
     import importlib.util
 
     assert importlib.util.find_spec("fla") is None
+
+
+def test_the_bench_times_ours_beside_the_kernels_before_on_the_same_work():
+    """``scripts/bench_gdn.py --quick --baseline tests/gdn_kernels_before.py``: every case timed on both sides,
+    and the sanity column (ours against before) within fp32 / bf16 rounding."""
+    import importlib.util
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("bench_gdn", root / "scripts" / "bench_gdn.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    names, rows = bench.run(bench.QUICK, 1, bench.load_baseline(str(root / "tests" / "gdn_kernels_before.py")),
+                            transformers=False)
+    assert names == ["ours", "before"] and len(rows) == 2 * len(bench.QUICK["cases"])
+    for dtype, _case, t_ours, t_before, diff in rows:
+        assert t_ours > 0 and t_before > 0 and diff <= (1e-6 if dtype == "float32" else 1e-2), rows

@@ -92,18 +92,30 @@ def test_the_forecast_follows_its_device(q7b, tmp_path):
         forecast_memory(cfg, result.layout, hf, device="tpu")
 
 
-def test_qwen3_5_norms_are_the_same_on_both_devices(tmp_path):
+@pytest.mark.parametrize("kind", ["linear_attention", "full_attention"])
+def test_qwen3_5_norms_keep_their_fp32_copy_and_rstd_on_cuda(tmp_path, kind):
+    """Qwen3.5's zero-centred norms are one ``F.rms_norm`` over an fp32 copy: on CUDA's path the fused op keeps
+    that copy and rstd (``4w + 4`` per row), on the CPU the composite also the normalised rows (``8w + 4``).
+    The formula per device, and one 0.8B layer measured on CUDA's dispatch path: equal, less only the
+    per-layer fp32 ``1 + w`` tables."""
+    from mimo_sft.testing import saved_bytes as sb
     from mimo_sft.testing.tiny_checkpoint import preset_config
 
     preset_config("qwen3.5-0.8b").save_pretrained(str(tmp_path))
     d = TextDims.from_config(read_hf_config(str(tmp_path)))
     assert d.layer_types and not d.torch_norm
-    for kind in set(d.layer_types):
-        cuda, cpu = (act.language_layer_terms(d, tp=1, sp=False, b=2, layer_type=kind, device=dev)
-                     for dev in ("cuda", "cpu"))
-        assert cuda == cpu
-    assert act.language_head_terms(d, tp=1, sp=False, b=2, device="cuda") == \
-        act.language_head_terms(d, tp=1, sp=False, b=2, device="cpu")
+    cuda, cpu = (act.language_layer_terms(d, tp=1, sp=False, b=2, layer_type=kind, device=dev)
+                 for dev in ("cuda", "cpu"))
+    qk = (d.heads + d.kv_heads) * 4 * d.head_dim if kind == "full_attention" else 0
+    assert cpu["norms"] - cuda["norms"] == 2 * 4 * d.hidden and cpu.get("qk norm", 0) - cuda.get("qk norm", 0) == qk
+    assert {k: v for k, v in cuda.items() if "norm" not in k} == {k: v for k, v in cpu.items() if "norm" not in k}
+    head = [act.language_head_terms(d, tp=1, sp=False, b=2, device=dev)["final norm"] for dev in ("cpu", "cuda")]
+    assert head[0] - head[1] == 4 * d.hidden
+    block, cfg = sb.language_layer(str(tmp_path), dtype=torch.bfloat16, layer_type=kind)
+    tables = 4 * (2 * d.hidden + (2 * d.head_dim if kind == "full_attention" else 0))
+    tokens = 128
+    assert sb.language_layer_saved(block, cfg, tokens, dtype=torch.bfloat16, device="cuda") == \
+        round(sum(cuda.values()) * tokens) + tables
 
 
 def test_check_23_forecasts_cuda_unless_a_run_starts_here_on_the_cpu(q7b, monkeypatch):

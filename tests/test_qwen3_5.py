@@ -71,6 +71,7 @@ def test_check_model_command_path(q35_dir):
 
     res = check_model(q35_dir)
     assert res["ok"] and res["family"] == "qwen3_5" and res["num_images"] >= 2 and res["seq_length"] > 64, res
+    assert res["gdn_kernels"] == "Gated DeltaNet: mimo-sft's torch kernels (model.gdn_kernels): fla is not installed"
 
 
 def test_plain_norms_or_swapped_gates_would_fail(models, monkeypatch):

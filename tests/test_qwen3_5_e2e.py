@@ -69,6 +69,17 @@ def test_the_tiny_model_is_hybrid():
     assert cfg["linear_num_key_heads"] == 2 and cfg["linear_num_value_heads"] == 4
 
 
+def test_the_banner_says_which_gated_deltanet_kernels_run(reference):
+    """One line, from the reference run's own output (no extra launch)."""
+    from e2e_runs import STEP, shared_run
+
+    proc = shared_run("q35_ref", 1, [*STEP, "--save-grads", "{out}/grads", *CORNER], components=SINGLE,
+                      data=bridge_corner_data(), model=tiny_qwen3_5()).proc
+    assert proc.stdout.count("Gated DeltaNet") == 1, proc.stdout[-2000:]
+    assert ("mimo-sft: Gated DeltaNet: mimo-sft's torch kernels (model.gdn_kernels): fla is not installed\n"
+            in proc.stdout), proc.stdout[-2000:]
+
+
 def test_packed_equals_padded_on_one_process(reference):
     got = run("q35_packed", 1, SINGLE, PACKED)
     assert_same_step(reference, got, same_flops=False, weights_tol=WEIGHTS_TOL, loose=DECAY)

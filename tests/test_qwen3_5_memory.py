@@ -21,6 +21,8 @@ from mimo_sft.memory import activations as act
 from mimo_sft.memory.dims import FULL_ATTENTION as FULL, LINEAR_ATTENTION as LIN, TextDims
 
 TOKENS = 256
+#: the layers are measured on the CPU's dispatch path (Qwen3.5's norms keep less on CUDA's: test_memory_devices)
+CPU = "cpu"
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +56,7 @@ def test_27b_layer_bytes_equal_the_formula(q35_27b, kind):
     without); each term as activations.py lists it."""
     d = TextDims.from_config(read_hf_config(q35_27b))
     assert d.rotary_dim == d.head_dim // 4 and d.gdn.value_heads == 48
-    terms = act.language_layer_terms(d, tp=1, sp=False, b=2, layer_type=kind)
+    terms = act.language_layer_terms(d, tp=1, sp=False, b=2, device=CPU, layer_type=kind)
     assert ("delta rule" in terms) == (kind == LIN) and ("output gate" in terms) == (kind == FULL)
     measured = _measure(q35_27b, kind)
     assert measured == round(sum(terms.values()) * TOKENS) + _tables(d, kind), (measured, sum(terms.values()))
@@ -69,13 +71,15 @@ def test_27b_recompute_settings(q35_27b):
     mlp = {"recompute_granularity": "selective", "recompute_modules": ["mlp"]}
     full = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
     for kind in (LIN, FULL):
-        terms = act.language_layer_terms(d, tp=1, sp=False, b=2, recompute_modules=("core_attn",), layer_type=kind)
+        terms = act.language_layer_terms(d, tp=1, sp=False, b=2, device=CPU, recompute_modules=("core_attn",),
+                                         layer_type=kind)
         # megatron hands the mask type through its checkpoint as a one-element int32 tensor (attention.py)
         mask_type = 4 if kind == FULL else 0
         assert _measure(q35_27b, kind, core) == round(sum(terms.values()) * TOKENS) + _tables(d, kind) + mask_type, kind
-    plain = act.language_layer_terms(d, tp=1, sp=False, b=2, layer_type=LIN)
-    assert act.language_layer_terms(d, tp=1, sp=False, b=2, recompute_modules=("core_attn",), layer_type=LIN) == plain
-    terms = act.language_layer_terms(d, tp=1, sp=False, b=2, recompute_modules=("mlp",), layer_type=LIN)
+    plain = act.language_layer_terms(d, tp=1, sp=False, b=2, device=CPU, layer_type=LIN)
+    assert act.language_layer_terms(d, tp=1, sp=False, b=2, device=CPU, recompute_modules=("core_attn",),
+                                    layer_type=LIN) == plain
+    terms = act.language_layer_terms(d, tp=1, sp=False, b=2, device=CPU, recompute_modules=("mlp",), layer_type=LIN)
     assert terms["mlp"] == 0 and _measure(q35_27b, LIN, mlp) == round(sum(terms.values()) * TOKENS) + _tables(d, LIN)
     assert _measure(q35_27b, LIN, full) == act.language_layer_input(d, tp=1, sp=False, b=2) * TOKENS
 
@@ -121,7 +125,7 @@ def test_without_the_fla_functions_the_stand_ins_would_be_counted(tmp_path):
     d = TextDims.from_config(read_hf_config(str(tmp_path)))
     block, cfg = sb.language_layer(str(tmp_path), dtype=torch.bfloat16, layer_type=LIN)
     fla = sb.language_layer_saved(block, cfg, 128, dtype=torch.bfloat16)
-    terms = act.language_layer_terms(d, tp=1, sp=False, b=2, layer_type=LIN)
+    terms = act.language_layer_terms(d, tp=1, sp=False, b=2, device=CPU, layer_type=LIN)
     assert fla == round(sum(terms.values()) * 128) + _tables(d, LIN)
     swap = sb.fla_saved_tensors
     try:

@@ -184,4 +184,8 @@ def test_validate_accepts_it_with_allow_random_init(q08, demo_data):
             "--dataset-path", str(demo_data), "--gpu-memory-gb", "1000"]
     res = CliRunner().invoke(app, [*args, "--allow-random-init"])
     assert res.exit_code == 0, res.output
-    assert json.loads(res.output)["ok"]
+    report = json.loads(res.output)
+    assert report["ok"]
+    gdn = [n for n in report["notes"] if "Gated DeltaNet" in n]  # which kernels run here, and the rule
+    assert len(gdn) == 1 and "torch kernels (model.gdn_kernels): fla is not installed (this machine: no CUDA GPU" in \
+        gdn[0] and "the rule: fla where it is installed on a CUDA GPU, except on Hopper" in gdn[0], gdn

@@ -38,6 +38,7 @@ def test_final_weights_kept_counts_reported_and_failed_export_names_the_checkpoi
     proc = torchrun(1, _args(tmp_path, out, "--export-hf", str(export)), check=False)
     kept = os.path.join(out, "checkpoints", "iter_0000002")
     assert f"checkpoints: {out}/checkpoints, at the end (step 2)" in proc.stdout, proc.stdout[-2000:]
+    assert "Gated DeltaNet" not in proc.stdout  # (Qwen2.5-VL has none; a Qwen3.5 banner says which kernels run)
     assert os.path.isfile(os.path.join(kept, "meta.json")), "no save flag given: the final step must still be saved"
     # the export failed after training: one line naming what was kept, non-zero exit, no traceback
     ours = proc.stderr.split("torch/distributed/elastic")[0]  # what torchrun's agent prints after is its own

@@ -126,6 +126,6 @@ def test_the_validation_set_is_tokenised_once_over_the_ranks(tmp_path):
     with pytest.raises(UserError) as one:
         check_validation_set(load_sft_dataset(short), build_preprocessor(short, tiny_checkpoint_dir()), 6,
                              flag="--valid-split")
-    assert str(one.value).startswith("--valid-split: validation sample 3 needs ")
+    assert str(one.value).startswith(f"--valid-split: validation sample 3 ({path}, row 3) needs ")
     (err0, calls0), (err1, calls1) = run_distributed(_tokens_worker, 2, str(tiny_checkpoint_dir()), path, 24, 6)
     assert err0 == err1 == str(one.value) and 3 in calls1 and 3 not in calls0

@@ -190,8 +190,8 @@ def test_a_validation_sample_whose_images_do_not_fit_is_refused_not_replaced():
     from mimo_sft.data.validation import check_validation_set
 
     cfg = dataclasses.replace(_data_cfg(), seq_length=12)
-    with pytest.raises(UserError, match=r"--valid-split: validation sample \d+ needs \d+ tokens for its images, "
-                                        r"more than --seq-length 12"):
+    with pytest.raises(UserError, match=r"--valid-split: validation sample \d+ \(.*demo.*, row \d+\) needs \d+ tokens "
+                                        r"for its images and clips, more than --seq-length 12"):
         check_validation_set(load_sft_dataset(cfg), build_preprocessor(cfg, tiny_checkpoint_dir()), 8,
                              flag="--valid-split")
 

@@ -285,3 +285,16 @@ def test_variable_length_call_is_handed_the_kernels_contract(causal, with_window
     assert batch.cu_seqlens().tolist() == [0, 5, 22, 25, 34] and batch.cu_seqlens() is batch.cu_seqlens()
     assert seen["max_q"] == 17 and seen["gqa"] == with_window and seen["heads"] == ((4, 2) if with_window else (4, 4))
     torch.testing.assert_close(out, batch.attend(q, k, v, causal=causal, scale=0.3), rtol=1e-5, atol=1e-6)
+
+
+def test_varlen_asked_for_where_it_cannot_run_is_one_line_at_start_up():
+    """On this CPU machine: a UserError naming the flag before any weight is read, not a traceback in a forward."""
+    from mimo_sft.errors import UserError
+    from mimo_sft.model.builder import build_single_process_model
+    from mimo_sft.model.segments import use_kernel
+
+    try:
+        with pytest.raises(UserError, match="--attention-backend varlen needs a CUDA GPU"):
+            build_single_process_model("/nonexistent-model-folder", attention="varlen")
+    finally:
+        use_kernel("auto")

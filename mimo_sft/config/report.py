@@ -48,8 +48,9 @@ def print_report(cfg: ExperimentConfig, result: CheckResult, console: Console, *
         if cp > 1:  # model.context_parallel
             packing += (f", context parallel {cp} (each document padded to a multiple of {2 * cp} and split over the cp "
                         f"ranks, zigzag)")
-        console.print(f"data: {data_mode}; reordering: {reorder}; language: {packing}, "
-                      f"{cfg.model.attention_backend} attention")
+        kernel = {"auto": "auto attention (torch's varlen kernel on a CUDA GPU in bf16, else sdpa)"}.get(
+            cfg.model.attention_backend, f"{cfg.model.attention_backend} attention")
+        console.print(f"data: {data_mode}; reordering: {reorder}; language: {packing}, {kernel}")
         if r.calibration:
             console.print(f"cost weights {r.calibration}")
         if r.encoder_balance:
@@ -88,3 +89,7 @@ def print_memory(memory: dict, console: Console) -> None:
     verdicts = ", ".join(f"{g} {p / gib:.1f} GiB {'fits' if p <= budget else 'DOES NOT FIT'}"
                          for g, p in memory["gpu_peaks"].items())
     console.print(f"memory: {verdicts} ({memory['workload']}; docs/memory.md)", highlight=False)
+    worst = memory.get("worst_case")
+    if worst:  # the data's figure is in force; the worst case beside it
+        peaks = ", ".join(f"{g} {p / gib:.1f} GiB" for g, p in worst["gpu_peaks"].items())
+        console.print(f"memory, not in force: {peaks} for the {worst['workload']}", highlight=False)

@@ -43,7 +43,8 @@ class ChunkReport:
     counts: dict = field(default_factory=lambda: dict.fromkeys(COUNT_KEYS, 0))
     problems: list = field(default_factory=list)
     first: dict = field(default_factory=dict)  # count key -> smallest sample index that had it
-    #: ``--write-costs``: (first index, ``[rows, 2]`` int32 real tokens and image tokens; ``data.cost_file``)
+    #: ``--write-costs``: (first index, ``[rows, 2]`` int32 real tokens and image tokens, ``[images, 4]`` int32 row,
+    #: t, h, w of every image and clip; ``data.cost_file``)
     costs: list = field(default_factory=list)
 
     def add(self, other: "ChunkReport") -> None:
@@ -76,19 +77,22 @@ class _CheckDataset:
         report = ChunkReport()
         lo, hi = k * self.chunk, min(self.n, (k + 1) * self.chunk)
         block = np.full((hi - lo, 2), UNKNOWN, dtype=np.int32) if self.costs else None
+        grids = []
         for i in range(lo, hi):
             counts = check_sample(self.source, self.pre, i, report)
             if block is not None and counts is not None:
-                block[i - lo] = counts
+                block[i - lo] = counts[:2]
+                grids.extend((i, *g) for g in counts[2])
         if block is not None:
-            report.costs.append((lo, block))
+            report.costs.append((lo, block, np.array(grids, dtype=np.int32).reshape(-1, 4)))
         return report
 
 
-def check_sample(source, pre, i: int, report: ChunkReport) -> tuple[int, int] | None:
+def check_sample(source, pre, i: int, report: ChunkReport) -> tuple[int, int, list] | None:
     """Decode sample ``i`` as training does; count what it changes, or record why it cannot train.
-    Returns its ``(real tokens, image tokens)`` (``DROPPED``: its image tokens pass --seq-length;
-    None: it could not be encoded), what a cost file holds (``data.cost_file``)."""
+    Returns its ``(real tokens, image tokens, grids)`` (``DROPPED``: its image tokens pass --seq-length;
+    None: it could not be encoded; ``grids``: each image's and clip's ``(t, h, w)`` in patches), what a
+    cost file holds (``data.cost_file``)."""
     from mimo_sft.data.cost_file import DROPPED
     from mimo_sft.data.image_refs import VideoRef
     from mimo_sft.data.images import image_where, open_sample_image
@@ -112,7 +116,7 @@ def check_sample(source, pre, i: int, report: ChunkReport) -> tuple[int, int] | 
         report.problems.append(SampleProblem(i, None, f"its image tokens end at token {err.needed} but "
                                                       f"--seq-length is {err.seq_length}; training drops it "
                                                       f"(--on-truncation drop) or stops (error)"))
-        return DROPPED, 0
+        return DROPPED, 0, []
     except BadSampleError as err:
         report.flag("bad_samples", i)
         report.problems.append(SampleProblem(i, err.path, err.reason))
@@ -140,7 +144,8 @@ def check_sample(source, pre, i: int, report: ChunkReport) -> tuple[int, int] | 
     if sample["answer_empty"]:
         report.flag("empty_answers", i)
     ids = sample["input_ids"]
-    return len(ids), int((ids == pre.image_token_id).sum())  # clips' tokens are image tokens to the model
+    # clips' tokens are image tokens to the model
+    return len(ids), int((ids == pre.image_token_id).sum()), [tuple(int(x) for x in g) for g in sample["grids"]]
 
 
 def _identity(x):
@@ -176,14 +181,17 @@ def check_dataset(data_cfg, *, model_dir, workers: int, chunk: int = 256, write_
                                                  worker_init_fn=_worker_init))
     total = ChunkReport()
     counts = np.full((len(source), 2), UNKNOWN, dtype=np.int32) if write_costs else None
+    grids = []
     for item in items:
-        for lo, block in item.costs:  # into place as chunks arrive: memory is the two columns
+        for lo, block, images in item.costs:  # into place as chunks arrive: memory is the two columns and the grids
             counts[lo:lo + len(block)] = block
+            grids.append(images)
         item.costs = []
         total.add(item)
         if progress is not None:
             progress(total.counts["samples"], len(source))
-    files = write_cost_files(source, pre, counts[:, 0], counts[:, 1], cost_dir(data_cfg)) if write_costs else []
+    files = write_cost_files(source, pre, counts[:, 0], counts[:, 1], cost_dir(data_cfg),
+                             grids=np.concatenate(grids) if grids else None) if write_costs else []
     return {
         "cost_files": files,
         "ok": not total.problems,

@@ -111,22 +111,39 @@ def parts_of(source) -> list:
     return list(getattr(source, "parts", None) or [source])
 
 
-def write_cost_files(source, pre, tokens: np.ndarray, image_tokens: np.ndarray, folder: Path) -> list[str]:
+def _save_atomic(path: Path, array: np.ndarray) -> None:
+    tmp = path.with_name(f".{path.stem}.{os.getpid()}.npy")
+    with open(tmp, "wb") as f:
+        np.save(f, array)
+    os.replace(tmp, path)
+
+
+def grids_path(path: Path) -> Path:
+    """Beside a cost file: its rows' image grids (``[images, 4]`` int32: row, t, h, w in patches), what the
+    memory forecast bounds each micro-batch's attention padding with (``memory.from_data``)."""
+    return path.with_name(f"{path.stem}.grids.npy")
+
+
+def write_cost_files(source, pre, tokens: np.ndarray, image_tokens: np.ndarray, folder: Path,
+                     grids: Optional[np.ndarray] = None) -> list[str]:
     """The counts of ``source``'s rows (a mixture: in its global index order), one file per source,
-    each written atomically; returns the paths."""
+    each written atomically, with its rows' image grids beside it (``grids``: ``[images, 4]`` global row,
+    t, h, w); returns the paths."""
     folder.mkdir(parents=True, exist_ok=True)
+    grids = np.zeros((0, 4), dtype=np.int32) if grids is None else np.asarray(grids, dtype=np.int32).reshape(-1, 4)
+    grids = grids[np.argsort(grids[:, 0], kind="stable")]
     paths, start = [], 0
     for part in parts_of(source):
         n = len(part)
         path = folder / f"{cost_key(part, pre)}.npy"
-        tmp = path.with_name(f".{path.stem}.{os.getpid()}.npy")
-        with open(tmp, "wb") as f:
-            np.save(f, np.stack([tokens[start:start + n], image_tokens[start:start + n]], axis=1).astype(np.int32))
+        mine = grids[(grids[:, 0] >= start) & (grids[:, 0] < start + n)].copy()
+        mine[:, 0] -= start
+        _save_atomic(grids_path(path), mine)  # first: a cost file is never there without its grids
         # beside it, what it was made for: a run with other settings is told why it is not used
         about = path.with_suffix(".json")
         about.write_text(json.dumps({"rows_key": rows_key(part, pre), "source": str(part.dataset_path),
                                      **settings_of(pre)}))
-        os.replace(tmp, path)
+        _save_atomic(path, np.stack([tokens[start:start + n], image_tokens[start:start + n]], axis=1).astype(np.int32))
         paths.append(str(path))
         start += n
     return paths
@@ -180,3 +197,53 @@ class SourceCounts:
         s, row = self.source.locate(idx) if self.mixture else (0, int(idx))
         table = self.tables[s]
         return None if table is None else table.counts(row, self.sizes[s])
+
+
+# ---- the memory forecast's per-row counts (check 23) ---------------------------------------------------
+def any_written(data_cfg) -> bool:
+    """Whether ``--cost-dir`` holds any cost file: asked before anything costly (the dataset, the tokenizer), so
+    that a run where check-data never wrote one pays nothing for looking."""
+    folder = cost_dir(data_cfg)
+    return folder.is_dir() and any(folder.glob("*.json"))
+
+
+def _source_rows(table: CostTable, grids: np.ndarray):
+    """One source's table as ``memory.from_data.SourceRows``: its rows that train, each standing for itself and
+    the dropped rows before it that it replaces (the next row that fits, cyclically, as ``CostTable.counts``)."""
+    from mimo_sft.memory.from_data import SourceRows
+
+    tokens = np.asarray(table.tokens)
+    kept = np.flatnonzero(tokens != DROPPED)
+    stands = np.ones(len(kept), dtype=np.int64)
+    dropped = np.flatnonzero(tokens == DROPPED)
+    if len(dropped) and len(kept):
+        np.add.at(stands, np.searchsorted(kept, dropped) % len(kept), 1)
+    position = np.full(len(tokens), -1, dtype=np.int64)
+    position[kept] = np.arange(len(kept))
+    rows = position[grids[:, 0]] if len(grids) else np.zeros(0, dtype=np.int64)
+    mine = rows >= 0
+    return SourceRows(tokens=tokens[kept], image_tokens=np.asarray(table.image_tokens)[kept], stands_for=stands,
+                      image_rows=rows[mine], grids=grids[mine, 1:])
+
+
+def load_row_counts(source, pre, folder: Path):
+    """``(memory.from_data.RowCounts, None)`` from every source's cost file in ``folder`` (``check-data
+    --write-costs`` with this run's settings), or ``(None, why not)``. No row, image header or pixel is read:
+    ``source`` and ``pre`` only name the files (their key)."""
+    from mimo_sft.memory.from_data import RowCounts
+
+    sources, files, unknown = [], [], 0
+    for part, table in zip(parts_of(source), load_cost_tables(source, pre, folder)):
+        if table is None:
+            return None, other_settings(part, pre, folder) or (
+                f"{part.dataset_path} has no cost file for this run's settings")
+        try:
+            grids = np.load(grids_path(Path(table.path)), mmap_mode="r").reshape(-1, 4)
+        except (OSError, ValueError):
+            return None, (f"the cost file {table.path} has no image grids beside it (written by an older "
+                          f"mimo-sft): run `mimo-sft check-data --write-costs` again")
+        unknown += int(np.sum(np.asarray(table.tokens) == UNKNOWN))
+        sources.append(_source_rows(table, np.asarray(grids)))
+        files.append(table.path)
+    counts = RowCounts(sources, mixture=getattr(source, "parts", None) is not None, unknown=unknown, files=files)
+    return (counts, None) if counts.rows else (None, "no row of the data fits in --seq-length")

@@ -1,7 +1,8 @@
-"""The start-up image-file check, streamed chunk by chunk, run once per run (not once per rank).
+"""The start-up image- and clip-file check, streamed chunk by chunk, run once per run (not once per rank).
 
-Why it exists: a dataset of millions of rows that names its images by path should fail before step
-0 when files are missing, not hours in. Why it is written this way:
+Why it exists: a dataset of millions of rows that names its images and clips by path should fail before
+step 0 when files are missing, not hours in (a missing clip was found only when its row was read, and
+skipped, while a missing image stopped the run: both are one ``stat`` here). Why it is written this way:
 
 * **streamed**: the path (or message) column is read one Arrow chunk at a time, cut into slices of
   :data:`SLICE_ROWS` rows (zero-copy ``slice``); only the values that name a file become Python
@@ -71,12 +72,20 @@ def _row_ids(start: int, n: int):
 
 def _content_slices(source) -> Iterator[list[tuple[int, Any]]]:
     """(row, reference) of the images named inside message content, one slice's list at a time."""
+    for images, _clips in _content_parts(source, clips=False):
+        yield images
+
+
+def _content_parts(source, *, clips: bool) -> Iterator[tuple[list, list]]:
+    """``(images, clip files)`` named inside message content, each ``(row, reference)`` in row order, one slice
+    at a time (``clips=False``: no clip is looked at)."""
     if source.schema != "messages":
         return
     for start, arr in _slices(source.column_chunks(source.text_column)):
         out: list = []
-        walk_arrow(arr, _row_ids(start, len(arr)), out)
-        yield sorted(out, key=lambda x: x[0])
+        files: list | None = [] if clips else None
+        walk_arrow(arr, _row_ids(start, len(arr)), out, files)
+        yield sorted(out, key=lambda x: x[0]), sorted(files or [], key=lambda x: x[0])
 
 
 def content_refs(source) -> Iterator[tuple[int, Any]]:
@@ -122,6 +131,28 @@ def _path_slices(source) -> Iterator[list[tuple[int, str]]]:
         yield _slice_paths(arr, _row_ids(start, len(arr)))
 
 
+def _media_slices(source) -> Iterator[list[tuple[int, Any, str]]]:
+    """``(row, reference, what)`` of every image (``what``: ``"image"``) and clip file (``"video"``) stored as
+    a file path, one slice at a time. Images come from the images column, else from the message content; clips
+    from the message content (a video part's file or frames) or ShareGPT's video column. A dataset that names
+    images both in an images column and inside its messages is refused here (``SFTSource._both_error``)."""
+    if source.images_column is None:
+        for images, clips in _content_parts(source, clips=True):
+            yield ([(row, p, "image") for row, ref in images if (p := path_of(ref)) is not None]
+                   + [(row, p, "video") for row, p in clips])
+    else:
+        for start, arr in _slices(source.column_chunks(source.images_column)):
+            yield [(row, p, "image") for row, p in _slice_paths(arr, _row_ids(start, len(arr)))]
+        for images, clips in _content_parts(source, clips=True):
+            if images:
+                raise source._both_error(images[0][0])
+            yield [(row, p, "video") for row, p in clips]
+    videos = getattr(source, "videos_column", None)
+    if videos is not None:
+        for start, arr in _slices(source.column_chunks(videos)):
+            yield [(row, p, "video") for row, p in _slice_paths(arr, _row_ids(start, len(arr)))]
+
+
 def image_paths(source) -> Iterator[tuple[int, str]]:
     """(row, path) of every image stored as a file path, slice by slice, without decoding any image.
 
@@ -131,10 +162,11 @@ def image_paths(source) -> Iterator[tuple[int, str]]:
         yield from paths
 
 
-def _missing(source, prefix: str, pairs: list[tuple[int, str]]) -> tuple[int, list[str]]:
-    """(missing files, the first :data:`_NAMED` error parts) among ``pairs``, in their order (one task)."""
+def _missing(source, prefix: str, pairs: list[tuple[int, Any, str]]) -> tuple[int, list[str]]:
+    """(missing files, the first :data:`_NAMED` error parts) among ``(row, reference, what)``, in their order
+    (one task)."""
     missing, named = 0, []
-    for row, ref in pairs:
+    for row, ref, what in pairs:
         if not isinstance(ref, str):  # not from an Arrow string column: the source's rules decide
             resolved = source._resolve(ref, row)
             if not isinstance(resolved, Path):
@@ -159,20 +191,19 @@ def _missing(source, prefix: str, pairs: list[tuple[int, str]]) -> tuple[int, li
             continue
         missing += 1
         if len(named) < _NAMED:
-            what = "is a folder, not an image file" if stat.S_ISDIR(mode) else "not found"
-            named.append(f"sample {row}: image file {source._resolve(ref, row)} {what}")
+            state = f"is a folder, not an {what} file" if stat.S_ISDIR(mode) else "not found"
+            named.append(f"sample {row}: {what} file {source._resolve(ref, row)} {state}")
     return missing, named
 
 
 def check_image_files(source, *, threads: int = STAT_THREADS) -> None:
-    """Refuse mixed image sources and missing files, naming the first few missing ones (in row order).
+    """Refuse mixed image sources and missing image and clip files, naming the first few missing ones (images
+    in row order, then clips: :func:`_media_slices`). A clip is treated as an image is: one ``stat`` of each
+    file it names (its file, or each frame of a frame list), nothing decoded.
 
     Tasks run on the calling thread while a path costs less than :data:`_SERIAL_S` (cached metadata:
     the loop is CPU-bound and more threads only contend for the GIL); the first slower task (a
     metadata round trip per file: network filesystems, a cold disk) hands the rest to ``threads``."""
-    if source.images_column is not None:
-        for row, _ref in content_refs(source):
-            raise source._both_error(row)
     root = str(source.image_root or source.base_dir or Path.cwd())
     prefix = root if root.endswith(os.sep) else root + os.sep
     missing, named = 0, []
@@ -185,7 +216,7 @@ def check_image_files(source, *, threads: int = STAT_THREADS) -> None:
 
     pool = None
     try:
-        for paths in _path_slices(source):
+        for paths in _media_slices(source):
             for off in range(0, len(paths), _TASK_PATHS):
                 task = paths[off:off + _TASK_PATHS]
                 if pool is None:

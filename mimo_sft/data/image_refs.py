@@ -14,6 +14,7 @@ from typing import Any
 
 INLINE_KEYS = ("image", "url", "path")  # where Qwen / transformers chat messages name an image
 INLINE_HINT = r'"(image|url|path)"\s*:'  # JSON text that may hold such a part (cheap pre-filter)
+CLIP_HINT = r'"(image|url|path|video)"\s*:'  # ... or a clip part (``{"type": "video", "video": ...}``)
 
 
 def decode_json_text(value):
@@ -54,6 +55,24 @@ def part_ref(part):
     return None
 
 
+def part_clip(part):
+    """The clip a content part names (``{"type": "video", "video": path | [frame, ...]}``), or None; as
+    ``data.rows`` reads a video part."""
+    if not isinstance(part, dict):
+        return None
+    kind = part.get("type")
+    if kind == "video" or (kind is None and part.get("video") is not None):
+        value = part.get("video")
+        return None if value in (None, "", []) else value
+    return None
+
+
+def clip_files(value) -> list[str]:
+    """The files one clip value names: its file, or each file of a frame list (in-dataset bytes name none)."""
+    value = decode_json_text(value)
+    return [p for item in (value if isinstance(value, (list, tuple)) else [value]) if (p := path_of(item)) is not None]
+
+
 def path_of(ref) -> str | None:
     """The file path a stored reference points at, or None for in-dataset bytes and data URIs."""
     if isinstance(ref, dict):
@@ -63,19 +82,23 @@ def path_of(ref) -> str | None:
     return None
 
 
-def walk_json(value, row: int, out: list) -> None:
-    """Collect ``(row, ref)`` of the inline image parts inside decoded JSON (lists/dicts)."""
+def walk_json(value, row: int, out: list, clips: list | None = None) -> None:
+    """Collect ``(row, ref)`` of the inline image parts inside decoded JSON (lists/dicts); with ``clips``, also
+    ``(row, path)`` of every file a clip part names."""
     if isinstance(value, list):
         for v in value:
-            walk_json(v, row, out)
+            walk_json(v, row, out, clips)
     elif isinstance(value, dict):
         ref = part_ref(value)
         if ref is not None:
             out.append((row, ref))
             return
+        if clips is not None and (clip := part_clip(value)) is not None:
+            clips.extend((row, p) for p in clip_files(clip))
+            return
         for v in value.values():
             if isinstance(v, (list, dict)):
-                walk_json(v, row, out)
+                walk_json(v, row, out, clips)
 
 
 def arrow_storage(arr):
@@ -87,11 +110,12 @@ def arrow_storage(arr):
     return arr
 
 
-def walk_arrow(arr, rows, out: list) -> None:
-    """Collect ``(row, ref)`` of inline image parts under an Arrow array, whatever its nesting.
+def walk_arrow(arr, rows, out: list, clips: list | None = None) -> None:
+    """Collect ``(row, ref)`` of inline image parts under an Arrow array, whatever its nesting; with ``clips``,
+    also ``(row, path)`` of the files clip parts name (:func:`walk_json`).
 
     Why Arrow: this scans the whole dataset when it opens; only the parts that carry an
-    image/url/path value (or JSON text mentioning one) are converted to Python objects.
+    image/url/path (or video) value, or JSON text mentioning one, are converted to Python objects.
     """
     import pyarrow as pa
     import pyarrow.compute as pc
@@ -99,24 +123,25 @@ def walk_arrow(arr, rows, out: list) -> None:
     is_json = getattr(arr.type, "extension_name", None) == "arrow.json"  # plain text is never parsed
     arr = arrow_storage(arr)
     t = arr.type
+    named = INLINE_KEYS + (("video",) if clips is not None else ())
     if pa.types.is_list(t) or pa.types.is_large_list(t):
-        walk_arrow(pc.list_flatten(arr), pc.take(rows, pc.list_parent_indices(arr)), out)
+        walk_arrow(pc.list_flatten(arr), pc.take(rows, pc.list_parent_indices(arr)), out, clips)
     elif pa.types.is_struct(t):
         names = [t.field(i).name for i in range(t.num_fields)]
-        keys = [k for k in INLINE_KEYS if k in names]
+        keys = [k for k in named if k in names]
         if keys:  # content parts: convert only those naming something
             has = pc.is_valid(pc.struct_field(arr, keys[0]))
             for k in keys[1:]:
                 has = pc.or_(has, pc.is_valid(pc.struct_field(arr, k)))
             for row, part in zip(pc.filter(rows, has).to_pylist(), pc.filter(arr, has).to_pylist()):
-                walk_json(part, row, out)
+                walk_json(part, row, out, clips)
         for name in names:
-            if name not in INLINE_KEYS:
-                walk_arrow(pc.struct_field(arr, name), rows, out)
+            if name not in named:
+                walk_arrow(pc.struct_field(arr, name), rows, out, clips)
     elif is_json and (pa.types.is_string(t) or pa.types.is_large_string(t)):  # Json feature: parts as text
-        hit = pc.fill_null(pc.match_substring_regex(arr, INLINE_HINT), False)
+        hit = pc.fill_null(pc.match_substring_regex(arr, INLINE_HINT if clips is None else CLIP_HINT), False)
         for row, text in zip(pc.filter(rows, hit).to_pylist(), pc.filter(arr, hit).to_pylist()):
-            walk_json(decode_json_text(text), row, out)
+            walk_json(decode_json_text(text), row, out, clips)
 
 
 @dataclass(frozen=True)

@@ -62,6 +62,10 @@ def _json_problem(path: Path) -> str | None:
     return None
 
 
+#: why a source without a single row cannot be loaded (start-up's words, and ``validate``'s from the footers)
+NO_ROWS = "it has no rows; give a source that holds samples"
+
+
 def load_failure(path: Path, err: BaseException) -> str:
     """The clause after ``cannot load`` for a dataset file that failed to load."""
     if path.is_file() and path.suffix.lower() in (".json", ".jsonl"):
@@ -74,7 +78,7 @@ def load_failure(path: Path, err: BaseException) -> str:
     cause = innermost_cause(err)
     text = str(cause).strip()
     if "BatchSize must be greater than 0" in text:  # pyarrow's word for a source without a single row
-        return "it has no rows; give a source that holds samples"
+        return NO_ROWS
     return f"{type(cause).__name__}: {text.splitlines()[0] if text else ''}".rstrip(": ")
 
 

@@ -40,6 +40,9 @@ class SFTSource:
 
     videos_column: str | None = None
     _videos = None
+    #: a subset's rows in the file (``data.validation.subset_source``: ``--valid-split``), so a message names
+    #: the row a user can find; None: row ``i`` is the file's row ``i``
+    file_rows: list[int] | None = None
 
     def __init__(self, ds, *, schema: str, text_column: str, images_column: str | None, base_dir: Path | None,
                  image_root: Path | None, dataset_path: str):
@@ -84,8 +87,8 @@ class SFTSource:
             raise bad from None
 
     def row_where(self, idx: int) -> str:
-        """Where row ``idx`` is, for a message: the source and its row."""
-        return f"{self.dataset_path}, row {int(idx)}"
+        """Where row ``idx`` is, for a message: the source and its row (in the file, for a subset)."""
+        return f"{self.dataset_path}, row {int(idx) if self.file_rows is None else self.file_rows[int(idx)]}"
 
     def _sample(self, idx: int) -> tuple[list[dict], list[Any]]:
         """``(messages, vision refs)``: the refs in the order of the image and video parts (a clip's ref is a

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from mimo_sft.data.load_errors import load_failure, object_top_level
 from mimo_sft.config.mixture import is_streamed
-from mimo_sft.data.rows import SFTSource, checked, pick_columns, source_folders
+from mimo_sft.data.rows import VIDEO_COLUMNS, SFTSource, checked, pick_columns, source_folders
 from mimo_sft.data.streamed import load_streamed_source
 from mimo_sft.errors import BadSampleError, UserError
 
@@ -29,45 +29,61 @@ def _first_line(err: BaseException) -> str:
     return text.splitlines()[0] if text else type(err).__name__
 
 
+#: the file types a loaded source may be, and the ``datasets`` builder of each
+BUILDERS = {".parquet": "parquet", ".json": "json", ".jsonl": "json"}
+
+
+def loaded_kind(dataset_path: str | None, split: str = "train") -> tuple[str, Path]:
+    """How start-up opens ``dataset_path`` through ``datasets``: ``("file", path)``, ``("disk", folder)`` (a
+    ``save_to_disk`` folder), ``("folder", folder)`` or ``("hub", path)``, after the refusals it makes before
+    reading anything (no path, a file type it cannot read, a split of a single file, a path that does not
+    exist, a hub name while the hub is offline). ``validate`` calls it too (``data.source_probe``)."""
+    if not dataset_path:
+        raise UserError("data.dataset_path is not set; pass --dataset-path (a parquet/json/jsonl file or folder)")
+    path = Path(dataset_path).expanduser()
+    if path.is_file():
+        ext = path.suffix.lower()
+        if ext not in BUILDERS:
+            raise UserError(f"--dataset-path {path}: unsupported file type '{ext}'; use .parquet, .json or .jsonl")
+        if split != "train":
+            raise UserError(f"--dataset-split {split}: {path} is a single file, which is one split ('train'); "
+                            f"point --dataset-path at the {split} file instead")
+        return "file", path
+    if path.is_dir():
+        on_disk = (path / "dataset_dict.json").is_file() or (path / "state.json").is_file()
+        return ("disk" if on_disk else "folder"), path
+    if path.is_absolute() or dataset_path.startswith((".", "~")) or dataset_path.count("/") > 1:
+        raise UserError(f"--dataset-path {dataset_path} does not exist; point it at a dataset file or folder")
+    if _is_offline():
+        raise UserError(f"--dataset-path '{dataset_path}' is not a local file or folder and the hub is offline "
+                        "(HF_HUB_OFFLINE/HF_DATASETS_OFFLINE); download it and pass its local path")
+    return "hub", path
+
+
 def load_raw_dataset(dataset_path: str | None, split: str = "train"):
     """A ``datasets.Dataset`` from a file, a folder, a ``save_to_disk`` folder, or a hub name."""
     import datasets
 
-    if not dataset_path:
-        raise UserError("data.dataset_path is not set; pass --dataset-path (a parquet/json/jsonl file or folder)")
-    path = Path(dataset_path).expanduser()
+    kind, path = loaded_kind(dataset_path, split)
     # datasets logs its own error line before raising; ours (below) is the one the user should see
     ds_logger = logging.getLogger("datasets")
     level = ds_logger.level
     ds_logger.setLevel(logging.CRITICAL)
     try:
-        if path.is_file():
-            ext = path.suffix.lower()
-            builder = {".parquet": "parquet", ".json": "json", ".jsonl": "json"}.get(ext)
-            if builder is None:
-                raise UserError(f"--dataset-path {path}: unsupported file type '{ext}'; use .parquet, .json or .jsonl")
-            if split != "train":
-                raise UserError(f"--dataset-split {split}: {path} is a single file, which is one split ('train'); "
-                                f"point --dataset-path at the {split} file instead")
-            ds = datasets.load_dataset(builder, data_files={split: str(path)}, split=split)
+        if kind == "file":
+            ds = datasets.load_dataset(BUILDERS[path.suffix.lower()], data_files={split: str(path)}, split=split)
             nested = object_top_level(ds, path)
             if nested:
                 raise UserError(nested)
-        elif path.is_dir():
-            if (path / "dataset_dict.json").is_file() or (path / "state.json").is_file():
-                ds = datasets.load_from_disk(str(path))
-                if isinstance(ds, datasets.DatasetDict):
-                    if split not in ds:
-                        raise UserError(f"--dataset-split '{split}' not in {path} (splits: {', '.join(ds)}); pick one of those")
-                    ds = ds[split]
-            else:
-                ds = datasets.load_dataset(str(path), split=split)
-        elif path.is_absolute() or dataset_path.startswith((".", "~")) or dataset_path.count("/") > 1:
-            raise UserError(f"--dataset-path {dataset_path} does not exist; point it at a dataset file or folder")
+        elif kind == "disk":
+            ds = datasets.load_from_disk(str(path))
+            if isinstance(ds, datasets.DatasetDict):
+                if split not in ds:
+                    raise UserError(f"--dataset-split '{split}' not in {path} (splits: {', '.join(ds)}); pick one of those")
+                ds = ds[split]
+        elif kind == "folder":
+            ds = datasets.load_dataset(str(path), split=split)
         else:
-            if _is_offline():
-                raise UserError(f"--dataset-path '{dataset_path}' is not a local file or folder and the hub is offline "
-                                "(HF_HUB_OFFLINE/HF_DATASETS_OFFLINE); download it and pass its local path")
             ds = datasets.load_dataset(dataset_path, split=split)
     except UserError:
         raise
@@ -102,7 +118,9 @@ def load_sft_dataset(data_cfg, *, check_files: bool = True) -> SFTSource:
     schema, text_column, images_column = pick_columns(data_cfg, cols)
     if len(ds) == 0:
         raise UserError(f"--dataset-path {data_cfg.dataset_path} (split '{data_cfg.split}') has no samples")
-    keep = [text_column] + ([images_column] if images_column else [])
+    # ShareGPT's clip column (LLaVA-Video's "video"/"videos") is kept too: SFTSource reads a row's clips from it
+    videos = next((c for c in VIDEO_COLUMNS if c in cols), None) if schema == "sharegpt" else None
+    keep = [text_column] + ([images_column] if images_column else []) + ([videos] if videos else [])
     # The images column is read in Arrow format: stored values as they are (bytes/path dicts), so
     # nothing is decoded, and unlike cast_column(Image(decode=False)) no copy of the dataset is
     # written. The text column uses the normal format (datasets may store parts as Json features).

@@ -18,7 +18,6 @@ names or row counts changed is refused (:func:`check_resumed_streams`).
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 from typing import Any, Optional
 
@@ -126,31 +125,6 @@ def load_streamed_source(data_cfg, *, check_files: bool = True) -> StreamedSourc
     source = StreamedSource(shards, schema=schema, text_column=text_column, images_column=images_column,
                             base_dir=base_dir, image_root=image_root, dataset_path=str(data_cfg.dataset_path))
     return checked(source, check_files=check_files)
-
-
-def open_streamed_sources(data_cfg) -> tuple[list[str], dict[str, int]]:
-    """``(problems, rows)``: one line per streamed source of the config that cannot be opened (no shards, a
-    compressed tar, a corrupt, empty or zero-row shard, columns that differ or do not fit the schema), and the
-    row count of each that opened (by source name; ``""`` for one plain ``--dataset-path``), found by opening
-    each exactly as start-up does: shard lists, parquet footers and tar headers, no row's images. ``validate``
-    runs it so that it refuses what ``finetune`` refuses, and shows each source's epochs."""
-    from mimo_sft.config.mixture import is_streamed, mixture_specs, path_exists
-
-    try:  # (name, one source's data config), labelled as a mixture's load names its sources
-        sources = ([(s.name, s.data) for s in mixture_specs(data_cfg)]
-                   if getattr(data_cfg, "datasets", None) else [("", data_cfg)])
-    except UserError:
-        return [], {}  # a mixture that does not parse: check 17 says why
-    out, rows = [], {}
-    for name, one in sources:
-        if one.dataset_path and path_exists(str(one.dataset_path)) and is_streamed(one):  # (a missing one: check 17)
-            # the random-access settings are check 17's own lines (``c17_data``): opened without them, said once
-            one = dataclasses.replace(one, dataloader_type="single", valid_split=None)
-            try:
-                rows[name] = len(load_streamed_source(one, check_files=False))
-            except UserError as err:
-                out.extend((f"source '{name}': " if name else "") + p for p in err.problems)
-    return out, rows
 
 
 def stream_position(source, consumed_samples: int, *, seed: int, micro_batch_size: int, drop_last: bool) -> dict:

@@ -12,9 +12,11 @@ seeded choice of rows (``--seed``), the validation rows in dataset order, and th
 then holds only the other rows, so the training sampler never sees them and ``consumed_samples``
 counts positions of that smaller set (a resume with the same flags reads the same stream).
 
-Before step 0 the evaluated samples are tokenised (image headers only): a sample whose image
-tokens do not fit ``--seq-length`` is refused rather than replaced (the value must be the loss of
-the samples the user named), and so is a set without supervised tokens. Training splits that work
+Before step 0 the evaluated samples are tokenised (image and clip headers only, a clip planned as
+training plans it): a sample whose image or video tokens do not fit ``--seq-length`` is refused rather
+than replaced (the value must be the loss of the samples the user named), and so is a set without
+supervised tokens. A refused sample's line says it is a validation sample and names its file and row
+(:func:`validation_line`), at start-up and at an evaluation alike. Training splits that work
 over the ranks (:func:`shard_tokens` on every ``world``-th sample, the verdicts combined in
 ``train.evaluate``); :func:`check_validation_set` is the same check in one process.
 """
@@ -22,17 +24,19 @@ over the ranks (:func:`shard_tokens` on every ``world``-th sample, the verdicts 
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Callable, Iterator, Optional
 
 import torch
 
-from mimo_sft.config.checks.validation import parse_eval_iters
+from mimo_sft.config.checks.validation import held_out, parse_eval_iters
 from mimo_sft.config.checks.validation import parse_valid_split as config_valid_split
 from mimo_sft.config.mixture import mixture_specs, per_source_validation
-from mimo_sft.data.microbatch import MicroBatchDataset, MicroBatchIterator, identity, worker_init
+from mimo_sft.data.microbatch import ERROR_KEY, MicroBatchDataset, MicroBatchIterator, identity, worker_init
 from mimo_sft.data.preprocess import SamplePreprocessor
 from mimo_sft.data.mixture import InterleavedView, MixtureSource
 from mimo_sft.data.sampler import RankShare
+from mimo_sft.data.source_probe import VALID_SET, source_valid_set
 from mimo_sft.data.sources import SFTSource, load_sft_dataset
 from mimo_sft.errors import UserError
 
@@ -52,11 +56,9 @@ def holdout_rows(total: int, valid_split: float | int, *, seed: int, min_train: 
     gives a representative set; the same flags always give the same rows. ``min_train``: the
     training rows must still fill one global batch.
     """
-    n_valid = valid_split if isinstance(valid_split, int) else int(round(valid_split * total))
-    n_valid = max(1, n_valid)
-    if total - n_valid < min_train:
-        raise UserError(f"--valid-split {valid_split}: holding out {n_valid} of the {total} samples leaves "
-                        f"{total - n_valid}, fewer than one global batch ({min_train}); hold out fewer samples")
+    n_valid, refused = held_out(total, valid_split, min_train=min_train)
+    if refused:
+        raise UserError(refused)
     g = torch.Generator()
     g.manual_seed(int(seed))
     chosen = set(torch.randperm(total, generator=g)[:n_valid].tolist())
@@ -66,10 +68,13 @@ def holdout_rows(total: int, valid_split: float | int, *, seed: int, min_train: 
 
 def subset_source(source: SFTSource, rows: list[int]) -> SFTSource:
     """The same source restricted to ``rows`` (in that order): row ``i`` of the result is ``rows[i]``
-    of ``source``. ``datasets`` selects through an index mapping, nothing is copied."""
-    return SFTSource(source.ds.select(rows), schema=source.schema, text_column=source.text_column,
-                     images_column=source.images_column, base_dir=source.base_dir, image_root=source.image_root,
-                     dataset_path=source.dataset_path)
+    of ``source``. ``datasets`` selects through an index mapping, nothing is copied. Its messages name
+    the file's row (``SFTSource.file_rows``), not the subset's."""
+    out = SFTSource(source.ds.select(rows), schema=source.schema, text_column=source.text_column,
+                    images_column=source.images_column, base_dir=source.base_dir, image_root=source.image_root,
+                    dataset_path=source.dataset_path)
+    out.file_rows = [source.file_rows[r] for r in rows] if source.file_rows is not None else list(rows)
+    return out
 
 
 def split_sources(data_cfg, *, seed: int, global_batch_size: int,
@@ -90,7 +95,7 @@ def split_sources(data_cfg, *, seed: int, global_batch_size: int,
         try:
             return None, (load_valid or load_sft_dataset)(valid_cfg)
         except UserError as e:  # the loader names the training flags; say which set it was
-            raise UserError(f"validation set (--valid-dataset-path, --valid-dataset-split): {e}") from None
+            raise UserError(f"{VALID_SET}: {e}") from None
     split = parse_valid_split(data_cfg.valid_split)
     if split is None:
         return None, None
@@ -116,7 +121,7 @@ def _per_source_valid(specs, load_valid) -> InterleavedView:
         try:
             parts.append(load_valid(one))
         except UserError as e:
-            raise UserError(f"validation set of source '{spec.name}' ({spec.data.valid_dataset_path}): {e}") from None
+            raise UserError(f"{source_valid_set(spec.name, spec.data.valid_dataset_path)}: {e}") from None
         names.append(spec.name)
         shares.append(spec.weight)
     return InterleavedView(MixtureSource(parts, names, shares))
@@ -146,26 +151,50 @@ def evaluated_samples(n_valid: int, *, eval_iters, global_batch_size: int) -> in
     return n_valid if batches is None else min(n_valid, batches * global_batch_size)
 
 
+def validation_row(source, i: int) -> str:
+    """Where validation sample ``i`` is, for a message: its file (a mixture's: the source's name too) and its
+    row there (for ``--valid-split``, the row of the training file it was held out of)."""
+    if isinstance(source, InterleavedView):
+        source, i = source.mixture, source.map[int(i)]
+    if isinstance(source, MixtureSource):
+        s, row = source.locate(i)
+        return f"source '{source.names[s]}', {validation_row(source.parts[s], row)}"
+    return source.row_where(i) if hasattr(source, "row_where") else f"{source.dataset_path}, row {int(i)}"
+
+
+def validation_line(source, i: int, err: UserError, flag: str) -> str:
+    """The one line of validation sample ``i`` that cannot be evaluated: the flag that named the set, that the
+    sample is a validation one, its file and row, the image or clip file where one is to blame, and the reason."""
+    where = validation_row(source, i)
+    path = getattr(err, "path", None)  # a BadSampleError's image or clip file (a BadRowError's: the row)
+    if path and path not in where and where not in path:
+        where += f", {path}"
+    reason = getattr(err, "reason", None) or re.sub(r"^sample -?\d+( of [^:]+)?: ", "", str(err))
+    return f"{flag}: validation sample {i} ({where}): {reason}"
+
+
 def shard_tokens(source: SFTSource, pre: SamplePreprocessor, indices, *,
                  flag: str) -> tuple[int, Optional[tuple[int, str]]]:
     """``(supervised tokens, first refusal)`` of the validation samples ``indices`` (ascending), after
-    the chat template and truncation, as training counts them. The refusal is ``(sample, line)`` of
-    the first sample that cannot be read (a UserError: placeholders, an unreadable header) or whose
-    image tokens cannot fit; the scan stops there. Returned, not raised, so that a caller splitting
-    the set over ranks can raise the lowest sample's line on every rank."""
+    the chat template and truncation, as training counts them. A clip is planned as training plans it
+    (``SamplePreprocessor.fitted_specs``: frames, video tokens, timestamps, fewer frames where it alone would
+    not fit). The refusal is ``(sample, line)`` of the first sample that cannot be read (a UserError:
+    placeholders, an unreadable header) or whose image or video tokens cannot fit; the scan stops there.
+    Returned, not raised, so that a caller splitting the set over ranks can raise the lowest sample's line
+    on every rank."""
     tokens = 0
     for i in indices:
         try:
             messages, refs = source[i]
-            grids = [s.grid for s in pre.image_specs(refs, i)]
-            ids, amask = pre.tokens(messages, grids, i)
+            _specs, (ids, amask) = pre.fitted_specs(messages, refs, i)
         except UserError as err:
-            return tokens, (i, str(err))
-        is_img = (ids == pre.image_token_id).nonzero()
-        if len(is_img) and int(is_img[-1]) + 1 > pre.seq_length:
-            return tokens, (i, f"{flag}: validation sample {i} needs {int(is_img[-1]) + 1} tokens for its images, "
-                               f"more than --seq-length {pre.seq_length}; raise --seq-length, lower --max-pixels, "
-                               f"or remove the sample (validation samples are never replaced)")
+            return tokens, (i, validation_line(source, i, err, flag))
+        vision = ((ids == pre.image_token_id) | (ids == pre.video_token_id)).nonzero()
+        if len(vision) and int(vision[-1]) + 1 > pre.seq_length:
+            return tokens, (i, f"{flag}: validation sample {i} ({validation_row(source, i)}) needs "
+                               f"{int(vision[-1]) + 1} tokens for its images and clips, more than --seq-length "
+                               f"{pre.seq_length}; raise --seq-length, lower --max-pixels (--video-max-pixels, "
+                               f"--video-max-frames), or remove the sample (validation samples are never replaced)")
         last = min(len(ids) - 1, pre.seq_length)  # labels[t] = ids[t+1], as SamplePreprocessor.encode
         tokens += int(amask[1:last + 1].sum())
     return tokens, None
@@ -225,8 +254,8 @@ class _ValidationBatches(torch.utils.data.Dataset):
     """Item = one rank-local validation micro-batch: the training set's ``MicroBatchDataset`` on the
     real indices, then the filler rows' loss zeroed."""
 
-    def __init__(self, inner, keep_slice: tuple[int, int] | None):
-        self.inner, self.keep_slice = inner, keep_slice
+    def __init__(self, inner, keep_slice: tuple[int, int] | None, flag: str):
+        self.inner, self.keep_slice, self.flag = inner, keep_slice, flag
 
     @property
     def max_bad_samples(self) -> int:
@@ -239,29 +268,40 @@ class _ValidationBatches(torch.utils.data.Dataset):
     def __getitem__(self, indices) -> dict:
         filler = [i < 0 for i in indices]
         batch = self.inner[[i if i >= 0 else -1 - i for i in indices]]
-        if "input_ids" not in batch:  # a worker's UserError, passed on as data
-            return batch
+        if "input_ids" not in batch:  # a worker's UserError, passed on as data: say which validation row
+            return {ERROR_KEY: self._named(indices, batch[ERROR_KEY])}
         if self.keep_slice is not None:
             filler = filler[self.keep_slice[0]: self.keep_slice[1]]
         return uncounted_fillers(batch, filler, self.inner.pre.pad_id)
+
+    def _named(self, indices, line: str) -> str:
+        """The line of the micro-batch's first sample that fails again when encoded alone (the error path
+        only), as :func:`validation_line` writes it; the worker's own line where none does."""
+        for i in sorted({i if i >= 0 else -1 - i for i in indices}):
+            try:
+                self.inner.encode(i)
+            except UserError as err:
+                return validation_line(self.inner.source, i, err, self.flag)
+        return f"{self.flag}: {line}"
 
 
 class ValidationReader:
     """This rank's validation micro-batches; iterate it once per evaluation (same samples each time).
 
     Workers (``--num-workers``) persist between evaluations; the loader has its own generator, so
-    an evaluation never draws from the global torch RNG.
+    an evaluation never draws from the global torch RNG. ``flag``: the flag that named the set, for the
+    line of a sample that cannot be evaluated (:func:`validation_line`).
     """
 
     def __init__(self, source: SFTSource, pre: SamplePreprocessor, *, n_samples: int, micro_batch_size: int,
                  dp_size: int, dp_rank: int, need_pixels: bool, scalable_dp: bool, num_workers: int,
-                 pad_to_seq_length: bool, pixel_slice: tuple[int, int] | None = None):
+                 pad_to_seq_length: bool, pixel_slice: tuple[int, int] | None = None, flag: str = "validation set"):
         self.sampler = ValidationSampler(n_samples, micro_batch_size=micro_batch_size, dp_size=dp_size,
                                          dp_rank=dp_rank, whole_micro_batch=not scalable_dp)
         keep = None if scalable_dp else self.sampler.slice  # without scalable DP: read all, keep this rank's part
         inner = MicroBatchDataset(source, pre, need_pixels=need_pixels, on_truncation="error",
                                   pad_to_seq_length=pad_to_seq_length, keep_slice=keep, pixel_slice=pixel_slice)
-        self.dataset = _ValidationBatches(inner, keep)
+        self.dataset = _ValidationBatches(inner, keep, flag)
         self.loader = torch.utils.data.DataLoader(
             self.dataset, sampler=self.sampler, batch_size=None, collate_fn=identity, num_workers=num_workers,
             persistent_workers=num_workers > 0, prefetch_factor=2 if num_workers > 0 else None,

@@ -11,7 +11,9 @@ clusters run), because torch's RMSNorm keeps less on CUDA:
                                             (``saved_bytes.cuda_rms_norm_saved_tensors``), not measured on a GPU
                      cpu:  4w + 4w + 4      the composite torch runs elsewhere: fp32 copies of the input and
                                             of the normalised rows, rstd (measured)
-Our own composite norms (Qwen3.5's zero-centred ones, the vision towers') keep the cpu figure on every device.
+Qwen3.5's zero-centred norms (``model.norm``) are one ``F.rms_norm`` over an fp32 copy of the input: the
+figures above with ``b = 4`` (cuda ``4w + 4``: the fused kernel keeps that copy and rstd; cpu ``8w + 4``).
+The vision towers' norms (transformers' composites) keep the cpu figure on every device.
 
 decoder layer (megatron local spec, our SDPA core, torch's RMSNorm), per token, tensor rank of ``tp``:
     norms          2 x RMSNorm over h                                     [/tp with sequence parallelism]
@@ -68,7 +70,8 @@ Attention is per image (full-attention blocks) or per window: each segment is on
 (``model.segments``), so its q, k, v, output and log-sum-exp are kept per padded slot, ``(4 b h + 4 heads)``
 each: linear in the patches of every image of a sample, no term in an image's patches squared. The
 formulas count real patches; the padding (each image to a multiple of 8 patches, windows at image edges
-to 64, a short image padded to its group's longest) adds a few % to a block (measured: docs/memory.md).
+to 64, a short image padded to its group's longest) adds a few % to a block (measured: docs/memory.md);
+a forecast from the data (``memory.from_data``) bounds it: ``vision_padding_bytes``, ``language_slot_bytes``.
 Qwen3-VL's block (LayerNorm, plain GELU MLP): norms 2 x (b h input + 8 mean/rstd + b h output),
 mlp 2 b ffn (fc1 output, GELU output), qkv and attention as above (measured at width 1152: 38,032
 bytes per patch in bf16, equal to the formula).
@@ -108,23 +111,32 @@ def fused_norms(d: TextDims, device: str) -> bool:
     return device == CUDA and d.torch_norm
 
 
+def decoder_norm_bytes(d: TextDims, width: int, *, b: int, device: str) -> float:
+    """Bytes per row one decoder RMSNorm over ``width`` keeps on ``device``: torch's ``nn.RMSNorm``
+    (:func:`norm_bytes` of the model dtype), or Qwen3.5's zero-centred norm, one ``F.rms_norm`` over an
+    fp32 copy of its input (``model.norm``): on CUDA the fused kernel keeps that copy and rstd
+    (``4 w + 4``), elsewhere the composite keeps the cpu figure (``8 w + 4``)."""
+    fused_norms(d, device)  # (refuses an unknown device)
+    return norm_bytes(width, b=b if d.torch_norm else FP32, fused=device == CUDA)
+
+
 def rotary_dim(d: TextDims) -> int:
     """Rotary channels per attention head: ``d.rotary_dim`` where the dims carry a partial rotary
     (Qwen3.5's 0.25), else every channel."""
     return getattr(d, "rotary_dim", 0) or d.head_dim
 
 
-def _attention_terms(d: TextDims, *, tp: int, b: int, recompute_modules, fused: bool) -> dict[str, float]:
+def _attention_terms(d: TextDims, *, tp: int, b: int, recompute_modules, device: str) -> dict[str, float]:
     hd, heads, kv = d.head_dim, d.heads // tp, d.kv_heads // tp
     terms = {
         "qkv": b * d.qkv_width // tp + b * (heads + kv) * hd,
         "rotary": 4 * b * rotary_dim(d),
         "attention": FP32 * heads * ("core_attn" not in recompute_modules) + b * heads * hd,
     }
-    if d.qk_norm and fused:  # the fused kernel keeps its inputs: k a view of the QKV output, q a copy under GQA
-        terms["qk norm"] = FP32 * (heads + kv) + (b * heads * hd if heads > kv else 0)
-    elif d.qk_norm:  # Qwen3 on the CPU, Qwen3.5 everywhere: the composite over each q and k head
-        terms["qk norm"] = (heads + kv) * norm_bytes(hd, b=b, fused=False)
+    if d.qk_norm and fused_norms(d, device):  # the fused kernel keeps its inputs: k a view of the QKV output,
+        terms["qk norm"] = FP32 * (heads + kv) + (b * heads * hd if heads > kv else 0)  # q a copy under GQA
+    elif d.qk_norm:  # Qwen3 on the CPU, Qwen3.5 (its own norm, over an fp32 copy) everywhere
+        terms["qk norm"] = (heads + kv) * decoder_norm_bytes(d, hd, b=b, device=device)
     if d.attn_gate:  # Qwen3.5: sigmoid(gate) * output, fused by torch.compile
         terms["output gate"] = 2 * b * heads * hd
     return terms
@@ -172,12 +184,11 @@ def language_layer_terms(d: TextDims, *, tp: int, sp: bool, b: int, recompute_mo
     tensors in place of the dense MLP's; ``etp`` defaults to ``tp``)."""
     seq = tp if sp else 1
     h = d.hidden
-    fused = fused_norms(d, device)
-    terms = {"norms": 2 * norm_bytes(h, b=b, fused=fused) / seq, "linear inputs": 2 * b * h / seq}
+    terms = {"norms": 2 * decoder_norm_bytes(d, h, b=b, device=device) / seq, "linear inputs": 2 * b * h / seq}
     if layer_type == LINEAR_ATTENTION:
         terms.update(_gdn_terms(d, tp=tp, b=b))
     else:
-        terms.update(_attention_terms(d, tp=tp, b=b, recompute_modules=recompute_modules, fused=fused))
+        terms.update(_attention_terms(d, tp=tp, b=b, recompute_modules=recompute_modules, device=device))
     if d.is_sparse(index):
         terms.update(_moe_terms(d, seq=seq, tp=tp, etp=tp if etp is None else etp, b=b, swiglu_fused=swiglu_fused))
     else:
@@ -213,7 +224,7 @@ def language_head_terms(d: TextDims, *, tp: int, sp: bool, b: int, device: str =
     bf16 logits (forward) or their gradient (backward) beside it."""
     seq = tp if sp else 1
     vocab = d.padded_vocab(tp) // tp
-    return {"final norm": (norm_bytes(d.hidden, b=b, fused=fused_norms(d, device)) + b * d.hidden) / seq,
+    return {"final norm": (decoder_norm_bytes(d, d.hidden, b=b, device=device) + b * d.hidden) / seq,
             "cross entropy": (FP32 + (b if b != FP32 else 0)) * vocab}
 
 
@@ -250,3 +261,31 @@ def vision_input_terms(v: VisionDims, *, b: int, tower_trains: bool) -> float:
     keeps when it trains, and the fp32 rotary cos/sin tables every block reads."""
     head_dim = v.hidden // v.heads
     return FP32 * v.patch_values + (b * v.patch_values if tower_trains else 0) + 2 * FP32 * head_dim
+
+
+#: the padded layout's indexes (``model.segments.PaddedRows``): one int64 per slot (the packed row each slot
+#: reads) and one per real position (the copy back), kept where any segment is padded
+SEGMENT_INDEX = 8
+
+
+def language_slot_bytes(d: TextDims, *, tp: int, b: int, layer_type: str = FULL_ATTENTION,
+                        recompute_modules=()) -> float:
+    """Bytes one decoder layer keeps per padded attention slot of a packed micro-batch (``model.segments``:
+    each sample a row of a padded batch): the padded copy of q, k and v that SDPA keeps, its padded output
+    and log-sum-exp. None for a Gated DeltaNet layer (fla's kernels take the packed sequence as it is) or
+    with ``core_attn`` recomputed (the checkpoint keeps only the real q, k, v). (The layout's indexes, 16 bytes
+    a token, are within the padded-row figure per token, which a packed layer keeps 504 bytes under at
+    Qwen2.5-VL-3B's width: docs/memory.md.)"""
+    if layer_type == LINEAR_ATTENTION or "core_attn" in recompute_modules:
+        return 0.0
+    heads, kv = d.heads // tp, d.kv_heads // tp
+    return 2 * b * (heads + kv) * d.head_dim + FP32 * heads
+
+
+def vision_padding_bytes(v: VisionDims, *, b: int, patches: int, slots: int) -> float:
+    """What one vision block keeps for its attention's padding, beyond ``vision_block_terms`` x ``patches``, when
+    its segments take ``slots`` padded slots: per padded slot its stacked q, k, v and output copies and
+    log-sum-exp (``4 b h + 4 heads``); per slot the key mask (SDPA keeps it in the activations' dtype, ``b``) and
+    the layout's gather index, and per patch the index back (``model.segments``)."""
+    return ((4 * b * v.hidden + FP32 * v.heads) * max(0, slots - patches) + (SEGMENT_INDEX + b) * slots
+            + SEGMENT_INDEX * patches)

@@ -20,7 +20,7 @@ import os
 
 from mimo_sft.config import families
 from mimo_sft.memory.fixes import over_budget_messages
-from mimo_sft.memory.forecast import forecast_memory
+from mimo_sft.memory.forecast import GIB, forecast_memory
 from mimo_sft.memory.gpu import forecast_device, gpu_budget_bytes
 from mimo_sft.parallel.layout import LANGUAGE
 
@@ -53,8 +53,10 @@ def _forecastable(ctx) -> bool:
     return cfg.train.micro_batch_size >= 1 and cfg.train.global_batch_size >= 1 and cfg.data.seq_length >= 1
 
 
-def forecast_check(ctx):
-    """Check 23's findings for ``ctx`` (a ``config.checks.context.CheckContext``); sets ``ctx.memory``."""
+def forecast_check(ctx, counts=None, counts_note: str | None = None):
+    """Check 23's findings for ``ctx`` (a ``config.checks.context.CheckContext``); sets ``ctx.memory``.
+    ``counts``: the data's per-row counts (``memory.from_data.RowCounts``, from check-data's cost files), whose
+    largest micro-batch is forecast instead of the worst case; ``counts_note``: why there are none, if known."""
     gb = ctx.cfg.train.gpu_memory_gb
     if gb is not None and not gb > 0:
         yield f"--gpu-memory-gb={gb} must be > 0 (the memory of one GPU in GiB, e.g. 80)"
@@ -69,9 +71,44 @@ def forecast_check(ctx):
     proc_pixels = processor_max_pixels(ctx.cfg.model.hf_model)
     # plan hands in its data's workload: it forecasts the run on the cluster, like validate
     device = forecast_device(for_run=ctx.for_run, planning=ctx.workload is not None)
-    forecast = forecast_memory(ctx.cfg, ctx.layout, ctx.hf_config, workload=ctx.workload,
-                               processor_max_pixels=proc_pixels, device=device)
+    kw = dict(processor_max_pixels=proc_pixels, device=device)
+    if counts is not None and counts.unknown:  # rows nobody could count: any of them may be the worst case
+        counts, counts_note = None, (f"{counts.unknown:,} rows of {', '.join(counts.files)} could not be encoded by "
+                                     f"check-data (it lists them), so any of them may be as heavy as the worst case")
+    if ctx.workload is not None:
+        counts = None
+    forecast = forecast_memory(ctx.cfg, ctx.layout, ctx.hf_config, workload=ctx.workload, counts=counts, **kw)
     budget, source = gpu_budget_bytes(gb)
     ctx.memory = forecast.report(budget, source)
+    if counts is not None:
+        worst = forecast_memory(ctx.cfg, ctx.layout, ctx.hf_config, **kw)
+        ctx.memory["worst_case"] = {"gpu_peaks": worst.gpu_peaks(), "workload": worst.workload.source}
+        line = worst_case_line(worst, forecast, budget)
+        if line:
+            yield line, "note"
+    elif ctx.workload is None:
+        yield from _no_counts_notes(ctx, forecast, budget, counts_note)
     yield from over_budget_messages(ctx.cfg, ctx.layout, ctx.hf_config, forecast, budget,
-                                    processor_max_pixels=proc_pixels)
+                                    processor_max_pixels=proc_pixels, counts=counts)
+
+
+def worst_case_line(worst, forecast, budget: int) -> str | None:
+    """The worst case's one line, where it would not fit while the data's forecast is in force: what it needs
+    and what this data needs, per GPU group."""
+    over = [g for g, p in worst.gpu_peaks().items() if p > budget]
+    if not over:
+        return None
+    data = forecast.gpu_peaks()
+    needs = ", ".join(f"{g} {worst.gpu_peaks()[g] / GIB:.1f} GiB" for g in over)
+    has = ", ".join(f"{g} {data[g] / GIB:.1f} GiB" for g in over)
+    return (f"the worst case a sample could reach (every sample --seq-length tokens, all of them image tokens) "
+            f"needs {needs} per GPU, over --gpu-memory-gb {budget / GIB:g}; this data needs at most {has} "
+            f"(check-data's per-row counts): the forecast from the data is in force")
+
+
+def _no_counts_notes(ctx, forecast, budget: int, counts_note: str | None):
+    """Where the worst case is in force and does not fit: why the data's counts are not used, if they exist."""
+    if all(p <= budget for p in forecast.gpu_peaks().values()):
+        return
+    if counts_note:
+        yield f"forecast for the worst case: {counts_note}", "note"

@@ -102,7 +102,8 @@ class TextDims:
     rotary_dim: int = 0
     #: the decoder's RMSNorms are torch's ``nn.RMSNorm`` (``model.norm.RMSNorm``: Qwen2.5-VL, Qwen3-VL), which
     #: CUDA torch runs as one fused kernel keeping less for backward than the CPU's composite
-    #: (``memory.activations.norm_bytes``); False: our own composite norms on every device (Qwen3.5's zero-centred)
+    #: (``memory.activations.norm_bytes``); False: Qwen3.5's zero-centred norms, one ``F.rms_norm`` over an fp32
+    #: copy of the input (``memory.activations.decoder_norm_bytes``)
     torch_norm: bool = True
     #: a mixture-of-experts decoder: routed experts, picked per token, their FFN width, and the sparse layers
     #: (``config.families.sparse_layer_indexes``); 0 / empty for a dense decoder
@@ -181,17 +182,24 @@ class VisionDims:
     patch_bias: bool = False
     pos_embeddings: int = 0
     deepstack: int = 0
+    #: Qwen2.5-VL's windowed blocks: the window's side in pixels (0: every block attends over whole images) and
+    #: how many blocks attend over whole images all the same (``fullatt_block_indexes``)
+    window: int = 0
+    full_attention_blocks: int = 0
 
     @classmethod
     def from_config(cls, config: dict) -> "VisionDims":
         v = config["vision_config"]
         arch = architecture_of(config)
+        window = int(v.get("window_size") or 0)
         return cls(hidden=v["hidden_size"], ffn=v["intermediate_size"], depth=v["depth"], heads=v["num_heads"],
                    out_hidden=v["out_hidden_size"], patch=v["patch_size"], merge=v["spatial_merge_size"],
                    temporal=v.get("temporal_patch_size", 2), in_channels=v.get("in_channels", v.get("in_chans", 3)),
                    layer_norm=arch.vision_layer_norm, gated_mlp=arch.vision_gated_mlp, patch_bias=arch.vision_patch_bias,
                    pos_embeddings=int(v.get("num_position_embeddings", 0)) if arch.vision_pos_embed else 0,
-                   deepstack=len(v.get("deepstack_visual_indexes") or ()) if arch.deepstack else 0)
+                   deepstack=len(v.get("deepstack_visual_indexes") or ()) if arch.deepstack else 0,
+                   window=window,
+                   full_attention_blocks=len(v.get("fullatt_block_indexes") or ()) if window else v["depth"])
 
     @property
     def mlp_matrices(self) -> int:

@@ -79,9 +79,10 @@ def _vision_steps(cfg, layout):
 
 
 def cheapest_fix(cfg, layout, hf_config: dict, group: str, budget: int, *, processor_max_pixels=None,
-                 device: str = "cuda") -> tuple[list[str], int] | None:
+                 device: str = "cuda", counts=None) -> tuple[list[str], int] | None:
     """The shortest prefix of the ordered changes after which GPU group ``group`` (a module, or the
-    colocated ``language+images``) fits ``budget`` bytes on ``device``: ``(changes, new peak)``, or None."""
+    colocated ``language+images``) fits ``budget`` bytes on ``device``: ``(changes, new peak)``, or None.
+    ``counts``: the data's per-row counts, whose largest micro-batch is forecast on each changed layout."""
     steps = []
     if group in (LANGUAGE,) or "+" in group:
         steps += list(_language_steps(cfg, layout, hf_config))
@@ -92,7 +93,7 @@ def cheapest_fix(cfg, layout, hf_config: dict, group: str, budget: int, *, proce
         lay = apply(c, lay)
         done.append(name)
         peak = forecast_memory(c, lay, hf_config, processor_max_pixels=processor_max_pixels,
-                               device=device).gpu_peaks()[group]
+                               device=device, counts=counts).gpu_peaks()[group]
         if peak <= budget:
             if any(d.startswith("--recompute-granularity full") for d in done):  # full recompute replaces selective
                 done = [d for d in done if not d.startswith("--recompute-granularity selective")]
@@ -101,8 +102,9 @@ def cheapest_fix(cfg, layout, hf_config: dict, group: str, budget: int, *, proce
 
 
 def over_budget_messages(cfg, layout, hf_config: dict, forecast: MemoryForecast, budget: int, *,
-                         processor_max_pixels=None) -> list[str]:
-    """One message per GPU group whose forecast exceeds ``budget`` bytes (check 23)."""
+                         processor_max_pixels=None, counts=None) -> list[str]:
+    """One message per GPU group whose forecast exceeds ``budget`` bytes (check 23); ``counts``: the data's
+    per-row counts the forecast was made from (None: the worst case, and the line says how to forecast the data)."""
     out = []
     for group, peak in forecast.gpu_peaks().items():
         if peak <= budget:
@@ -115,12 +117,16 @@ def over_budget_messages(cfg, layout, hf_config: dict, forecast: MemoryForecast,
         top = ", ".join(f"{k} {_gib(v)}" for k, v in sorted(terms.items(), key=lambda kv: -kv[1])[:3])
         where = " and ".join(f"{n} ({forecast.modules[n].rank})" for n in names)
         fix = cheapest_fix(cfg, layout, hf_config, group, budget, processor_max_pixels=processor_max_pixels,
-                           device=forecast.device)
+                           device=forecast.device, counts=counts)
         more = ("more GPUs for the tower (raise images dp), a smaller --micro-batch-size or --seq-length (the worst "
-                "case fills every sample with image tokens)" if group == IMAGES else
+                "case fills every sample with image tokens)" if group == IMAGES and counts is None else
+                "more GPUs for the tower (raise images dp) or a smaller --micro-batch-size" if group == IMAGES else
                 "more GPUs (raise tp, cp or pp) or a smaller --micro-batch-size")
         advice = (f"cheapest fix: {' + '.join(fix[0])} (forecast {_gib(fix[1])})" if fix else
                   f"no flag alone makes it fit: use {more}")
+        whose = ("this data's largest micro-batch" if counts is not None else
+                 "the worst case; `mimo-sft check-data --write-costs` with these flags lets it forecast this data"
+                 if forecast.workload.source.startswith("worst case") else "")
         out.append(f"{where}: forecast {_gib(peak)} per GPU exceeds --gpu-memory-gb {budget / GIB:g} "
-                   f"(largest: {top}); {advice}")
+                   f"(largest: {top}); {advice}" + (f" ({whose})" if whose else ""))
     return out

@@ -13,6 +13,8 @@ Terms (bytes, per rank; docs/memory.md has every formula and what was measured):
 * ``optimizer``: Adam's two moments, plus fp32 main weights in bf16: 8 or 12 bytes per trainable
   parameter, divided by the module's dp x cp with the distributed optimizer (megatron shards it over
   ``dp_cp``). LoRA runs the plain optimizer.
+* (every activation term is for one ``Workload``: the worst case, ``worst_case_workload``, or the largest
+  micro-batch the data's rows can form, ``memory.from_data``, which also bounds the attention's padding)
 * ``activations``: what autograd keeps (``memory.activations``, on the target ``device``: ``cuda`` by
   default, where torch's RMSNorm is one fused kernel; ``cpu`` for a run on the CPU) times the
   micro-batches the schedule holds: 1F1B (non-colocated) keeps ``stages - stage`` in flight, the encoder stage ``pp + 1``; a
@@ -32,9 +34,11 @@ from dataclasses import dataclass, field
 
 from mimo_sft.config.lora import LoraSpec
 from mimo_sft.memory import activations as act
+from mimo_sft.memory.from_data import data_workload
 from mimo_sft.memory.dims import (TextDims, VisionDims, language_params, language_stage_lora_params,
                                   language_stage_expert_params, language_stage_params,
                                   vision_module_params)
+from mimo_sft.memory.workload import Workload
 from mimo_sft.parallel.layout import IMAGES, LANGUAGE
 
 GIB = 1024 ** 3
@@ -43,16 +47,6 @@ ALLOWANCE_SHARE = 0.10
 #: Qwen2.5-VL's processor default (preprocessor_config.json ``max_pixels``) when nothing else says
 DEFAULT_MAX_PIXELS = 28 * 28 * 16384
 ACTIVATION_TERMS = ("activations", "recompute", "logits")
-
-
-@dataclass
-class Workload:
-    """What one rank computes per micro-batch: the forecast's worst case, or a dataset's heaviest."""
-
-    language_tokens: int
-    image_patches: int
-    image_tokens: int  # image tokens reaching one language rank
-    source: str
 
 
 @dataclass
@@ -196,11 +190,17 @@ def _language_stage(cfg, layout, d: TextDims, stage: int, wl: Workload, lora: Lo
     if lora and m.lora_dropout > 0:
         kept = [k + act.lora_dropout_bytes(d, lora.language, tp=tp, b=b, layer_type=d.layer_type(i))
                 for k, i in zip(kept, d.stage_layers(pp, stage))]
-    inp = act.language_layer_input(d, tp=tp, sp=sp, b=b)
+    # each layer's bytes for this workload: per token, and per padded attention slot beyond the tokens
+    pads = max(0, (wl.language_slots or 0) - tokens) if cfg.data.in_batch_packing else 0
+    kinds = [d.layer_type(i) for i in d.stage_layers(pp, stage)]
+    full = [f * tokens + pads * act.language_slot_bytes(d, tp=tp, b=b, layer_type=k) for f, k in zip(full, kinds)]
+    kept = [f * tokens + pads * act.language_slot_bytes(d, tp=tp, b=b, layer_type=k, recompute_modules=selective)
+            for f, k in zip(kept, kinds)]
+    inp = act.language_layer_input(d, tp=tp, sp=sp, b=b) * tokens
     stored, transient = _stored_and_transient(m, full, kept, inp)
     flight = _in_flight(layout, LANGUAGE, stage, _num_microbatches(cfg))
-    terms["activations"] = int(flight * stored * tokens)
-    terms["recompute"] = int(transient * tokens)
+    terms["activations"] = int(flight * stored)
+    terms["recompute"] = int(transient)
     head = act.language_head_terms(d, tp=tp, sp=sp, b=b, device=device)
     terms["logits"] = int(sum(head.values()) * tokens) if stage == pp - 1 else 0
     hidden_stream = tokens * d.hidden * b // (tp if sp else 1)
@@ -237,6 +237,18 @@ def language_forecast(cfg, layout, hf_config: dict, wl: Workload, device: str = 
                           terms)
 
 
+def _vision_blocks(v: VisionDims, wl: Workload, *, b: int) -> list[tuple[int, float]]:
+    """``(blocks, bytes each keeps)`` for the workload's patches: the per-patch terms, plus the attention's
+    padding where the workload bounds it (windowed blocks over their windows, the others over whole images)."""
+    patches = wl.image_patches
+    block = sum(act.vision_block_terms(v, b=b).values()) * patches
+    if wl.window_slots is None or wl.image_slots is None:
+        return [(v.depth, block)]
+    full = block + act.vision_padding_bytes(v, b=b, patches=patches, slots=wl.image_slots)
+    windowed = block + act.vision_padding_bytes(v, b=b, patches=patches, slots=wl.window_slots)
+    return [(v.full_attention_blocks, full), (v.depth - v.full_attention_blocks, windowed)]
+
+
 def vision_forecast(cfg, layout, hf_config: dict, wl: Workload) -> ModuleForecast:
     m = cfg.model
     v = VisionDims.from_config(hf_config)
@@ -251,13 +263,13 @@ def vision_forecast(cfg, layout, hf_config: dict, wl: Workload) -> ModuleForecas
     merger_trains = tower_trains or not m.freeze_projector or "merger" in targets
     patches = wl.image_patches
     flight = _in_flight(layout, IMAGES, 0, _num_microbatches(cfg))
-    full = sum(act.vision_block_terms(v, b=b).values()) * patches
+    blocks = _vision_blocks(v, wl, b=b)
     if not tower_trains:
         stored, transient = 0, 0
     elif m.recompute_vision:
-        stored, transient = v.depth * act.vision_block_input(v, b=b) * patches, full
+        stored, transient = v.depth * act.vision_block_input(v, b=b) * patches, max(one for n, one in blocks if n)
     else:
-        stored, transient = v.depth * full, 0
+        stored, transient = sum(n * one for n, one in blocks), 0
     if merger_trains:
         stored += act.merger_terms(v, b=b) * patches
     terms["inputs"] = int(flight * act.vision_input_terms(v, b=b, tower_trains=tower_trains) * patches)
@@ -269,11 +281,14 @@ def vision_forecast(cfg, layout, hf_config: dict, wl: Workload) -> ModuleForecas
     return ModuleForecast(IMAGES, params.total, params.rank, "every rank", terms)
 
 
-def forecast_memory(cfg, layout, hf_config: dict, *, workload: Workload | None = None,
+def forecast_memory(cfg, layout, hf_config: dict, *, workload: Workload | None = None, counts=None,
                     processor_max_pixels: int | None = None, device: str = act.CUDA) -> MemoryForecast:
     """The forecast of every module in ``layout`` (a checked ``parallel.layout.Layout``) for ``cfg``
     (an ``ExperimentConfig``) and a Qwen-VL config.json dict, on ``device``'s kernels (``act.DEVICES``;
-    the vision tower keeps the same on both)."""
+    the vision tower keeps the same on both): for ``workload``, else the largest micro-batch the data's
+    per-row ``counts`` (``memory.from_data.RowCounts``) can form on this layout, else the worst case."""
+    if workload is None and counts is not None:
+        workload = data_workload(cfg, layout, hf_config, counts)
     wl = workload or worst_case_workload(cfg, layout, hf_config,
                                          max_pixels=max_pixels_of(cfg, processor_max_pixels))
     modules = {LANGUAGE: language_forecast(cfg, layout, hf_config, wl, device)}

@@ -18,6 +18,7 @@ from typing import Optional
 import torch
 
 from mimo_sft.config.families import layout_problems
+from mimo_sft.errors import UserError
 from mimo_sft.model.family import ModelInfo
 from mimo_sft.model.hf_checkpoint import HFCheckpoint, read_config_json
 from mimo_sft.model.recompute import enable_vision_recompute, language_memory_settings, require_decoder_input_grad
@@ -84,6 +85,13 @@ def build_mimo_model(hf_dir: str, *, layout, parallel_state, model_cfg=None, ran
     attention = core_backend(backend)
     if attention == "sdpa":  # the segment kernel: torch's variable-length one where allowed (model.segments)
         use_kernel(backend)
+    if backend == "varlen":
+        from mimo_sft.model.segments import varlen_function
+
+        if runtime.device().type != "cuda" or varlen_function() is None:
+            raise UserError(f"--attention-backend varlen needs a CUDA GPU and a torch with torch.nn.attention.varlen "
+                            f"(this process: {runtime.device().type}, torch {torch.__version__}); use "
+                            f"--attention-backend auto, which picks it where it runs")
     if random_init is None:
         random_init = bool(getattr(model_cfg, "allow_random_init", False))
     src = _BuildInputs.read(hf_dir, layout, model_cfg, random_init=random_init)

@@ -117,6 +117,7 @@ def check_model(hf_dir: str, *, tolerance: float = DEFAULT_TOLERANCE, seed: int 
     """Compare our model with transformers on one random batch; see the module docstring."""
     from transformers import AutoModelForImageTextToText
 
+    from mimo_sft.config.families import family_for_model_type
     from mimo_sft.model.builder import build_single_process_model
     from mimo_sft.model.registry import get_family
     from mimo_sft.model.hf_checkpoint import HFCheckpoint, read_config_json
@@ -148,7 +149,12 @@ def check_model(hf_dir: str, *, tolerance: float = DEFAULT_TOLERANCE, seed: int 
     rel = compare(logits, ref_logits, batch["attention_mask"].cpu())
     loss_diff = abs(loss - float(ref_loss))
     ok = rel <= tolerance and loss_diff <= tolerance * max(1.0, abs(float(ref_loss)))
-    return dict(ok=bool(ok), max_rel_logit_diff=rel, loss=loss, hf_loss=float(ref_loss), loss_diff=loss_diff,
-                tolerance=tolerance, family=info.family, batch_size=int(batch["input_ids"].shape[0]),
-                seq_length=int(batch["input_ids"].shape[1]), num_images=int(batch["image_grid_thw"].shape[0]),
-                hf_model=hf_dir, seconds=round(time.time() - t0, 3))
+    report = dict(ok=bool(ok), max_rel_logit_diff=rel, loss=loss, hf_loss=float(ref_loss), loss_diff=loss_diff,
+                  tolerance=tolerance, family=info.family, batch_size=int(batch["input_ids"].shape[0]),
+                  seq_length=int(batch["input_ids"].shape[1]), num_images=int(batch["image_grid_thw"].shape[0]),
+                  hf_model=hf_dir, seconds=round(time.time() - t0, 3))
+    if family_for_model_type(raw.get("model_type")).architecture.hybrid_gdn:  # which kernels were compared
+        from mimo_sft.model.gdn_binding import installed_choice
+
+        report["gdn_kernels"] = installed_choice().line()
+    return report

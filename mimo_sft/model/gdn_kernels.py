@@ -1,73 +1,152 @@
-"""Torch stand-ins for the three flash-linear-attention kernels megatron-core's GatedDeltaNet calls.
+"""Torch implementations of the three flash-linear-attention kernels megatron-core's GatedDeltaNet calls.
 
 Why this module exists: megatron-core 0.19.2's ``GatedDeltaNet`` (the linear-attention layers of
 Qwen3.5 / Qwen3-Next) runs its short convolution, q/k L2 normalisation and chunked gated delta rule
-through fla (flash-linear-attention). fla's kernels are triton, so GPU only; where fla is missing
+through fla (flash-linear-attention). fla's kernels are triton, so GPU only, and on Hopper GPUs with
+triton 3.4.0 to 3.7.0 their gated backward is wrong (``mimo_sft.gdn_path``); where fla is missing
 megatron refuses to build the layer (``HAVE_FLA``), and its own torch fallback
 (``torch_chunk_gated_delta_rule``, deterministic mode only) refuses ``cu_seqlens``: it cannot train
-on packed micro-batches. The CPU runs (tests, CI, export) need both.
+on packed micro-batches. The CPU runs (tests, CI, export) and those GPUs need both.
 
 Here the three functions keep fla's call signatures (as megatron's ``gdn.py`` calls them) and are
 written in plain torch, packed segments included: with ``cu_seqlens`` (one row holding several
 samples back to back) the convolution and the recurrent state restart at every segment, so no token
-sees another sample. :func:`install` binds them where megatron looks them up, and only where fla is
-absent: a GPU machine with fla installed keeps fla's kernels.
+sees another sample. ``model.gdn_binding.install`` binds them where megatron looks them up when the
+rule picks them.
+
+No device sync: a packed layout (where each token goes) is built on the host from the segment bounds,
+which are read once per ``cu_seqlens`` tensor -- the micro-batch's, which the forward step keeps on
+the host and megatron hands unchanged to every layer -- and kept on that tensor with its index
+tensors, copied to the device once (pinned, asynchronous). Every layer, and the backward, reuse them.
 
 Numerics: the delta rule is the chunked algorithm (chunks of 64, in fp32, or fp64 for fp64 inputs)
 that transformers' ``torch_chunk_gated_delta_rule`` computes. Segments are laid out as whole chunks
 (each padded to a multiple of 64) along one flat chunk axis, so every intra-chunk product is a single
-batched call for all segments and only the chunk-to-chunk state scan is a python loop. The
-convolution lays segments out with ``width - 1`` zero (or initial-state) slots in front of each and
-adds the ``width`` shifted, weighted copies: channels stay the fast axis, no ``[b, d, s]`` transpose.
+batched call for all chunks of all segments. The chunk-to-chunk state recurrence is sequential by
+nature (each chunk's state is the previous one's, decayed and updated): it runs one step per chunk
+of the longest segment, every segment's chunk of that step in one batch, so a micro-batch of many
+samples takes as many steps as its longest sample has chunks, not as all of them together; the
+same products as one chunk at a time, so the same numbers. The convolution lays segments out with
+``width - 1`` zero (or initial-state) slots in front of each and adds the ``width`` shifted,
+weighted copies: channels stay the fast axis, no ``[b, d, s]`` transpose.
 """
 
 from __future__ import annotations
 
-import contextlib
-import importlib
+from itertools import accumulate
+from types import SimpleNamespace
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
+from mimo_sft.model.segments import host_to
+
 CHUNK = 64
-_MEGATRON_MODULES = ("megatron.core.ssm.gated_delta_net.common", "megatron.core.ssm.gated_delta_net.gdn",
-                     "megatron.core.ssm.gated_delta_net")
+#: the attribute of a ``cu_seqlens`` tensor that keeps its bounds and layouts (one micro-batch's)
+_CACHE = "_mimo_gdn"
 
 
-# ---- shared layout helpers --------------------------------------------------------------------------
+# ---- the packed layout, from host bounds, once per micro-batch ----------------------------------------
 def _compute_dtype(*tensors) -> torch.dtype:
     """fp64 when any input is fp64 (the tests' tight references), else fp32 (fla accumulates in fp32)."""
     return torch.float64 if any(t is not None and t.dtype == torch.float64 for t in tensors) else torch.float32
 
 
 def _segment_bounds(cu_seqlens: Optional[torch.Tensor], batch: int, total: int) -> list[tuple[int, int]]:
-    """``[(start, end)]`` of the segments along the token axis; unpacked rows are one segment each."""
+    """``[(start, end)]`` of the segments along the token axis; unpacked rows are one segment each.
+
+    The bounds are read once per ``cu_seqlens`` tensor and kept on it: every GDN layer of a forward (and
+    the convolution and the rule of each) gets the same tensor, the micro-batch's. The forward step keeps
+    it on the host (``train.packing``), so that one read is no device sync; a device tensor costs one."""
     if cu_seqlens is None:
         return [(0, total)]
     if batch != 1:
         raise ValueError(f"cu_seqlens needs the packed tokens in one row (batch 1), got batch {batch}")
-    cu = [int(c) for c in cu_seqlens.tolist()]
-    if len(cu) < 2 or cu[0] != 0 or cu[-1] != total or any(e < s for s, e in zip(cu, cu[1:])):
-        raise ValueError(f"cu_seqlens must rise from 0 to the token count {total}, got {cu}")
-    return list(zip(cu[:-1], cu[1:]))
+    cache = _cache_of(cu_seqlens)
+    if "bounds" not in cache:
+        cu = [int(c) for c in cu_seqlens.tolist()]
+        if len(cu) < 2 or cu[0] != 0 or any(e < s for s, e in zip(cu, cu[1:])):
+            raise ValueError(f"cu_seqlens must rise from 0 to the token count, got {cu}")
+        cache["bounds"] = list(zip(cu[:-1], cu[1:]))
+    bounds = cache["bounds"]
+    if bounds[-1][1] != total:
+        raise ValueError(f"cu_seqlens must rise from 0 to the token count {total}, got one ending at {bounds[-1][1]}")
+    return bounds
 
 
-def _layout(bounds, lead: int, multiple: int, device) -> tuple[int, torch.Tensor, torch.Tensor, list[int]]:
-    """Segments back to back, each after ``lead`` prefix slots and padded up to a multiple of ``multiple``.
+def _cache_of(cu_seqlens: torch.Tensor) -> dict:
+    """The per-micro-batch cache kept on its ``cu_seqlens`` tensor (bounds, device layouts, device copies)."""
+    cache = getattr(cu_seqlens, _CACHE, None)
+    if cache is None:
+        cache = {}
+        setattr(cu_seqlens, _CACHE, cache)
+    return cache
 
-    Returns the laid-out length, each token's position in it, each prefix slot's position (segment by
-    segment) and each segment's span.
-    """
-    lengths = torch.tensor([e - s for s, e in bounds], dtype=torch.long, device=device)
-    spans = (lengths + lead + multiple - 1) // multiple * multiple
-    first = torch.cumsum(spans, 0) - spans  # where each segment's slots begin
-    seg = torch.repeat_interleave(torch.arange(len(bounds), device=device), lengths)
-    starts = torch.tensor([s for s, _ in bounds], dtype=torch.long, device=device)
-    token = torch.arange(int(lengths.sum()), device=device)
-    token_pos = first[seg] + lead + (token - starts[seg])
-    prefix_pos = (first[:, None] + torch.arange(lead, device=device)).reshape(-1)
-    return int(spans.sum()), token_pos, prefix_pos, spans.tolist()
+
+def _cached(cu_seqlens: torch.Tensor, key: tuple, build):
+    cache = _cache_of(cu_seqlens)
+    if key not in cache:
+        cache[key] = build()
+    return cache[key]
+
+
+def _positions(bounds, lead: int, multiple: int) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+    """Host arithmetic: each segment's span (``lead`` prefix slots + its tokens, up to a multiple of
+    ``multiple``), each token's slot in the laid-out row and each prefix slot's, segment by segment."""
+    lengths = [e - s for s, e in bounds]
+    spans = [(n + lead + multiple - 1) // multiple * multiple for n in lengths]
+    first = [0, *accumulate(spans)][:-1]  # where each segment's slots begin
+    shift = torch.tensor([f + lead - s for f, (s, _) in zip(first, bounds)], dtype=torch.long)
+    token_pos = shift.repeat_interleave(torch.tensor(lengths, dtype=torch.long)) + torch.arange(sum(lengths))
+    prefix_pos = (torch.tensor(first, dtype=torch.long)[:, None] + torch.arange(lead)).reshape(-1)
+    return spans, token_pos, prefix_pos
+
+
+class _ConvLayout:
+    """Where each input of a packed convolution goes: ``index`` gathers ``[tokens; prefix slots]`` into the
+    laid-out row (every segment after its ``width - 1`` prefix inputs), ``window_start`` picks each
+    token's output from the valid convolution of that row. Built on the host, copied once."""
+
+    def __init__(self, bounds, lead: int, device):
+        spans, token_pos, prefix_pos = _positions(bounds, lead, 1)
+        total = token_pos.numel()
+        index = torch.empty(sum(spans), dtype=torch.long)
+        index[token_pos] = torch.arange(total)
+        index[prefix_pos] = total + torch.arange(prefix_pos.numel())
+        self.index = host_to(index, device)
+        self.window_start = host_to(token_pos - lead, device)
+
+
+class _RuleLayout:
+    """The chunked rule's layout of packed segments (see the module docstring): tokens at ``token_pos`` in
+    a row of ``size`` slots (every segment from a chunk start, padded to whole chunks), and the scan's
+    plan: segments longest first, the chunks of scan step ``t`` (the ``t``-th chunk of every segment that
+    has one) contiguous after ``perm``, ``sizes[t]`` of them; ``inverse`` undoes ``perm``; ``order`` /
+    ``unorder`` sort the segments' states and put them back. Built on the host, copied once."""
+
+    def __init__(self, bounds, device):
+        spans, token_pos, _ = _positions(bounds, 0, CHUNK)
+        self.size = sum(spans)
+        self.token_pos = host_to(token_pos, device)
+        chunks = [s // CHUNK for s in spans]
+        first = [0, *accumulate(chunks)][:-1]
+        order = sorted(range(len(chunks)), key=lambda j: -chunks[j])
+        self.sizes = [sum(1 for j in order if chunks[j] > t) for t in range(max(chunks, default=0))]
+        perm = [first[j] + t for t, n in enumerate(self.sizes) for j in order[:n]]
+        host_perm = torch.tensor(perm, dtype=torch.long)
+        identity = perm == list(range(len(perm)))
+        self.perm = None if identity else host_to(host_perm, device)
+        self.inverse = None if identity else host_to(torch.argsort(host_perm), device)
+        self.order = host_to(torch.tensor(order, dtype=torch.long), device)
+        self.unorder = host_to(torch.argsort(torch.tensor(order, dtype=torch.long)), device)
+
+
+def _unpacked_rule_layout(total: int) -> SimpleNamespace:
+    """One segment per row: chunks in order (no index), the row padded at its end."""
+    size = (total + CHUNK - 1) // CHUNK * CHUNK
+    return SimpleNamespace(size=size, token_pos=None, sizes=[1] * (size // CHUNK), perm=None, inverse=None,
+                           order=None, unorder=None)
 
 
 # ---- causal_conv1d ----------------------------------------------------------------------------------
@@ -85,24 +164,19 @@ def _refuse_extras(fn: str, kwargs: dict) -> None:
     so it fails instead (``cu_seqlens_cpu`` only repeats ``cu_seqlens`` and is ignored)."""
     used = sorted(k for k, v in kwargs.items() if k != "cu_seqlens_cpu" and v is not None and v is not False)
     if used:
-        raise NotImplementedError(f"{fn}: the CPU stand-in does not implement {', '.join(used)}")
+        raise NotImplementedError(f"{fn}: the torch kernel does not implement {', '.join(used)}")
 
 
-def _laid_out_inputs(xs, prefix, bounds) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+def _laid_out_inputs(xs, prefix, bounds, cu_seqlens) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """``[b, size, d]``: every segment after its ``width - 1`` prefix inputs; and the window start of
     each token (its output's position in the valid convolution)."""
     batch, total, dim = xs.shape
     lead = prefix.shape[2] - 1
     if len(bounds) == 1:  # one segment per row: the prefix goes in front, outputs are in token order
         return torch.cat([prefix[:, 0, 1:], xs], dim=1), None
-    size, token_pos, prefix_pos, _ = _layout(bounds, lead, 1, xs.device)
+    layout = _cached(cu_seqlens, ("conv", lead, xs.device), lambda: _ConvLayout(bounds, lead, xs.device))
     src = torch.cat([xs, prefix[:, :, 1:].reshape(batch, -1, dim)], dim=1)
-    index = torch.empty(size, dtype=torch.long, device=xs.device)
-    index[token_pos] = torch.arange(total, device=xs.device)
-    index[prefix_pos] = total + torch.arange(prefix_pos.numel(), device=xs.device)
-    return src.index_select(1, index), token_pos - lead
-
-
+    return src.index_select(1, layout.index), layout.window_start
 def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
                   activation: Optional[str] = None, initial_state: Optional[torch.Tensor] = None,
                   output_final_state: bool = False, cu_seqlens: Optional[torch.Tensor] = None, **kwargs):
@@ -124,7 +198,7 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     dtype = _compute_dtype(x, weight)
     xs = x.to(dtype)
     prefix = _conv_prefix(initial_state, batch, len(bounds), dim, width, dtype, x.device)
-    laid, window_start = _laid_out_inputs(xs, prefix, bounds)
+    laid, window_start = _laid_out_inputs(xs, prefix, bounds, cu_seqlens)
     w = weight.to(dtype)
     n_out = laid.shape[1] - (width - 1)
     y = laid[:, :n_out] * w[:, 0]
@@ -163,11 +237,15 @@ def _check_rule_shapes(q, k, v, g, beta) -> None:
         raise ValueError(f"value heads ({hv}) must be a multiple of the query/key heads ({hk})")
 
 
-def _to_chunks(t: torch.Tensor, size: int, token_pos: torch.Tensor) -> torch.Tensor:
-    """``[b, T, h, *rest]`` -> ``[b, h, C, 64, *rest]``: tokens at their laid-out positions, zeros between."""
+def _to_chunks(t: torch.Tensor, layout) -> torch.Tensor:
+    """``[b, T, h, *rest]`` -> ``[b, h, C, 64, *rest]``: tokens at their laid-out slots, zeros between."""
     tt = t.transpose(1, 2)
-    out = tt.new_zeros(tt.shape[:2] + (size,) + tt.shape[3:]).index_copy(2, token_pos, tt)
-    return out.view(out.shape[:2] + (size // CHUNK, CHUNK) + out.shape[3:])
+    if layout.token_pos is None:  # one segment per row: zeros after its end
+        pad = tt.new_zeros(tt.shape[:2] + (layout.size - tt.shape[2],) + tt.shape[3:])
+        out = torch.cat([tt, pad], dim=2)
+    else:
+        out = tt.new_zeros(tt.shape[:2] + (layout.size,) + tt.shape[3:]).index_copy(2, layout.token_pos, tt)
+    return out.view(out.shape[:2] + (layout.size // CHUNK, CHUNK) + out.shape[3:])
 
 
 def _intra_chunk(q, k, v, g, beta):
@@ -191,38 +269,57 @@ def _intra_chunk(q, k, v, g, beta):
     return u, w, scores, q_read, k_write, cum[..., -1].exp()[..., None, None]
 
 
-def _scan(u, w, k_write, chunk_decay, spans: list[int], init: list[torch.Tensor]):
-    """The state recurrence over chunks, restarting at every segment's first chunk.
+def _scan(u, w, k_write, chunk_decay, layout, init: torch.Tensor):
+    """The state recurrence over chunks, every segment at once, restarting at every segment's first chunk.
 
-    Returns the state entering every chunk ``[b, h, C, dk, dv]``, every chunk's corrected values
-    ``v - w S`` ``[b, h, C, 64, dv]`` and each segment's final state. The per-chunk operands are split
-    once (``unbind``): indexing the full tensors per chunk would make autograd build and sum one
-    full-size gradient per chunk, quadratic in the sequence length.
+    ``init``: each segment's start state ``[b, h, N, dk, dv]``. Step ``t`` advances the ``t``-th chunk of
+    every segment that has one, as one batch: the segments are sorted longest first, so those still
+    running are a prefix and a finished one leaves with its final state; the chunks were permuted so
+    that each step's are contiguous, and are split once (per-step views whose backward is one
+    concatenation; indexing per step would make autograd sum one full-size gradient per step). Steps:
+    the longest segment's chunk count, not all chunks. Returns the state entering every chunk
+    ``[b, h, C, dk, dv]``, every chunk's corrected values ``v - w S`` ``[b, h, C, 64, dv]`` (both in
+    chunk order) and the final states ``[b, h, N, dk, dv]``.
     """
-    u, w, k_write, chunk_decay = (t.unbind(2) for t in (u, w, k_write.transpose(-1, -2), chunk_decay))
-    states, values, finals, c = [], [], [], 0
-    for j, span in enumerate(spans):
-        state = init[j]
-        for _ in range(span // CHUNK):
-            states.append(state)
-            v_new = u[c] - w[c] @ state
-            values.append(v_new)
-            state = state * chunk_decay[c] + k_write[c] @ v_new
-            c += 1
-        finals.append(state)
-    return torch.stack(states, 2), torch.stack(values, 2), finals
+    k_write = k_write.transpose(-1, -2)
+    operands = (u, w, k_write, chunk_decay)
+    if layout.perm is not None:
+        operands = (t.index_select(2, layout.perm) for t in operands)
+    steps = zip(*(t.split(layout.sizes, dim=2) for t in operands))
+    state = init if layout.order is None else init.index_select(2, layout.order)
+    states, values, finished = [], [], []
+    for (u_t, w_t, k_t, decay_t), running in zip(steps, layout.sizes):
+        if running < state.shape[2]:
+            finished.append(state[:, :, running:])
+            state = state[:, :, :running]
+        states.append(state)
+        v_new = u_t - w_t @ state
+        values.append(v_new)
+        state = state * decay_t + k_t @ v_new
+    finished.append(state)
+    final = torch.cat(finished[::-1], dim=2)
+    states, values = torch.cat(states, dim=2), torch.cat(values, dim=2)
+    if layout.inverse is not None:
+        states, values = states.index_select(2, layout.inverse), values.index_select(2, layout.inverse)
+    if layout.unorder is not None:
+        final = final.index_select(2, layout.unorder)
+    return states, values, final
 
 
-def _initial_states(initial_state, batch, nseg, heads, dk, dv, dtype, device) -> list[torch.Tensor]:
-    """One ``[b, h, dk, dv]`` start state per segment (fla's ``[N, h, dk, dv]``, N = b * segments)."""
+def _initial_states(initial_state, batch, nseg, heads, dk, dv, dtype, device) -> torch.Tensor:
+    """Each segment's start state ``[b, h, N, dk, dv]`` (fla's ``[N * b, h, dk, dv]``, segments inner)."""
     if initial_state is None:
-        zero = torch.zeros(batch, heads, dk, dv, dtype=dtype, device=device)
-        return [zero] * nseg
+        return torch.zeros(batch, heads, nseg, dk, dv, dtype=dtype, device=device)
     if tuple(initial_state.shape) != (batch * nseg, heads, dk, dv):
         raise ValueError(f"initial_state must be [{batch * nseg}, {heads}, {dk}, {dv}], "
                          f"got {tuple(initial_state.shape)}")
-    rows = initial_state.to(dtype).reshape(batch, nseg, heads, dk, dv)
-    return list(rows.unbind(1))
+    return initial_state.to(dtype).reshape(batch, nseg, heads, dk, dv).transpose(1, 2)
+
+
+def _rule_layout(cu_seqlens, bounds, total: int, device):
+    if cu_seqlens is None:
+        return _unpacked_rule_layout(total)
+    return _cached(cu_seqlens, ("rule", device), lambda: _RuleLayout(bounds, device))
 
 
 def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -250,107 +347,15 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
         q, k = l2norm(q), l2norm(k)
     q = q * (dk ** -0.5 if scale is None else scale)
     init = _initial_states(initial_state, batch, len(bounds), hv, dk, dv, dtype, q.device)
-    size, token_pos, _, spans = _layout(bounds, 0, CHUNK, q.device)
-    if size == 0:
-        out = v.new_zeros(batch, 0, hv, dv)  # no tokens at all
+    layout = _rule_layout(cu_seqlens, bounds, total, q.device)
+    if layout.size == 0:
+        out, final = v.new_zeros(batch, 0, hv, dv), init  # no tokens at all
     else:
-        qc, kc, vc, gc, bc = (_to_chunks(t, size, token_pos) for t in (q, k, v, g, beta))
+        qc, kc, vc, gc, bc = (_to_chunks(t, layout) for t in (q, k, v, g, beta))
         u, w, scores, q_read, k_write, chunk_decay = _intra_chunk(qc, kc, vc, gc, bc)
-        states, values, init = _scan(u, w, k_write, chunk_decay, spans, init)  # init: now the final states
-        o = q_read @ states + scores @ values  # [b, h, C, 64, dv]
-        out = o.reshape(batch, hv, size, dv).index_select(2, token_pos).transpose(1, 2)
-    final = torch.stack(init, 1).reshape(-1, hv, dk, dv) if output_final_state else None
+        states, values, final = _scan(u, w, k_write, chunk_decay, layout, init)
+        o = (q_read @ states + scores @ values).reshape(batch, hv, layout.size, dv)  # [b, h, C * 64, dv]
+        o = o[:, :, :total] if layout.token_pos is None else o.index_select(2, layout.token_pos)
+        out = o.transpose(1, 2)
+    final = final.transpose(1, 2).reshape(-1, hv, dk, dv) if output_final_state else None
     return out.to(out_dtype).contiguous(), final
-
-
-# ---- binding into megatron --------------------------------------------------------------------------
-def install() -> bool:
-    """Bind the three functions where megatron's GatedDeltaNet looks them up, when fla is absent (idempotent).
-
-    ``gated_delta_net.common`` imported fla's functions (or ``None``) into its globals and set
-    ``HAVE_FLA``, which the layer's constructor checks; ``gdn`` copied ``causal_conv1d`` and
-    ``chunk_gated_delta_rule`` from it at import, and the package ``__init__`` re-exports all four. Every
-    one of those names that exists is rebound. Call before building a model: the constructor picks
-    ``chunk_gated_delta_rule`` when it runs. Returns True when these stand-ins are in use, False when
-    megatron found fla (the GPU path, left untouched).
-    """
-    import mimo_sft.parallel  # noqa: F401  (makes megatron importable without triton)
-
-    _install_cp_permutation()
-    common = importlib.import_module(_MEGATRON_MODULES[0])
-    if common.chunk_gated_delta_rule is chunk_gated_delta_rule:
-        return True
-    if common.HAVE_FLA:
-        return False
-    ours = {"causal_conv1d": causal_conv1d, "l2norm": l2norm, "chunk_gated_delta_rule": chunk_gated_delta_rule,
-            "HAVE_FLA": True}
-    for name in _MEGATRON_MODULES:
-        module = importlib.import_module(name)
-        for attr, value in ours.items():
-            if attr in vars(module):
-                setattr(module, attr, value)
-    _run_helpers_eagerly()
-    return True
-
-
-def _install_cp_permutation() -> None:
-    """Under context parallelism (``model.context_parallel``) megatron's GatedDeltaNet builds its sequence
-    permutation from ``cu_seqlens`` (``_build_thd_cp_a2a_perm``) in every layer and indexes its activations with
-    it. The forward step keeps ``cu_seqlens`` on the host (megatron's THD rotary reads them there), so the
-    permutation would be a host index into device activations (an error on a GPU). Bound on every device, fla or
-    not: the same function, its result copied to the process's device once per ``cu_seqlens`` tensor (one
-    forward) and shared by every GDN layer."""
-    gdn = importlib.import_module("megatron.core.ssm.gated_delta_net.gdn")
-    original = gdn._build_thd_cp_a2a_perm
-    if getattr(original, "_mimo_on_device", False):
-        return
-
-    def on_device(cu_seqlens, cp_size, t_global):
-        from mimo_sft.parallel import runtime
-
-        cache = cu_seqlens.__dict__.setdefault("_mimo_cp_perm", {})
-        if (cp_size, t_global) not in cache:
-            cache[(cp_size, t_global)] = tuple(runtime.host_to(t, runtime.device())
-                                               for t in original(cu_seqlens, cp_size, t_global))
-        return cache[(cp_size, t_global)]
-
-    on_device._mimo_on_device = True
-    gdn._build_thd_cp_a2a_perm = on_device
-
-
-#: megatron's ``jit_fuser`` (``torch.compile``) helpers on Qwen3.5's path: ``(module, class, method)``
-_COMPILED_HELPERS = (("megatron.core.ssm.gated_delta_net.common", "_GDNBase", "_prepare_input_for_gated_delta_rule"),
-                     ("megatron.core.ssm.gated_delta_net.common", "_GDNBase", "_compute_g_and_beta"),
-                     ("megatron.core.ssm.gated_delta_net.common", "_GDNBase", "_apply_gated_norm"),
-                     ("megatron.core.transformer.attention", "Attention", "_apply_output_gate"))
-_COMPILED: dict = {}
-
-
-def _run_helpers_eagerly() -> None:
-    """On the stand-ins' path, megatron's compiled helpers run as plain functions.
-
-    Why: inductor compiles them on the CPU in ~12 s per process and again for each new sequence
-    length until shapes go dynamic (measured: 11 s and 10 s for the first two lengths of a tiny model,
-    against 0.3 s eager), every rank of every CPU run; the numbers are the same functions'. A GPU run
-    with fla keeps megatron's compiled ones (what the memory forecast counts: :func:`compiled_helpers`)."""
-    for module, cls, name in _COMPILED_HELPERS:
-        owner = getattr(importlib.import_module(module), cls)
-        fn = owner.__dict__[name]
-        original = getattr(fn, "_torchdynamo_orig_callable", None)
-        if original is not None:
-            _COMPILED[(module, cls, name)] = fn
-            setattr(owner, name, original)
-
-
-@contextlib.contextmanager
-def compiled_helpers():
-    """megatron's compiled helpers back for the duration (``testing.saved_bytes``: what a GPU run keeps)."""
-    owners = {key: getattr(importlib.import_module(key[0]), key[1]) for key in _COMPILED}
-    eager = {key: owner.__dict__[key[2]] for key, owner in owners.items()}
-    for key, owner in owners.items():
-        setattr(owner, key[2], _COMPILED[key])
-    try:
-        yield
-    finally:
-        for key, owner in owners.items():
-            setattr(owner, key[2], eager[key])

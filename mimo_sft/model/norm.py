@@ -12,6 +12,7 @@ before) with that mark on its weight.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 
 class RMSNorm(torch.nn.RMSNorm):
@@ -46,9 +47,7 @@ class ZeroCenteredRMSNorm(torch.nn.Module):
         self.weight.sequence_parallel = bool(config.sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (h * (1.0 + self.weight.float())).to(x.dtype)
+        return F.rms_norm(x.float(), x.shape[-1:], 1.0 + self.weight.float(), self.eps).to(x.dtype)
 
 
 class GatedOutputRMSNorm(torch.nn.Module):
@@ -70,6 +69,4 @@ class GatedOutputRMSNorm(torch.nn.Module):
         self.weight.tp_partial_grad = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        return self.weight * F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype)

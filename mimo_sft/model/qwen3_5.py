@@ -152,10 +152,10 @@ class Qwen35Adapter(Qwen3VLAdapter):
         """This stage's layers, each by its global index's ``layer_types`` entry."""
         from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-        from mimo_sft.model.gdn_kernels import install
+        from mimo_sft.model.gdn_binding import install
         from mimo_sft.model.norm import ZeroCenteredRMSNorm
 
-        install()  # fla's kernels, or their torch stand-ins where fla is missing
+        install()  # fla's kernels where they are correct, else the torch ones (gdn_path)
         kinds = hf_cfg.text_config.layer_types[layer_offset:layer_offset + num_local_layers]
         specs = {kind: _layer_spec(kind, attention) for kind in set(kinds)}
         return TransformerBlockSubmodules(layer_specs=[specs[k] for k in kinds], layer_norm=ZeroCenteredRMSNorm)

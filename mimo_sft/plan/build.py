@@ -68,7 +68,7 @@ def _valid_layout(cfg):
     """The layout, or one UserError line naming the first problem training would refuse."""
     from mimo_sft.validate import check_config
 
-    result = check_config(cfg, for_run=True)
+    result = check_config(cfg, for_run=True, row_counts=None)
     # check 23 forecasts the worst case; the plan forecasts this data's heaviest micro-batch instead
     problems = [p for p in result.problems if p.check != 23]
     if problems:

@@ -170,3 +170,48 @@ def demo_rows(samples: int, *, seed: int = 0, long_answers: bool = False) -> lis
     """``samples`` rows of the demo dataset (``write_demo_dataset`` writes the same rows)."""
     rng = random.Random(seed)
     return [make_sample(rng, long_answers) for _ in range(samples)]
+
+
+# ---- document-VQA rows: the GPU benchmark's data (docs/benchmarks.md) ---------------------------------------
+DOC_WORDS = ("total amount invoice page table column row value date number item price tax sum account field header "
+             "footer line paragraph figure caption section revenue cost quarter year report").split()
+
+
+def document_page(rng: random.Random, pixels: float) -> bytes:
+    """A JPEG page of about ``pixels`` pixels (aspect 0.6-1): light paper with dark text-like stripes."""
+    import numpy as np
+    from PIL import Image
+
+    w = int((pixels * rng.uniform(0.6, 1.0)) ** 0.5)
+    h = int(pixels / w)
+    a = np.full((h, w, 3), 245, np.uint8)
+    noise = np.random.default_rng(rng.randrange(1 << 30))
+    for y in range(20, h - 20, 18):
+        x1 = rng.randint(w // 3, w - 20)
+        a[y:y + 9, 20:x1] = noise.integers(0, 90, (9, x1 - 20, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(a).save(buf, format="JPEG", quality=80)
+    return buf.getvalue()
+
+
+def write_document_rows(path: str | os.PathLike, rows: int, *, seed: int = 0) -> Path:
+    """``rows`` document-VQA-like rows as one parquet file (``messages`` + ``images``): 1 page (3 in 4 rows) or 2
+    of 0.3-0.8 Mpx, a question of 4-20 words, an answer of 20-400 -- what the GPU benchmark trained on."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rng = random.Random(seed)
+    out = []
+    for _ in range(rows):
+        images = [{"bytes": document_page(rng, rng.uniform(3e5, 8e5)), "path": None}
+                  for _ in range(1 if rng.random() < 0.75 else 2)]
+        question = "Read the document and answer: what is the " + " ".join(
+            rng.choice(DOC_WORDS) for _ in range(rng.randint(4, 20))) + "?"
+        answer = " ".join(rng.choice(DOC_WORDS) for _ in range(rng.randint(20, 400))) + "."
+        content = [{"type": "image", "text": None} for _ in images] + [{"type": "text", "text": question}]
+        out.append({"messages": [{"role": "user", "content": content},
+                                 {"role": "assistant", "content": [{"type": "text", "text": answer}]}],
+                    "images": images})
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.Table.from_pylist(out), str(path))
+    return Path(path)

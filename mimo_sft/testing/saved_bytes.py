@@ -189,8 +189,9 @@ def cuda_rms_norm_saved_tensors():
     duration -- torch's own reference of the CUDA kernel, its decomposition (``torch._decomp``: the one fake
     tensors use; rstd in fp32 for bf16, as the CUDA kernel's accumulate type) -- so ``rms_norm`` dispatches
     exactly as on CUDA (the composite still where CUDA takes it: channels-last, complex, a weight of another
-    dtype) and torch's real autograd node records the saved tensors. Only torch's ``rms_norm`` changes:
-    our own norms (Qwen3.5's zero-centred, the towers') are composites on every device."""
+    dtype) and torch's real autograd node records the saved tensors. Only ``rms_norm`` changes: torch's
+    RMSNorm and Qwen3.5's zero-centred norms (one ``F.rms_norm`` over an fp32 copy) take the fused op,
+    the towers' norms (transformers' composites) stay composites."""
     from torch._decomp import decomposition_table
     from torch.library import Library
 
@@ -273,9 +274,12 @@ def _init_routers(block) -> None:
                 p.copy_(0.02 * torch.randn(p.shape, generator=gen))
 
 
-def language_layer_saved(block, cfg, tokens: int, *, dtype: torch.dtype, batch: int = 1, device: str = "cpu") -> int:
+def language_layer_saved(block, cfg, tokens: int, *, dtype: torch.dtype, batch: int = 1, device: str = "cpu",
+                         segments: list[int] | None = None) -> int:
     """Bytes one decoder layer saves on this rank for ``batch`` rows of ``tokens`` positions (this rank's
-    ``1/tp`` of them under sequence parallelism). The input counts where the layer keeps it (fp32, or
+    ``1/tp`` of them under sequence parallelism), or for one packed sequence of ``segments`` (samples' lengths,
+    summing to ``tokens``: in-batch packing's THD input, each sample's positions from 0, attention per sample as
+    ``model.attention`` runs it). The input counts where the layer keeps it (fp32, or
     under full recomputation, or as the input of CUDA's fused RMSNorm); the rotary table, shared by every
     layer, does not. A Gated DeltaNet layer's kernels keep what fla's keep (``fla_saved_tensors``);
     ``device="cuda"``: torch's RMSNorms keep what its fused CUDA kernel keeps (``cuda_rms_norm_saved_tensors``)."""
@@ -286,14 +290,29 @@ def language_layer_saved(block, cfg, tokens: int, *, dtype: torch.dtype, batch: 
     x = torch.randn(local, batch, h, dtype=dtype, requires_grad=True)
     rope = MultimodalRotaryEmbedding(kv_channels=cfg.kv_channels, rotary_percent=getattr(block, "rotary_percent", 1.0))
     pos = torch.arange(tokens).view(1, 1, tokens).expand(3, batch, tokens)
+    extra = {}
+    if segments is not None:
+        assert batch == 1 and sum(segments) == tokens, f"segments cover {sum(segments)} tokens, not {tokens}"
+        pos = torch.cat([torch.arange(n) for n in segments]).view(1, 1, tokens).expand(3, 1, tokens)
+        extra["packed_seq_params"] = packed_params(segments)
     emb = rope(pos, cfg.mrope_section)
     params = list(block.parameters())
-    from mimo_sft.model.gdn_kernels import compiled_helpers
+    from mimo_sft.model.gdn_binding import compiled_helpers
 
     norms = cuda_rms_norm_saved_tensors() if device == "cuda" else nullcontext()
     with flash_sdpa(), fla_saved_tensors(block), compiled_helpers(), norms:  # megatron's compiled helpers, as on a GPU
-        total, out = saved_bytes(block, x, None, rotary_pos_emb=emb, exclude=params + [emb])
+        total, out = saved_bytes(block, x, None, rotary_pos_emb=emb, exclude=params + [emb], **extra)
     return total
+
+
+def packed_params(segments: list[int]):
+    """megatron's ``PackedSeqParams`` of one packed sequence of ``segments``, as ``train.packing`` builds them."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    cu = torch.zeros(len(segments) + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(torch.tensor(segments), 0)
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu.clone(), max_seqlen_q=max(segments),
+                           max_seqlen_kv=max(segments))
 
 
 # ---- one transformers vision block of the checkpoint's family --------------------------------------

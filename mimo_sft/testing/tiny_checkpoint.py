@@ -320,6 +320,42 @@ PRESETS["qwen3.5-397b-a17b"] = dict(
                 out_hidden_size=4096),
 )
 
+#: Scaled-down forms of the released designs above, for the GPU check (``scripts/gpu_check.sh``): each keeps its
+#: family's layer kinds, head widths, rotary, tokenizer and processor, at a width that loads one GPU and starts
+#: quickly. They are NOT released models (their names end in ``-check``); the parameter counts are
+#: transformers' own on the meta device (``tests/test_gpu_check.py`` holds them to these bands).
+#: * ``qwen3-vl-2b-check`` (2.1B): Qwen3-VL-8B's design with a 28-layer, 2048-wide tied decoder (16 q /
+#:   8 kv heads of 128, FFN 6144) and a 24-block, 1024-wide tower with DeepStack at blocks 5, 11 and 17;
+#: * ``qwen3-vl-moe-check`` (1.1B): Qwen3-VL-30B-A3B's design with 12 sparse layers 1024
+#:   wide (16 q / 4 kv heads of 128, 32 experts of 512, top 4) and a 12-block, 768-wide tower (DeepStack at
+#:   3, 7, 11);
+#: * ``qwen3.5-moe-check`` (1.3B): Qwen3.5-397B-A17B's design with 3 x (3 GDN + 1 gated
+#:   attention) layers 1024 wide (attention 8 q / 2 kv heads of 256, GDN 16 key / 16 value heads of 128,
+#:   32 experts of 512, top 4, one shared expert of 512) and Qwen3.5-0.8B's tower.
+PRESETS["qwen3-vl-2b-check"] = dict(
+    PRESETS["qwen3-vl-8b"], tie_word_embeddings=True,
+    text=dict(PRESETS["qwen3-vl-8b"]["text"], hidden_size=2048, num_hidden_layers=28, num_attention_heads=16,
+              num_key_value_heads=8, intermediate_size=6144),
+    vision=dict(PRESETS["qwen3-vl-8b"]["vision"], depth=24, hidden_size=1024, num_heads=16, intermediate_size=4096,
+                out_hidden_size=2048, deepstack_visual_indexes=[5, 11, 17]),
+)
+PRESETS["qwen3-vl-moe-check"] = dict(
+    PRESETS["qwen3-vl-30b-a3b"],
+    text=dict(PRESETS["qwen3-vl-30b-a3b"]["text"], hidden_size=1024, num_hidden_layers=12, num_attention_heads=16,
+              num_key_value_heads=4, intermediate_size=3072, num_experts=32, num_experts_per_tok=4,
+              moe_intermediate_size=512),
+    vision=dict(PRESETS["qwen3-vl-8b"]["vision"], depth=12, hidden_size=768, num_heads=12, intermediate_size=3072,
+                out_hidden_size=1024, deepstack_visual_indexes=[3, 7, 11]),
+)
+PRESETS["qwen3.5-moe-check"] = dict(
+    PRESETS["qwen3.5-397b-a17b"],
+    text=dict(PRESETS["qwen3.5-397b-a17b"]["text"], hidden_size=1024, num_hidden_layers=12,
+              layer_types=_qwen3_5_pattern(3), num_attention_heads=8, num_key_value_heads=2, linear_num_key_heads=16,
+              linear_num_value_heads=16, num_experts=32, num_experts_per_tok=4, moe_intermediate_size=512,
+              shared_expert_intermediate_size=512),
+    vision=dict(PRESETS["qwen3.5-0.8b"]["vision"]),
+)
+
 
 def _qwen_bpe_ranks(resource: str = "qwen.tiktoken", count: int = QWEN_SPECIAL_START_ID,
                     what: str = "Qwen2's") -> dict[bytes, int]:

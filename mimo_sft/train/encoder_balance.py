@@ -30,6 +30,8 @@ from mimo_sft.data.reorder.encoder_plan import encoder_destinations, spread, tow
 
 #: per micro-batch since the last :func:`take_step_figures`: (images moved, spread before, spread after)
 _SEEN: list[tuple[int, float | None, float | None]] = []
+#: the model patches this rank's tower encoded in the training forwards since the last :func:`take_encoded_patches`
+_ENCODED: list[float] = []
 
 
 class _Exchange(torch.autograd.Function):
@@ -51,10 +53,15 @@ def _all_to_all(x: torch.Tensor, send: list[int], recv: list[int], group) -> tor
     return out
 
 
-def _gather_grids(grid: torch.Tensor, width: int, is_uint8: bool, gloo) -> tuple[list[torch.Tensor], int, bool]:
-    """Every rank's ``[n_r, 3]`` grid (host), the pixel rows' width and whether they are uint8."""
+#: the pixel rows' dtypes a rank may carry (uint8: the data path's; float: transformers' patches), by code
+_DTYPES = (torch.uint8, torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def _gather_grids(grid: torch.Tensor, width: int, dtype: torch.dtype, gloo) -> tuple[list[torch.Tensor], int, torch.dtype]:
+    """Every rank's ``[n_r, 3]`` grid (host), and the pixel rows' width and dtype of the ranks holding images (a
+    rank without one passes an empty placeholder); ranks whose rows differ in either are refused, on every rank."""
     size = dist.get_world_size(gloo)
-    head = torch.tensor([grid.shape[0], width, int(is_uint8)], dtype=torch.int64)
+    head = torch.tensor([grid.shape[0], width, _DTYPES.index(dtype)], dtype=torch.int64)
     heads = [torch.empty_like(head) for _ in range(size)]
     dist.all_gather(heads, head, group=gloo)
     n_max = max(int(h[0]) for h in heads)
@@ -66,9 +73,10 @@ def _gather_grids(grid: torch.Tensor, width: int, is_uint8: bool, gloo) -> tuple
     widths = {int(h[1]) for h in heads if int(h[0])}
     kinds = {int(h[2]) for h in heads if int(h[0])}
     if len(widths) > 1 or len(kinds) > 1:
-        raise RuntimeError(f"--encoder-balance: the vision ranks carry pixel rows of different widths/dtypes {heads}")
+        raise RuntimeError(f"--encoder-balance: the vision ranks carry pixel rows of different widths/dtypes "
+                           f"{[(int(h[1]), str(_DTYPES[int(h[2])])) for h in heads]}")
     return ([g[:int(h[0])] for g, h in zip(grids, heads)], widths.pop() if widths else width,
-            bool(kinds.pop()) if kinds else is_uint8)
+            _DTYPES[kinds.pop()] if kinds else dtype)
 
 
 class Routes(NamedTuple):
@@ -115,18 +123,19 @@ def balanced_forward(encode: Callable, pixel_values: torch.Tensor, image_grid_th
     """The encoder's output for this rank's images, each encoded on the tower the plan names (module docstring)."""
     from mimo_sft.model.pixels import model_grid_thw
 
-    grids, width, is_uint8 = _gather_grids(image_grid_thw.cpu(),
-                                           int(pixel_values.shape[1]) if pixel_values.dim() == 2 else 0,
-                                           pixel_values.dtype == torch.uint8, gloo)
+    grids, width, dtype = _gather_grids(image_grid_thw.cpu(), int(pixel_values.shape[1]) if pixel_values.dim() == 2 else 0,
+                                        pixel_values.dtype, gloo)
     me = dist.get_rank(gloo)
     costs = [[float(p) for p in model_grid_thw(g, temporal).prod(dim=1).tolist()] if g.numel() else [] for g in grids]
     dest = encoder_destinations(costs)
     moved = sum(d != r for r, ds in enumerate(dest) for d in ds)
     _SEEN.append((moved, spread(tower_loads(costs)), spread(tower_loads(costs, dest))))
+    if torch.is_grad_enabled():  # a training forward: what this tower encodes (the straggler report's rank_patches)
+        _ENCODED.append(sum(c for r, cs in enumerate(costs) for c, d in zip(cs, dest[r]) if d == me))
     if not moved:
         return encode(pixel_values, image_grid_thw)
     rt = routes(grids, costs, dest, me, merge=merge)
-    device, dtype = pixel_values.device, (torch.uint8 if is_uint8 else pixel_values.dtype)
+    device = pixel_values.device
     outgoing = (pixel_values.reshape(-1, width).index_select(0, _ranges(rt.send_order, rt.rows, device)).to(dtype)
                 if rt.send_order else torch.empty((0, width), dtype=dtype, device=device))
     incoming = _all_to_all(outgoing, rt.send_rows, rt.recv_rows, group)
@@ -157,6 +166,16 @@ def install(model, pstate, info) -> None:
                                     gloo=groups.dp_gloo, temporal=temporal, merge=merge)
 
         enc.forward = forward
+
+
+def take_encoded_patches() -> float | None:
+    """The model patches this rank's tower encoded in the training forwards since the last call (None: no balanced
+    forward ran), so that ``rank_patches`` counts the tower's work, not the slice it was handed."""
+    if not _ENCODED:
+        return None
+    total = math.fsum(_ENCODED)
+    _ENCODED.clear()
+    return total
 
 
 def take_step_figures() -> dict[str, float]:

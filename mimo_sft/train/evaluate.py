@@ -75,7 +75,7 @@ class Evaluator:
                                        dp_size=shard.dp_size, dp_rank=shard.dp_rank, need_pixels=shard.need_pixels,
                                        scalable_dp=cfg.parallel.scalable_dp,
                                        num_workers=resolve_num_workers(cfg.data.num_workers),
-                                       pad_to_seq_length=cfg.data.pad_to_seq_length,
+                                       pad_to_seq_length=cfg.data.pad_to_seq_length, flag=flag,
                                        # colocated: decode only the encoder slice's images, as training does
                                        pixel_slice=(shard.split.encoder.start, shard.split.encoder.stop)
                                        if shard.split is not None else None)

@@ -87,7 +87,7 @@ def log_step(tr, result) -> None:
     the step's record, written at the log interval with its loss (:class:`PendingRows`)."""
     peaks = peak_memory_by_module(tr.pstate)
     c = tr.feed.end_step()
-    tr.straggler.add(result.step_time_s, result.phase_s, (c.vision_patches, c.language_share))
+    tr.straggler.add(result.step_time_s, result.phase_s, (encoded_patches(tr, c.vision_patches), c.language_share))
     block = tr.straggler.figures(tr.step)
     model_flops, *summed = step_model_flops(
         tr.feed.flops.step_flops, tr.pstate,
@@ -140,6 +140,17 @@ def _device_sums(output, n_sources: int) -> torch.Tensor:
         parts.append(output.source_sums.reshape(-1) if output.source_sums is not None
                      else output.sums.new_zeros(2 * n_sources))
     return torch.cat(parts)
+
+
+def encoded_patches(tr, handed: float) -> float:
+    """The patches this rank's tower encoded this step: with ``--encoder-balance`` what the plan sent it, else the
+    slice it was handed."""
+    if not tr.cfg.reorder.encoder_balance:
+        return handed
+    from mimo_sft.train.encoder_balance import take_encoded_patches
+
+    encoded = take_encoded_patches()
+    return handed if encoded is None else encoded
 
 
 def encoder_figures(tr) -> dict:

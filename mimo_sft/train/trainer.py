@@ -34,6 +34,7 @@ from typing import Optional
 
 import torch.distributed as dist
 
+from mimo_sft.config.families import family_for_model_type
 from mimo_sft.config.loader import config_to_dict, dump_config, save_folder
 from mimo_sft.config.recorded import lr_decay_length
 from mimo_sft.config.schema import ExperimentConfig
@@ -41,6 +42,7 @@ from mimo_sft.data.mixture import MixtureOrder, check_resumed_mixture, resumed_i
 from mimo_sft.data.streamed import check_resumed_streams
 from mimo_sft.data.validation import check_resumed_split, split_sources, valid_flag
 from mimo_sft.errors import UserError
+from mimo_sft.model.gdn_binding import current_choice as gdn_choice
 from mimo_sft.parallel import runtime
 from mimo_sft.parallel.bootstrap import start_world
 from mimo_sft.parallel.groups import ParallelState
@@ -248,6 +250,8 @@ class Trainer:
               f"mimo-sft: {self._checkpoint_plan()}", flush=True)
         if cfg.reorder.enabled and cfg.reorder.calibration:
             print(f"mimo-sft: reordering cost weights {cfg.reorder.calibration}", flush=True)
+        if family_for_model_type(self.ctx.info.model_type).architecture.hybrid_gdn:
+            print(f"mimo-sft: {gdn_choice().line()}", flush=True)
         if cfg.checkpoint.resume_auto:
             print(f"mimo-sft: --load-checkpoint auto: " + (f"resuming from {cfg.checkpoint.load_checkpoint}" if
                   cfg.checkpoint.load_checkpoint else f"no checkpoint in {self.save_dir} yet: starting fresh"),

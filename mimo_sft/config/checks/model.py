@@ -60,6 +60,7 @@ def c18_contents_note(ctx):
     m, d = ctx.cfg.model, ctx.cfg.data
     if not ctx.for_run and (m.hf_model or d.dataset_path):
         yield ("validate checks the layout, the flags, config.json and that the paths exist and output folders are "
-               "writable, and opens streamed shards as start-up does (footers and tar headers); it reads no weights, no "
-               "loaded source's rows and no images (run `mimo-sft check-data` with the same flags "
-               "to decode every sample now)", "note")
+               "writable, opens each source as start-up does without converting it (streamed shards' footers and tar "
+               "headers, a loaded parquet's footers) and stats every image and clip file its rows name; it reads no "
+               "weights, decodes no image or clip and does not open JSON files or save_to_disk folders (run "
+               "`mimo-sft check-data` with the same flags to decode every sample now)", "note")

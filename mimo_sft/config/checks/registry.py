@@ -85,20 +85,43 @@ def check_config(cfg: ExperimentConfig, *, forecaster: Callable, world_size: int
     layout = Layout.from_specs(specs, world) if sane else None
     ctx = CheckContext(cfg, specs, layout, world, for_run,
                        read_hf_config(cfg.model.hf_model), workload=workload, forecaster=forecaster)
+    problems, notes = _run(ctx, [n for n, _t, _f in CHECKS])
+    return CheckResult(layout, problems, notes, ctx.hf_config, ctx.memory)
+
+
+#: the checks that read only the data flags (no layout, no model): ``check-data`` applies them before any row
+DATA_FLAG_CHECKS = (17,)
+
+
+def data_flag_problems(cfg: ExperimentConfig) -> list[Problem]:
+    """The problems ``finetune`` would refuse in the data flags alone (:data:`DATA_FLAG_CHECKS`, as for a run):
+    ``check-data`` reads a dataset with them, so it refuses what finetune refuses (``--video-fps 0``, crossed
+    pixel bounds, a missing image root) rather than decode with them."""
+    ctx = CheckContext(cfg, [], None, None, True, None)
+    return _run(ctx, DATA_FLAG_CHECKS)[0]
+
+
+def _run(ctx: CheckContext, numbers) -> tuple[list[Problem], list[Problem]]:
+    """``(problems, notes)`` of the checks ``numbers`` on ``ctx``, in the registry's order."""
     problems, notes = [], []
     for number, _title, fn in CHECKS:
+        if number not in numbers:
+            continue
         for item in fn(ctx) or ():
             msg, sev = (item, "error") if isinstance(item, str) else (item[0], item[1] if len(item) > 1 else "error")
             (notes if sev == "note" else problems).append(Problem(number, msg, sev))
-    return CheckResult(layout, problems, notes, ctx.hf_config, ctx.memory)
+    return problems, notes
 
 
 def require_valid(cfg: ExperimentConfig, **kw) -> CheckResult:
     """``check_config`` that raises one UserError listing every problem (used by finetune)."""
     result = check_config(cfg, **kw)
-    if result.problems:
-        raise UserError(
-            f"{len(result.problems)} problem(s) in the config: " + "; ".join(str(p) for p in result.problems),
-            problems=[str(p) for p in result.problems],
-        )
+    refuse(result.problems)
     return result
+
+
+def refuse(problems: list[Problem]) -> None:
+    """One UserError listing every problem (finetune's words), or nothing when there is none."""
+    if problems:
+        raise UserError(f"{len(problems)} problem(s) in the config: " + "; ".join(str(p) for p in problems),
+                        problems=[str(p) for p in problems])

@@ -36,6 +36,17 @@ def parse_valid_split(text) -> Optional[Union[int, float]]:
     return count
 
 
+def held_out(total: int, valid_split: Union[int, float], *, min_train: int) -> tuple[int, Optional[str]]:
+    """``(validation rows, refusal or None)`` of ``--valid-split`` (parsed) on a source of ``total`` rows: at
+    least one row is held out, and the training rows left must still fill ``min_train`` (one global batch).
+    The one rule of ``data.validation.holdout_rows`` and of ``validate``'s row counts (``data.source_probe``)."""
+    n_valid = max(1, valid_split if isinstance(valid_split, int) else int(round(valid_split * total)))
+    if total - n_valid < min_train:
+        return n_valid, (f"--valid-split {valid_split}: holding out {n_valid} of the {total} samples leaves "
+                         f"{total - n_valid}, fewer than one global batch ({min_train}); hold out fewer samples")
+    return n_valid, None
+
+
 def parse_eval_iters(value) -> Optional[int]:
     """``--eval-iters``: ``"50"`` -> 50 global batches per evaluation, ``"all"`` -> None (the whole
     validation set); ValueError with the reason for anything else. An explicit ``0`` (the whole set
