@@ -150,10 +150,13 @@ def test_cp2_trains_on_the_stand_in_device_mixing_nothing_and_reading_no_more(tm
              "--micro-batch-size", "2", "--global-batch-size", "2", "--train-iters", str(STEPS + 1), "--no-save",
              "--no-tensorboard", "--dataloader-type", "cyclic", "--num-workers", "0", "--lr", "1e-3",
              "--lr-warmup-iters", "0", "--seed", "5", "--log-interval", "2"]
-    for report in run_distributed(_audit_ranks, 2, flags, timeout=600):
+    reports = run_distributed(_audit_ranks, 2, flags, timeout=600)
+    for report in reports:
         for part in [report["setup"], *report["steps"], *report["logs"]]:
             assert not part["mixed"], part["mixed"]
         for step, (stepped, logged) in enumerate(zip(report["steps"], report["logs"]), start=1):
             over = _within_budget(family, step, stepped["reads"], logged["reads"])
             assert not over, (step, over)
-        assert all(0 < loss < 20 for loss in report["losses"]), report["losses"]
+    # each rank's loss over its own positions (a rank whose chunks hold no answer token has none): it trained
+    for losses in zip(*(r["losses"] for r in reports)):
+        assert max(losses) > 0 and all(0 <= loss < 20 for loss in losses), losses

@@ -61,11 +61,16 @@ def family_reference(family: str) -> str:
 
 
 @pytest.mark.xdist_group("e2e_cp_qwen2_5_vl")
-def test_qwen2_5_vl_cp4_colocated_packed():
+def test_qwen2_5_vl_cp4_colocated_packed_reordered():
+    """The colocated plan (index mode, the language term weighed in) places the samples on the 4 GPUs; a language
+    slice's work counts over its tp x cp GPUs. The same samples, so the same step."""
     got = layout_run("cp4_co", 4, ("language=cp=4,dp=1", "images=dp=4"), video_data(),
-                     [*VIDEO, "--scalable-dp", *PACKED])
+                     [*VIDEO, "--scalable-dp", *PACKED, "--intra-microbatch-reorder", "--reorder-language-cost-weight",
+                      "1"])
     _exact(video_reference(), got)
-    assert metrics(got)[0]["video_frames_decoded"] > 0
+    m = metrics(got)[0]
+    assert m["video_frames_decoded"] > 0
+    assert m["gpu_load_max_over_mean_after"] <= m["gpu_load_max_over_mean_before"], m
 
 
 @pytest.mark.xdist_group("e2e_cp_qwen2_5_vl")
@@ -73,6 +78,25 @@ def test_qwen2_5_vl_tp2_cp2_sequence_parallel_non_colocated_packed():
     got = layout_run("cp2_tp2_nc", 5, ("language=tp=2,cp=2,dp=1", "images=dp=1,rank_offset=4"), video_data(),
                      [*VIDEO, "--scalable-dp", *PACKED, *SP])
     _exact(video_reference(), got)
+
+
+@pytest.mark.xdist_group("e2e_cp_qwen2_5_vl")
+def test_qwen2_5_vl_lora_cp2_colocated_packed():
+    """LoRA (rank 4, the default targets, dropout 0) at cp 2 against the single-process LoRA run: the adapters'
+    gradients are partial per cp rank and summed by the DDP over dp x cp like the base weights'."""
+    lora = ["--lora-rank", "4", "--lora-alpha", "8"]
+    ref = layout_run("cp_lora_ref", 1, SINGLE, video_data(), [*VIDEO, *lora])
+    got = layout_run("cp2_lora", 2, ("language=cp=2,dp=1", "images=dp=2"), video_data(),
+                     [*VIDEO, "--scalable-dp", *PACKED, *lora])
+    _exact(ref, got)
+
+
+@pytest.mark.xdist_group("e2e_cp_qwen3_vl_moe")
+def test_qwen3_vl_moe_cp2_ep2_colocated_packed():
+    """Qwen3-VL-MoE (8 experts, top 2) at cp 2 with the experts split over ep 2 on the same two ranks: each cp
+    rank routes its own positions, megatron's alltoall dispatcher carries them to the experts' ranks."""
+    got = run("qwen3_vl_moe", "cp_moe_cp2", 2, ("language=cp=2,ep=2,dp=1", "images=dp=2"), PACKED)
+    _exact(family_reference("qwen3_vl_moe"), got)
 
 
 @pytest.mark.xdist_group("e2e_cp_qwen3_vl")

@@ -64,7 +64,7 @@ def measure(hf_dir: str, lengths: list[int], *, dtype: torch.dtype, num_layers: 
             timed: bool = True) -> dict:
     """This rank's ``{"saved_bytes", "step_s"}`` for ``num_layers`` layers on the packed row ``lengths`` at cp =
     the world size (``step_s``: one forward + backward, the slowest rank's, 0 unless ``timed``)."""
-    from mimo_sft.model.gdn_kernels import compiled_helpers
+    from mimo_sft.model.gdn_binding import compiled_helpers
     from mimo_sft.testing.saved_bytes import fla_saved_tensors, flash_sdpa, saved_bytes
 
     block, cfg, group = cp_block(hf_dir, dtype=dtype, num_layers=num_layers)
