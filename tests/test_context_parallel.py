@@ -68,11 +68,18 @@ def test_pack_documents_pads_each_document_to_2cp():
     assert torch.equal(padded["position_ids"][:, 0, :11], batch["position_ids"][:, 0])
 
 
-def _attention_ranks(rank, world, lengths, heads, groups, d):
+def _attention_ranks(rank, world, lengths, heads, groups, d, varlen=False):
     import torch.distributed as dist
 
+    from mimo_sft.model import segments
     from mimo_sft.model.context_parallel import ulysses_attention
     from mimo_sft.model.segments import SegmentBatch
+
+    if varlen:  # the GPU path: torch's variable-length kernel, here its documented contract computed on the CPU
+        from test_vision_attention import _reference_varlen
+
+        kernel, _ = _reference_varlen(with_window=True)
+        segments.varlen_runs, segments.varlen_function = (lambda q: True), (lambda: kernel)
 
     gen = torch.Generator().manual_seed(0)
     total = sum(lengths)
@@ -98,6 +105,16 @@ def test_ulysses_attention_equals_the_whole_sequence(world, heads, groups):
 
     lengths = [2 * world, 6 * world, 4 * world]
     for errors in run_distributed(_attention_ranks, world, lengths, heads, groups, 8):
+        assert max(errors) < 1e-12, errors
+
+
+def test_ulysses_attention_on_the_variable_length_kernel():
+    """On a GPU the exchanged q, k and v (stacked along the heads) go to torch's variable-length kernel in one call
+    (``SegmentBatch.attend_stacked``); with the kernel's documented contract standing in for it, the result and the
+    gradients are the whole sequence's (GQA by the kernel's flag)."""
+    from dist_utils import run_distributed
+
+    for errors in run_distributed(_attention_ranks, 2, [4, 12, 8], 4, 2, 8, True):
         assert max(errors) < 1e-12, errors
 
 
