@@ -96,6 +96,25 @@ def reference() -> str:
     return layout_run("ref_var", 1, SINGLE)
 
 
+#: clips take more tokens than the demo's receipts (test_context_parallel_e2e.py)
+VIDEO = ["--seq-length", "256"]
+
+
+@functools.lru_cache(maxsize=None)
+def video_data() -> str:
+    """16 samples of real clips (H.264 and VP9, a window, a frame list, a variable-rate stream), pages of very
+    different sizes and text-only rows (``testing.clips``)."""
+    from mimo_sft.testing.clips import write_video_dataset
+
+    return str(write_video_dataset(new_dir("cp_video_data"), samples=16, seed=3))
+
+
+def video_reference() -> str:
+    """The tiny Qwen2.5-VL's padded single-process step on :func:`video_data`: test_context_parallel_e2e's
+    reference."""
+    return layout_run("cp_vid_ref", 1, SINGLE, video_data(), VIDEO)
+
+
 #: non-colocated, vision load balanced by index-mode reordering (the default mode), data read in the
 #: rank's own process, TensorBoard and an MFU peak on
 REORDERED = ["--scalable-dp", "--intra-microbatch-reorder", "--num-workers", "0", "--tensorboard", "--peak-tflops",

@@ -80,7 +80,7 @@ CASES = [
     ("both weights zero", GOOD + ["--reorder-encoder-cost-weight", "0"], "both reorder cost weights are 0"),
     ("window", GOOD + ["--reorder-window-size", "0"], "--reorder-window-size=0 must be >= 1"),
     ("colocated pp", comp("language=dp=2,pp=2", "images=dp=4") + ["--micro-batch-size", "4"],
-     "ColocatedBridgeCommunicator needs pp=1 and cp=1"),
+     "ColocatedBridgeCommunicator needs pp=1"),
     ("colocated reorder by exchange", comp("language=dp=2", "images=dp=2") + GOOD[4:] + ["--reorder-mode", "exchange"],
      "--reorder-mode exchange with --intra-microbatch-reorder on a colocated layout is not supported"),
     ("colocated reorder dp", comp("language=tp=2,dp=3", "images=tp=3,dp=2") + GOOD[4:] + ["--micro-batch-size", "6",
@@ -89,7 +89,11 @@ CASES = [
     ("colocated reorder weights", comp("language=dp=2", "images=dp=2") + GOOD[4:] + ["--reorder-encoder-cost-weight",
                                                                                     "0"],
      "both reorder cost weights are 0; set --reorder-encoder-cost-weight"),
-    ("language cp", comp("language=dp=1,cp=2", "images=dp=1,rank_offset=2"), "language.cp=2"),
+    ("cp with local attention", comp("language=dp=1,cp=2", "images=dp=1,rank_offset=2") + [
+        "--attention-backend", "local", "--no-in-batch-packing"], "--attention-backend local with language.cp=2"),
+    ("cp seq length", comp("language=dp=1,cp=4", "images=dp=1,rank_offset=4") + ["--seq-length", "6"],
+     "--seq-length=6 is shorter than 2*cp=8"),
+    ("colocated encoder cp", comp("language=cp=2,dp=1", "images=dp=1,cp=2"), "images.cp=2: encoder context"),
     ("encoder balance non-colocated", GOOD + ["--encoder-balance"], "--encoder-balance needs a colocated layout"),
     ("encoder balance fan-in", comp("language=tp=2,dp=1", "images=dp=2") + ["--encoder-balance"],
      "--encoder-balance on a colocated layout needs equal DP sizes (got [1, 2]"),
@@ -120,6 +124,32 @@ def test_all_problems_reported_at_once():
     probs, _ = problems(comp("language=tp=3,dp=2", "images=dp=4,pp=2,rank_offset=1") +
                         ["--micro-batch-size", "6", "--global-batch-size", "8", "--intra-microbatch-reorder"])
     assert len({p[:4] for p in probs}) >= 5
+
+
+def test_language_cp_is_accepted_colocated_and_not():
+    for layout in (comp("language=cp=2,dp=1", "images=dp=2"), comp("language=cp=2,dp=1", "images=dp=1,rank_offset=2"),
+                   comp("language=tp=2,cp=2,dp=1", "images=dp=4")):
+        probs, res = problems(layout)
+        assert res.ok and not [p for p in probs if "cp" in p], probs
+
+
+def test_cp_must_divide_the_heads_per_tp_rank(tmp_path):
+    """Qwen2.5-VL-7B's 28 query heads at tp 2 leave 14 per rank: cp 2 or 7, never 4 (the issue's example)."""
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "qwen2_5_vl", "text_config": {"num_attention_heads": 28, "num_key_value_heads": 4,
+                                                    "num_hidden_layers": 28}}))
+    bad, _ = problems(comp("language=tp=2,cp=4,dp=1", "images=dp=8") + ["--hf-model", str(tmp_path)])
+    assert any("language.cp=4 does not divide the 14 attention heads per tensor-parallel rank (28 / tp 2); "
+               "choose cp from [2, 7, 14]" in p for p in bad), bad
+    good, _ = problems(comp("language=tp=2,cp=2,dp=1", "images=dp=4") + ["--hf-model", str(tmp_path)])
+    assert not [p for p in good if "does not divide" in p], good  # 4 KV heads / tp 2 = 2: cp 2 divides them too
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "qwen3_5", "text_config": {"num_attention_heads": 8, "num_key_value_heads": 2,
+                                                 "num_hidden_layers": 4, "linear_num_key_heads": 2,
+                                                 "linear_num_value_heads": 4}}))
+    gdn, _ = problems(comp("language=cp=4,dp=1", "images=dp=4") + ["--hf-model", str(tmp_path)])
+    assert any("language.cp=4 does not divide the 2 Gated DeltaNet key heads per tensor-parallel rank" in p
+               for p in gdn), gdn
 
 
 def test_model_divisibility_from_config_json(tmp_path):

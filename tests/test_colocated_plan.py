@@ -33,14 +33,15 @@ def _bimodal(rng: random.Random, n: int) -> list[float]:
 def _gpu_loads_from_read_plans(layout, mbs, patches, tokens, order, wv, wl) -> list[float]:
     """Independent of the planner's arithmetic: each GPU's load from what ``colocated_read_plan`` has
     it read (the coarse shard of the ordered micro-batch), encode (its encoder slice) and compute (its
-    language slice, over the language tp ranks)."""
+    language slice, over the language tp x cp ranks)."""
     out = []
     for rank in range(layout.world_size):
         plan = colocated_read_plan(layout, rank, mbs)
         shard_len = mbs // plan.dp_size
         shard = [order[plan.dp_rank * shard_len + p] for p in range(shard_len)]
         enc, lang = shard[plan.encoder], shard[plan.language]
-        out.append(wv * sum(patches[i] for i in enc) + wl * sum(tokens[i] for i in lang) / layout.language.tp)
+        share = layout.language.tp * layout.language.cp  # the GPUs that share a language slice's work
+        out.append(wv * sum(patches[i] for i in enc) + wl * sum(tokens[i] for i in lang) / share)
     return out
 
 
@@ -50,6 +51,8 @@ def _gpu_loads_from_read_plans(layout, mbs, patches, tokens, order, wv, wl) -> l
     ("language=tp=4,dp=1", "images=dp=4"),                 # fan-in into one language rank
     ("language=dp=4", "images=tp=2,dp=2"),                 # fan-out, replicated tower
     ("language=tp=2,dp=2", "images=tp=4,dp=1"),            # fan-out with language tp
+    ("language=cp=2,dp=2", "images=dp=4"),                 # fan-in, context parallelism
+    ("language=tp=2,cp=2,dp=1", "images=dp=4"),            # fan-in into one language rank over tp x cp GPUs
 ])
 def test_group_loads_are_what_each_gpu_reads_encodes_and_computes(components):
     layout = _layout(*components)

@@ -104,8 +104,8 @@ class FamilySpec:
     language_dims: Callable[[dict], LanguageDims]
     #: ``"module:Class"`` of the model-side ``FamilyAdapter`` (imported only when a model is built)
     adapter: str
-    #: language context parallelism (False: cp must be 1)
-    language_cp: bool = False
+    #: language context parallelism (False: cp must be 1); every family has it (``model.context_parallel``)
+    language_cp: bool = True
     #: ``"module:Class"`` of the transformers model whose ``get_rope_index`` gives the family's mRoPE
     #: positions (the data path runs it on a stand-in object, ``data.preprocess``; imported lazily)
     rope_index: str = "transformers.models.qwen2_5_vl.modeling_qwen2_5_vl:Qwen2_5_VLModel"
@@ -159,8 +159,7 @@ def encoder_findings(spec: FamilySpec, module: ComponentSpec, *, colocated: bool
 def language_partition_findings(spec: FamilySpec, language: ComponentSpec) -> Iterator[Finding]:
     """Language partitions the family refuses regardless of the checkpoint (check 12)."""
     if language.cp > 1 and not spec.language_cp:
-        yield (f"language.cp={language.cp}: context parallelism is untested with MIMO here (mimo-sft's own limit); "
-               f"set cp=1")
+        yield f"language.cp={language.cp}: {spec.name} has no context parallelism here; set cp=1"
 
 
 def language_divisibility_findings(spec: FamilySpec, language: ComponentSpec, config: dict) -> Iterator[Finding]:
@@ -181,8 +180,26 @@ def language_divisibility_findings(spec: FamilySpec, language: ComponentSpec, co
         if n and s.tp >= 1 and n % s.tp:
             yield (f"language.tp={s.tp} does not divide the model's {n} Gated DeltaNet {kind} heads "
                    f"(text_config.{key}); choose a divisor of {n}")
+    yield from context_parallel_findings(s, d)
     yield from expert_findings(spec, s, d)
     yield from config_findings(spec, config)
+
+
+def context_parallel_findings(s: ComponentSpec, d) -> Iterator[Finding]:
+    """cp shares each tensor-parallel rank's heads in its all-to-all (``model.context_parallel``): it must divide
+    the attention heads per tp rank (key/value heads are repeated where it does not divide them) and, as megatron's
+    Gated DeltaNet splits its heads over cp the same way, the GDN key and value heads per tp rank."""
+    if s.cp <= 1 or s.tp < 1:
+        return
+    for n, what in ((d.heads, "attention heads"), (d.gdn_key_heads, "Gated DeltaNet key heads"),
+                    (d.gdn_value_heads, "Gated DeltaNet value heads")):
+        if n and n % s.tp == 0 and (n // s.tp) % s.cp:
+            per = n // s.tp
+            choices = [c for c in range(2, per + 1) if per % c == 0]
+            yield (f"language.cp={s.cp} does not divide the {per} {what} per tensor-parallel rank ({n} / tp {s.tp}); "
+                   f"choose cp from {choices}" if choices else
+                   f"language.cp={s.cp} does not divide the {per} {what} per tensor-parallel rank ({n} / tp {s.tp}); "
+                   f"set cp=1 or lower tp")
 
 
 def expert_findings(spec: FamilySpec, language: ComponentSpec, d: LanguageDims) -> Iterator[Finding]:

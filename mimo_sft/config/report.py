@@ -44,6 +44,10 @@ def print_report(cfg: ExperimentConfig, result: CheckResult, console: Console, *
         reorder = (f"on ({how}, cost weights encoder {r.encoder_cost_weight} / language "
                    f"{r.language_cost_weight}{', calibrated' if r.calibration else ''})") if r.enabled else "off"
         packing = "packed (one padding-free sequence per language rank)" if cfg.data.in_batch_packing else "padded rows"
+        cp = layout.spec("language").cp if layout is not None and "language" in layout.names else 1
+        if cp > 1:  # model.context_parallel
+            packing += (f", context parallel {cp} (each document padded to a multiple of {2 * cp} and split over the cp "
+                        f"ranks, zigzag)")
         kernel = {"auto": "auto attention (torch's varlen kernel on a CUDA GPU in bf16, else sdpa)"}.get(
             cfg.model.attention_backend, f"{cfg.model.attention_backend} attention")
         console.print(f"data: {data_mode}; reordering: {reorder}; language: {packing}, {kernel}")

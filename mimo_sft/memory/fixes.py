@@ -4,7 +4,7 @@ Changes are tried in order of what they cost the run (nothing, then a little com
 compute, then a layout change), each on top of the previous ones, until the
 forecast fits: the distributed optimizer (free: shards Adam's state over dp), sequence parallelism
 (free with tp > 1), selective recomputation of the MLP (one MLP forward again), full recomputation
-one layer at a time (one forward again), a doubled language tp; for the vision tower the
+one layer at a time (one forward again), a doubled language tp, a doubled language cp; for the vision tower the
 distributed optimizer, then ``--recompute-vision``. (A smaller ``--max-pixels`` is no fix: the worst case
 fills every sample with image tokens whatever their size, ``memory.forecast.worst_case_workload``.)
 
@@ -52,12 +52,20 @@ def _language_steps(cfg, layout, hf_config):
             return lay
         yield "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1", full
     dims = family.language_dims(hf_config)
-    tp2 = lang.tp * 2
+    tp2, tp, dp = lang.tp * 2, lang.tp, lang.dp
     if lang.dp % 2 == 0 and tp2 <= 8 and not (dims.heads or 0) % tp2 and not (dims.kv_heads or 0) % tp2:
         def raise_tp(c, lay):
             specs = [replace(s, tp=tp2, dp=s.dp // 2) if s.name == LANGUAGE else s for s in lay.components]
             return Layout.from_specs(specs, lay.world_size)
         yield f"language tp={tp2}, dp={lang.dp // 2}", raise_tp
+        tp, dp = tp2, dp // 2
+    cp2 = lang.cp * 2  # context parallelism: each cp rank holds half the positions (model.context_parallel)
+    if dp % 2 == 0 and all(not n or (n // tp) % cp2 == 0 for n in (dims.heads, dims.gdn_key_heads,
+                                                                   dims.gdn_value_heads)):
+        def raise_cp(c, lay):
+            specs = [replace(s, cp=cp2, dp=s.dp // 2) if s.name == LANGUAGE else s for s in lay.components]
+            return Layout.from_specs(specs, lay.world_size)
+        yield f"language cp={cp2}, dp={dp // 2}", raise_cp
 
 
 def _vision_steps(cfg, layout):
@@ -113,7 +121,7 @@ def over_budget_messages(cfg, layout, hf_config: dict, forecast: MemoryForecast,
         more = ("more GPUs for the tower (raise images dp), a smaller --micro-batch-size or --seq-length (the worst "
                 "case fills every sample with image tokens)" if group == IMAGES and counts is None else
                 "more GPUs for the tower (raise images dp) or a smaller --micro-batch-size" if group == IMAGES else
-                "more GPUs (raise tp or pp) or a smaller --micro-batch-size")
+                "more GPUs (raise tp, cp or pp) or a smaller --micro-batch-size")
         advice = (f"cheapest fix: {' + '.join(fix[0])} (forecast {_gib(fix[1])})" if fix else
                   f"no flag alone makes it fit: use {more}")
         whose = ("this data's largest micro-batch" if counts is not None else

@@ -180,7 +180,7 @@ def _language_stage(cfg, layout, d: TextDims, stage: int, wl: Workload, lora: Lo
         for key, value in _state_terms(expert_held, expert_trains, b=b, distributed=distributed,
                                        shards=max(lang.expert_dp, 1)).items():
             terms[key] += value
-    tokens = wl.language_tokens
+    tokens = -(-wl.language_tokens // lang.cp)  # context parallelism: each cp rank holds 1/cp of the positions
     modules = tuple(m.recompute_modules if isinstance(m.recompute_modules, (list, tuple))
                     else str(m.recompute_modules or "").split(","))
     selective = modules if m.recompute_granularity == "selective" else ()

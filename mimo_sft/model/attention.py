@@ -16,6 +16,10 @@ Two input formats, as megatron's ``Attention`` passes them:
   across samples, no ``t x t`` mask is built, and the flash kernel stays eligible on GPUs. The
   layout is built once per forward from host ``cu_seqlens`` and shared by every layer.
 
+Under context parallelism (``language=...,cp=N``) the packed rows hold this rank's zigzag share of every document
+and ``packed_seq_params`` carries the micro-batch's split: the core exchanges q, k and v with its cp group and
+attends over whole documents (``model.context_parallel.ulysses_attention``).
+
 GQA uses SDPA's ``enable_gqa`` (no repeated K/V copies). No attention dropout: training builds the
 language model with ``attention_dropout=0`` (``train.setup``), so a dropout path here would never run
 in a test; a training forward with dropout asked for fails loudly instead of silently skipping it.
@@ -34,6 +38,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.utils import divide
 
+from mimo_sft.model.context_parallel import ulysses_attention
 from mimo_sft.model.segments import SegmentBatch, segments_of
 
 #: the ``--attention-backend`` choices: ours (its segment kernel picked in ``model.segments``: ``auto``, ``sdpa``,
@@ -54,7 +59,6 @@ class SDPAttention(MegatronModule):
                  attention_dropout: Optional[float] = None, softmax_scale: Optional[float] = None,
                  cp_comm_type: Optional[str] = None, pg_collection=None):
         super().__init__(config=config)
-        assert config.context_parallel_size == 1, "SDPAttention: context parallelism is not supported"
         assert config.window_size is None, "SDPAttention: sliding-window attention is not supported"
         assert getattr(config, "softmax_type", "vanilla") == "vanilla", "SDPAttention: only the vanilla softmax"
         assert attn_mask_type in (AttnMaskType.causal, AttnMaskType.padding_causal), (
@@ -63,6 +67,10 @@ class SDPAttention(MegatronModule):
         self.heads = divide(config.num_attention_heads, tp)
         self.groups = divide(config.num_query_groups or config.num_attention_heads, tp)
         self.head_dim = config.kv_channels
+        #: context parallelism (``model.context_parallel``): cp shares the heads of this rank in its all-to-all
+        self.cp = config.context_parallel_size
+        assert self.heads % self.cp == 0, (
+            f"SDPAttention: cp={self.cp} does not divide the {self.heads} query heads per tp rank (check 16)")
         # megatron's query-key layer scaling divides the scale by the layer number and multiplies the
         # scores back inside its softmax: the net scale is the plain one
         self.scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(self.head_dim)
@@ -87,6 +95,7 @@ class SDPAttention(MegatronModule):
         assert attention_bias is None, "SDPAttention: attention bias is not supported"
         if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
             return self._packed(query, key, value, packed_seq_params)
+        assert self.cp == 1, "SDPAttention under context parallelism runs packed rows only (train.packing)"
         s, b = query.shape[:2]
         q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [b, heads, s, d]
         out = self._sdpa(q, k, v)
@@ -97,6 +106,13 @@ class SDPAttention(MegatronModule):
         assert not (self.training and self.dropout_p > 0), (
             f"SDPAttention: attention dropout {self.dropout_p} is not supported (training uses attention_dropout=0)")
         segments = packed_segments(params, query.device)
+        split = getattr(params, "_mimo_cp", None)
+        if self.cp > 1:  # this rank holds 1/cp of the positions (model.context_parallel)
+            assert split is not None and split.cp == self.cp, (
+                "SDPAttention under context parallelism needs the micro-batch's split (train.step sets it)")
+            assert segments.total == query.shape[0] * self.cp, (
+                f"cu_seqlens cover {segments.total} tokens, cp={self.cp} ranks hold {query.shape[0]} each")
+            return ulysses_attention(query, key, value, split, segments, scale=self.scale)
         assert segments.total == query.shape[0], (
             f"cu_seqlens cover {segments.total} tokens, the packed sequence has {query.shape[0]}")
         out = segments.attend(query, key, value, causal=True, scale=self.scale)

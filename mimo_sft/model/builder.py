@@ -5,7 +5,7 @@ communicators on all ranks). Each rank builds only the modules it runs (``MimoMo
 grids from ``parallel_state.grids``) and reads only its own slices of the safetensors shards.
 
 The layout limits (the family's, from its descriptor in ``config.families``, and megatron's
-colocated pp = cp = 1) are only asserted here: ``check_config``, which finetune runs first, refuses
+colocated pp = 1) are only asserted here: ``check_config``, which finetune runs first, refuses
 them with a message, and export and check-model build a fixed 1-rank layout within them.
 """
 
@@ -38,13 +38,14 @@ def _check_layout(layout, hf_cfg, adapter, hf_dir: str) -> None:
     """Assert the layout is one ``check_config`` accepts for this checkpoint (an internal error otherwise).
 
     The family's rules are the descriptor's (checks 3, 4, 10, 12, 16 word them for the user), read
-    on the transformers config (config.json with its defaults); colocated modules need pp = cp = 1
-    (check 11, megatron's ColocatedBridgeCommunicator).
+    on the transformers config (config.json with its defaults); colocated modules need pp = 1
+    (check 11, megatron's ColocatedBridgeCommunicator; language cp > 1 crosses it folded into tp:
+    ``model.context_parallel``).
     """
     problems = layout_problems(adapter.spec, layout, hf_cfg.to_dict())
     assert not problems, f"{hf_dir}: layout {layout.names} passed to build_mimo_model unchecked: {'; '.join(problems)}"
-    assert not layout.colocated or all(s.pp == 1 and s.cp == 1 for s in layout.components), (
-        f"colocated layout with pp or cp > 1 passed to build_mimo_model unchecked: {layout.components}")
+    assert not layout.colocated or all(s.pp == 1 for s in layout.components), (
+        f"colocated layout with pp > 1 passed to build_mimo_model unchecked: {layout.components}")
 
 
 def _freeze(model, adapter, model_cfg) -> None:
@@ -104,6 +105,8 @@ def build_mimo_model(hf_dir: str, *, layout, parallel_state, model_cfg=None, ran
     info.prefix_style = src.ckpt.prefix_style if src.ckpt is not None else "legacy"
     info.modules_on_rank = parallel_state.mine()
     lang_overrides = {**overrides, **language_memory_settings(model_cfg, tp=lang.tp)}
+    if lang.cp > 1:  # Ulysses around the SDPA core (model.context_parallel)
+        lang_overrides.update(context_parallel_size=lang.cp, cp_comm_type="a2a")
     if src.adapter.spec.architecture.moe:
         lang_overrides.update(_expert_settings(lang, model_cfg))
     info.language_config = src.adapter.language_transformer_config(

@@ -74,8 +74,8 @@ class DeepStackInputs:
     seq_index: torch.Tensor  # [r] their positions s in the local hidden states
     batch_index: torch.Tensor  # [r] their samples b
     hidden: int
-    #: the TP group the sequence is scattered over (sequence parallelism): the rows' gradient is summed
-    #: over it; None when every TP rank holds the whole sequence
+    #: the group whose ranks each hold a share of the sequence (tp under sequence parallelism, cp under context
+    #: parallelism, or both): the rows' gradient is summed over it; None when every rank holds the whole sequence
     sp_group: object = None
 
     def feature(self, j: int) -> torch.Tensor:
@@ -85,12 +85,16 @@ class DeepStackInputs:
 
 def deepstack_inputs(input_ids: torch.Tensor, image_token_id: int, features: torch.Tensor, *, hidden: int,
                      sp_group=None, shard: Optional[tuple[int, int]] = None,
-                     host_positions: Optional[torch.Tensor] = None) -> DeepStackInputs:
+                     host_positions: Optional[torch.Tensor] = None, cp_split=None, grad_group=None) -> DeepStackInputs:
     """Where each deepstack row goes: the image tokens of ``input_ids [B, S]`` in batch-major order, kept
     where they fall in this rank's ``S / tp`` positions when the sequence is scattered: ``shard`` =
     ``(rank, tp)``, by default ``sp_group``'s (megatron's scatter gives rank r the r-th contiguous chunk).
     ``host_positions``: those tokens' positions in the flattened ``[B*S]``, known on the host
-    (``model.token_positions``): the indices are then built there and copied once (no device read)."""
+    (``model.token_positions``): the indices are then built there and copied once (no device read).
+    ``cp_split`` (context parallelism, ``model.context_parallel``; needs ``host_positions`` of the packed
+    ``[1, T]``): only the rows of this rank's positions are kept, at their local slots, before the tp shard.
+    ``grad_group``: the group the rows' gradient is summed over (default ``sp_group``; every rank that holds a
+    share of the sequence: tp under sequence parallelism, cp, or both)."""
     length = input_ids.shape[1]
     if host_positions is not None:
         batch_index, seq_index = host_positions // length, host_positions % length
@@ -99,6 +103,12 @@ def deepstack_inputs(input_ids: torch.Tensor, image_token_id: int, features: tor
     assert features.shape[0] == batch_index.shape[0], (
         f"{batch_index.shape[0]} image tokens but deepstack features of shape {tuple(features.shape)}")
     rows = torch.arange(batch_index.shape[0], device=batch_index.device)
+    if cp_split is not None:
+        assert host_positions is not None and input_ids.shape[0] == 1, "context parallelism splits one packed row"
+        slots = cp_split.slots(host_positions)
+        mine = slots >= 0
+        rows, batch_index, seq_index = rows[mine], batch_index[mine], slots[mine]
+        length = cp_split.local_host.numel()
     if shard is None and sp_group is not None:
         shard = (sp_group.rank(), sp_group.size())
     if shard is not None:
@@ -110,7 +120,7 @@ def deepstack_inputs(input_ids: torch.Tensor, image_token_id: int, features: tor
     if host_positions is not None:
         rows, seq_index, batch_index = (host_to(t, input_ids.device) for t in (rows, seq_index, batch_index))
     leaf = features.detach().requires_grad_(features.requires_grad)
-    return DeepStackInputs(leaf, rows, seq_index, batch_index, hidden, sp_group)
+    return DeepStackInputs(leaf, rows, seq_index, batch_index, hidden, grad_group if grad_group is not None else sp_group)
 
 
 def add_deepstack(hidden_states: torch.Tensor, inputs: DeepStackInputs, j: int) -> torch.Tensor:
@@ -236,8 +246,13 @@ def deepstack_mimo_model_class(modality: str, num_deepstack: int) -> type:
             adapter = self.partition_adapter
             sp_group = adapter.cfg.tp_group if adapter is not None and adapter.cfg.seq_parallel else None
             positions = self._positions_for(input_ids)
+            split = self._cp_split  # context parallelism (model.context_parallel): this rank's positions only
+            grad_group = None
+            if split is not None:
+                grad_group = language.pg_collection.tp_cp if sp_group is not None else split.group
             inputs = deepstack_inputs(input_ids, special_token_ids[modality], features, hidden=hidden, sp_group=sp_group,
-                                      host_positions=positions.host[modality] if positions is not None else None)
+                                      host_positions=positions.host[modality] if positions is not None else None,
+                                      cp_split=split, grad_group=grad_group)
             language.set_deepstack(inputs)
             if not torch.is_grad_enabled() or not (combined.requires_grad or features.requires_grad):
                 return combined

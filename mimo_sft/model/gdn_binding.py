@@ -99,8 +99,30 @@ def install(facts: Optional[GdnFacts] = None) -> GdnChoice:
         _restore_compiled_helpers()
     else:
         _run_helpers_eagerly()
+    _install_cp_permutation()
     _INSTALLED[:] = [choice]
     return choice
+
+
+def _install_cp_permutation() -> None:
+    """Under context parallelism (``model.context_parallel``) megatron's GatedDeltaNet builds its sequence
+    permutation from ``cu_seqlens`` (``_build_thd_cp_a2a_perm``) in every layer and indexes its activations with
+    it. The forward step keeps ``cu_seqlens`` on the host, so the permutation would be a host index into device
+    activations (an error on a GPU). Bound on both paths: the same function, its result copied to the process's
+    device once per micro-batch (kept on the host tensor) and shared by every GDN layer."""
+    gdn = importlib.import_module(_MEGATRON_MODULES[1])
+    original = gdn._build_thd_cp_a2a_perm
+    if getattr(original, "_mimo_on_device", False):
+        return
+
+    def on_device(cu_seqlens, cp_size, t_global):
+        from mimo_sft.parallel import runtime
+
+        return gk._cached(cu_seqlens, ("cp permutation", cp_size, t_global), lambda: tuple(
+            runtime.host_to(t, runtime.device()) for t in original(cu_seqlens, cp_size, t_global)))
+
+    on_device._mimo_on_device = True
+    gdn._build_thd_cp_a2a_perm = on_device
 
 
 # ---- fla with a device copy of host cu_seqlens ------------------------------------------------------

@@ -229,9 +229,13 @@ class Qwen35Adapter(Qwen3VLAdapter):
         """transformers' ``Qwen3_5Config`` for tiny sizes with Qwen3.5's constants (eps 1e-6, rotary base
         1e7, partial rotary 0.25 with interleaved mRoPE). The layer pattern is the released 3:1 one, with
         the full-attention interval cut to the layer count so both kinds are built; the GDN has twice as
-        many value heads as key heads (as the 27B model: 16 key, 48 value) and 16-wide heads."""
+        many value heads as key heads (as the 27B model: 16 key, 48 value; ``text`` may name other counts) and
+        16-wide heads."""
         from transformers import Qwen3_5Config
 
+        text = dict(text)
+        gdn = dict(linear_num_key_heads=text.pop("linear_num_key_heads", 2),
+                   linear_num_value_heads=text.pop("linear_num_value_heads", 4))
         layers = text["num_hidden_layers"]
         head_dim = 2 * text["hidden_size"] // text["num_attention_heads"]
         freqs = head_dim // 8  # partial_rotary_factor 0.25: rotary dim head_dim/4, half as many frequencies
@@ -240,7 +244,7 @@ class Qwen35Adapter(Qwen3VLAdapter):
         return Qwen3_5Config(
             text_config=dict(
                 **text, head_dim=head_dim, vocab_size=vocab_size, max_position_embeddings=max_positions,
-                rms_norm_eps=1e-6, layer_types=layer_types, linear_num_key_heads=2, linear_num_value_heads=4,
+                rms_norm_eps=1e-6, layer_types=layer_types, **gdn,
                 linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
                 rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
                                  "mrope_section": [freqs - 2 * (freqs // 4), freqs // 4, freqs // 4],

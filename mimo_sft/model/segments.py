@@ -176,8 +176,19 @@ class SegmentBatch:
         assert q.shape[0] == self.total, f"{q.shape[0]} packed rows, segments cover {self.total}"
         if varlen_runs(q):
             return self._varlen(q, k, v, causal=causal, scale=scale)
-        qkv = torch.cat([q, k, v], dim=1)  # one layout for the three: one index op per group
-        outs = [g.attend_stacked(qkv, q.shape[1], causal=causal, scale=scale) for g in self.groups]
+        # one layout for the three: one index op per group
+        return self.attend_stacked(torch.cat([q, k, v], dim=1), q.shape[1], causal=causal, scale=scale)
+
+    def attend_stacked(self, qkv: torch.Tensor, heads: int, *, causal: bool,
+                       scale: Optional[float] = None) -> torch.Tensor:
+        """:meth:`attend` of q, k and v stacked along the heads, ``qkv [total, heads + 2 * groups, d]`` (what
+        context parallelism's all-to-all delivers: ``model.context_parallel``)."""
+        assert qkv.shape[0] == self.total, f"{qkv.shape[0]} packed rows, segments cover {self.total}"
+        if varlen_runs(qkv):
+            groups = (qkv.shape[1] - heads) // 2
+            q, k, v = qkv.split([heads, groups, groups], dim=1)
+            return self._varlen(q, k, v, causal=causal, scale=scale)
+        outs = [g.attend_stacked(qkv, heads, causal=causal, scale=scale) for g in self.groups]
         return outs[0] if self.inverse is None else torch.cat(outs).index_select(0, self.inverse)
 
     def cu_seqlens(self) -> torch.Tensor:

@@ -20,6 +20,7 @@ from typing import Optional
 
 import torch
 
+from mimo_sft.model.context_parallel import ContextParallelMixin
 from mimo_sft.parallel.runtime import host_to
 
 
@@ -71,6 +72,7 @@ class HostPositionsMixin:
             return super().forward(*args, **kwargs)
         finally:
             self._token_positions = None  # one forward's: a later call without positions takes megatron's path
+            self._cp_split = None  # (model.context_parallel) likewise
 
     def get_text_embeddings(self, input_ids, position_ids, special_token_ids):
         positions = self._positions_for(input_ids)
@@ -90,6 +92,9 @@ class HostPositionsMixin:
         return embedding(input_ids=ids, position_ids=pos).squeeze(1)  # [text tokens, hidden]
 
     def align_embeddings_by_token_positions(self, modality_embeddings, input_ids, special_token_ids):
+        # under context parallelism each cp rank backpropagates only its positions' rows: sum them over cp
+        modality_embeddings = {name: rows if name == "text" else self.over_cp(rows)
+                               for name, rows in modality_embeddings.items()}
         positions = self._positions_for(input_ids)
         if positions is None:
             return super().align_embeddings_by_token_positions(modality_embeddings, input_ids, special_token_ids)
@@ -136,9 +141,10 @@ _CLASSES: dict = {}
 
 
 def host_positions_class(base: type) -> type:
-    """``base`` (megatron's ``MimoModel`` or a subclass) with :class:`HostPositionsMixin` (one class per base)."""
+    """``base`` (megatron's ``MimoModel`` or a subclass) with :class:`HostPositionsMixin` and
+    ``model.context_parallel.ContextParallelMixin`` (one class per base)."""
     if base not in _CLASSES:
-        cls = type(f"HostPositions{base.__name__}", (HostPositionsMixin, base), {})
+        cls = type(f"HostPositions{base.__name__}", (HostPositionsMixin, ContextParallelMixin, base), {})
         cls.__qualname__ = cls.__name__
         _CLASSES[base] = cls
     return _CLASSES[base]

@@ -164,6 +164,32 @@ def build_grid(spec) -> HyperCommGrid:
     return grid
 
 
+class _FoldedGrid(HyperCommGrid):
+    """A module's grid with cp folded into tp (:func:`folded_grid`); its one process group, pp, is the real
+    grid's (the same ranks), and it creates none of its own."""
+
+    def __init__(self, grid: HyperCommGrid):
+        shape = dict(zip(grid.dim_names, grid.shape))
+        super().__init__(shape=[shape["tp"] * shape["cp"], 1, shape["dp"], shape["pp"]],
+                         dim_names=["tp", "cp", "dp", "pp"], rank_offset=grid.rank_offset, backend=grid.backend)
+        self.real = grid
+
+    def create_pg(self, dims, *, view=None, **kwargs):
+        raise AssertionError(f"the folded grid creates no process group (asked for {dims})")
+
+    def get_pg(self, dims, *, view=None):
+        assert dims in ("pp", ["pp"]) and view is None, f"the folded grid lends only its pp group (asked for {dims})"
+        return self.real.get_pg("pp")
+
+
+def folded_grid(grid: HyperCommGrid) -> HyperCommGrid:
+    """``grid`` ``[tp, cp, dp, pp]`` as ``[tp * cp, 1, dp, pp]``: the same ranks in the same order (tp varies
+    fastest, then cp), the same DP replicas and pipeline stages. megatron's bridges (``BridgeCommunicator``,
+    ``ColocatedBridgeCommunicator``) assert cp = 1 but need only the replicas: a language cp rank receives the
+    encoder's whole output as a tp rank does (``model.context_parallel``)."""
+    return _FoldedGrid(grid)
+
+
 def build_parallel_state(layout: Layout, *, reorder_side_group: bool = False) -> ParallelState:
     """Create every grid and process group of ``layout`` on this rank (collective on all ranks)."""
     assert dist.is_initialized(), "bootstrap.start_world() first"

@@ -46,7 +46,7 @@ def build_plan(cfg, opts: PlanOptions) -> dict:
         "micro_batch_size": cfg.train.micro_batch_size,
         "micro_batches_per_step": per_step,
         "canonical_grid": layout.canonical_grid,
-        "layout": {s.name: {"dp": s.dp, "tp": s.tp, "pp": s.pp, "ranks": f"{s.rank_offset}-{s.rank_offset + s.size - 1}"}
+        "layout": {s.name: {"dp": s.dp, "tp": s.tp, "pp": s.pp, "cp": s.cp, "ranks": f"{s.rank_offset}-{s.rank_offset + s.size - 1}"}
                    for s in layout.components},
         "reorder": _reorder_figures(cfg, layout, mbs_list, main, patch_bytes),
         "note": None if cfg.reorder.enabled else ("reordering is OFF in this config; 'after' shows what "
@@ -172,6 +172,10 @@ def _language_positions(cfg, layout, mbs_list, main: dict) -> dict:
     positions = language_positions([mb.tokens for mb in mbs_list], orders, layout.language.dp,
                                    seq_length=cfg.data.seq_length, pad_to_seq_length=cfg.data.pad_to_seq_length)
     positions["in_batch_packing"] = cfg.data.in_batch_packing
+    cp = layout.language.cp  # context parallelism: each cp rank computes 1/cp of its DP rank's positions
+    positions["cp"] = cp
+    for key in ("padded_per_rank", "packed_per_rank"):
+        positions[key] /= cp
     return positions
 
 

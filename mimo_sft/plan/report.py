@@ -77,7 +77,8 @@ def print_plan(plan: dict, console: Console | None = None) -> None:
                       f"DP rank): heaviest GPU {g['max_over_mean_before']:.2f}x -> {g['max_over_mean_after']:.2f}x "
                       f"the mean; idle {_pct(g['wait_share_before'])} -> {_pct(g['wait_share_after'])}")
     pos = plan["language_positions"]
-    console.print(f"language: positions computed per rank per micro-batch: padded {_num(pos['padded_per_rank'])} "
+    share = f" (each language cp rank 1/{pos['cp']} of its DP rank's)" if pos.get("cp", 1) > 1 else ""
+    console.print(f"language: positions computed per rank per micro-batch{share}: padded {_num(pos['padded_per_rank'])} "
                   f"({_pct(pos['padding_fraction'])} padding) · packed {_num(pos['packed_per_rank'])} "
                   f"(--in-batch-packing is {'ON' if pos['in_batch_packing'] else 'off'} in config)")
     if plan["compare"]:

@@ -26,11 +26,12 @@ def _summary(log: AuditLog) -> dict:
             "ops_by_phase": dict(log.ops)}
 
 
-def audit_training(flags: list[str], steps: int = 2, *, evaluate: bool = False) -> dict:
+def audit_training(flags: list[str], steps: int = 2, *, evaluate: bool = False, world_size: int = 1) -> dict:
     """``steps`` training steps of ``finetune FLAGS`` (one rank) under the audit: per step, what
     ``train_step`` and ``log_step`` read back and mixed, and the same for set-up; the losses, to show the
     run trained, and the vision items each step's micro-batches carried (``clips``: items with more than one
-    frame row). ``evaluate``: one validation pass after the steps (its forwards run the tower too)."""
+    frame row). ``evaluate``: one validation pass after the steps (its forwards run the tower too). ``world_size``:
+    the ranks of a started world (every one calls this; tests' ``run_distributed`` on the stand-in device)."""
     from mimo_sft.config.loader import load_config
     from mimo_sft.parallel import runtime
     from mimo_sft.train.trainer import Trainer
@@ -42,7 +43,7 @@ def audit_training(flags: list[str], steps: int = 2, *, evaluate: bool = False) 
     report = {"steps": [], "logs": [], "losses": [], "items": []}
     with DeviceAudit() as audit:
         cfg = load_config(flags)
-        trainer = Trainer(cfg, require_valid(cfg, world_size=1).layout)
+        trainer = Trainer(cfg, require_valid(cfg, world_size=world_size).layout)
         try:
             trainer.setup()
             report["setup"] = _summary(audit.log.take())

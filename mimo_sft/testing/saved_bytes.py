@@ -218,7 +218,7 @@ def cuda_rms_norm_saved_tensors():
 
 # ---- one megatron decoder layer ------------------------------------------------------------------
 def language_layer(hf_dir: str, *, dtype: torch.dtype, recompute: dict | None = None, pstate=None,
-                   extra: dict | None = None, layer_type: str | None = None):
+                   extra: dict | None = None, layer_type: str | None = None, num_layers: int = 1):
     """One decoder layer (``TransformerBlock`` with ``num_layers=1``, no final norm) of ``hf_dir``'s
     language model, built as ``model.builder`` builds them (our adapter's config and spec, SDPA core),
     weights not initialised. ``recompute``: TransformerConfig recompute fields (``recompute_granularity``,
@@ -228,7 +228,8 @@ def language_layer(hf_dir: str, *, dtype: torch.dtype, recompute: dict | None = 
     (``memory.activations.FUSED_SWIGLU``, which tests hold equal to the model's own config) unless ``extra`` sets
     ``bias_activation_fusion``. Runs in the 1-rank world (``parallel.bootstrap.start_single_process``),
     or on the tp of ``pstate`` (a ``parallel.groups.ParallelState`` of a ``language=tp=N`` layout). The
-    block carries ``rotary_percent`` (the rotary share of each head) for ``language_layer_saved``."""
+    block carries ``rotary_percent`` (the rotary share of each head) for ``language_layer_saved``. ``num_layers``:
+    a block of that many such layers (``testing.cp_measure``)."""
     from megatron.core.transformer.transformer_block import TransformerBlock
 
     from mimo_sft.model.hf_checkpoint import read_config_json
@@ -244,8 +245,8 @@ def language_layer(hf_dir: str, *, dtype: torch.dtype, recompute: dict | None = 
     hf_cfg = adapter.load_hf_config(hf_dir, raw)
     text = hf_cfg.text_config
     if getattr(text, "layer_types", None):  # one layer, of the kind asked for
-        text.layer_types = [layer_type or text.layer_types[0]]
-    text.num_hidden_layers = 1
+        text.layer_types = [layer_type or text.layer_types[0]] * num_layers
+    text.num_hidden_layers = num_layers
     from mimo_sft.memory.activations import FUSED_SWIGLU
 
     overrides = {"calculate_per_token_loss": True, "attention_dropout": 0.0, "hidden_dropout": 0.0,
@@ -256,7 +257,7 @@ def language_layer(hf_dir: str, *, dtype: torch.dtype, recompute: dict | None = 
     # 7B-wide layer then builds in a fraction of the time
     cfg = adapter.language_transformer_config(hf_cfg, tp=tp, pp=1, dtype=dtype, random_init=False, cpu_init=True,
                                               overrides=overrides)
-    spec = adapter.block_spec(hf_cfg, 1)
+    spec = adapter.block_spec(hf_cfg, num_layers)
     block = TransformerBlock(cfg, spec, post_layer_norm=False, pg_collection=state.modules["language"].pg_collection)
     block = block.to(dtype)
     _init_routers(block)

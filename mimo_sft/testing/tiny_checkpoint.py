@@ -56,12 +56,14 @@ def write_tiny_checkpoint(
     tokenizer_vocab: int = 1024,
     config_only: bool = False,
     family: str = "qwen2_5_vl",
+    gdn_heads: tuple[int, int] | None = None,
 ) -> Path:
     """Write config.json, model.safetensors and the processor files to ``out_dir``; return it.
 
     ``family`` (a ``--model-family`` name) picks the architecture through its adapter (``tiny_config``,
     ``hf_model_class``, the processor's normalisation); ``patch_size`` defaults to the family's.
-    ``config_only`` skips the weights (the folder then needs ``--allow-random-init``)."""
+    ``config_only`` skips the weights (the folder then needs ``--allow-random-init``). ``gdn_heads``: a hybrid
+    decoder's Gated DeltaNet (key, value) heads (default: the family's tiny ones)."""
     from mimo_sft.data.processor import family_chat_template, write_tiny_processor
 
     adapter = _adapter(family)
@@ -82,6 +84,8 @@ def write_tiny_checkpoint(
                                     **adapter.tiny_image_norm)
     text = dict(hidden_size=text_hidden, intermediate_size=intermediate, num_hidden_layers=text_layers,
                 num_attention_heads=heads, num_key_value_heads=kv_heads)
+    if gdn_heads is not None:
+        text.update(linear_num_key_heads=gdn_heads[0], linear_num_value_heads=gdn_heads[1])
     vision = dict(depth=vision_depth, hidden_size=vision_hidden, num_heads=vision_heads, patch_size=patch_size,
                   spatial_merge_size=merge_size)
     config = _tiny_config(processor.tokenizer, family=family, text=text, vision=vision, tie_embeddings=tie_embeddings)

@@ -86,8 +86,9 @@ class Evaluator:
         self.names = list(getattr(source, "names", None) or [])  # a validation mixture's sources
         self.world = pstate.world_gloo
         c = layout.coords(pstate.rank).get(LANGUAGE)
-        #: the ranks whose losses are summed: last language stage, tensor/context rank 0, one per DP rank
-        self.counts_loss = c is not None and c.pp == layout.language.pp - 1 and c.tp == 0 and c.cp == 0
+        #: the ranks whose losses are summed: last language stage, tensor rank 0, one per DP rank and (context
+        #: parallelism: each holds its positions' sums) per cp rank
+        self.counts_loss = c is not None and c.pp == layout.language.pp - 1 and c.tp == 0
 
     def evaluate(self, step: int) -> EvalResult:
         """Collective (every rank): the validation loss at the current weights."""

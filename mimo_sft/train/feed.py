@@ -46,7 +46,7 @@ class StepCounters:
     video_frames_decoded: int = 0  # clip frames this rank's workers decoded for them
     video_decode_s: float = 0.0    # worker time spent decoding and cutting those clips
     vision_patches: float = 0.0  # patches this rank's encoder slice held (0 without an encoder): cost calibration
-    language_share: float = 0.0  # real tokens of its language slice / language tp: its share of that work
+    language_share: float = 0.0  # real tokens of its language slice / (language tp x cp): its share of that work
     source_samples: list = field(default_factory=list)  # a mixture: samples fed per source
 
 
@@ -393,7 +393,7 @@ def _set_work_figures(feed: Feed, layout, rank: int, info) -> None:
     ``input_ids``), and its language slice's real tokens over the language tp it shares them with."""
     coords = layout.coords(rank)
     if coords.get(LANGUAGE) is not None:
-        feed.token_share = 1.0 / layout.language.tp
+        feed.token_share = 1.0 / (layout.language.tp * layout.language.cp)  # cp ranks split the positions too
     if any(coords.get(s.name) is not None for s in layout.encoders):
         count, per_token = _patch_fn(info), float(info.spatial_merge_size ** 2)
 

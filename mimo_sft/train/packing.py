@@ -86,3 +86,70 @@ def computed_positions(batch: dict, *, packed: bool) -> int:
     if packed:
         return int(batch["attention_mask"].sum())
     return int(batch["input_ids"].numel())
+
+
+def pack_documents(batch: dict, *, cp: int, multiple: int = 1, keep_padding: bool = False) -> tuple[dict, dict, torch.Tensor]:
+    """The micro-batch as one packed sequence for context parallelism (``model.context_parallel``):
+    ``(packed batch, packing_kwargs, rows)``.
+
+    Each document -- a sample's real tokens, or its whole padded row with ``keep_padding`` (``--no-in-batch-packing``:
+    the pads are computed, as padded rows compute them) -- is padded to a multiple of ``2 * cp`` after its last
+    token, so that it splits into ``2 * cp`` equal chunks (the zigzag); the pads are part of its ``cu_seqlens``
+    segment (after every real token, so causal attention and the Gated DeltaNet recurrence never carry them into a
+    real one), never supervised, pad id tokens, positions continuing the document's last. The total is padded to a
+    multiple of ``2 * cp * multiple`` (sequence parallelism splits each cp share over tp) by a segment of its own.
+    ``rows``: host int64 ``[T]``, the sample each packed position came from (-1 for a pad).
+    """
+    unit = 2 * cp
+    mask = batch["attention_mask"].bool()
+    b, s = mask.shape
+    lengths = torch.full((b,), s, dtype=torch.int64) if keep_padding else real_lengths(mask)
+    pad_id = _pad_id(batch)
+    src, padded, kept = [], [], []
+    for i, n in enumerate(lengths.tolist()):
+        if n == 0:
+            continue
+        width = -(-n // unit) * unit
+        src.append(torch.cat([torch.arange(i * s, i * s + n), torch.full((width - n,), -1, dtype=torch.int64)]))
+        padded.append(width)
+        kept.append(i)
+    src = torch.cat(src)
+    real = src >= 0
+    take = src.clamp(min=0)
+    out = dict(batch)
+    for key, fill in (("input_ids", pad_id), ("labels", pad_id), ("loss_mask", 0)):
+        if batch.get(key) is not None:
+            flat = batch[key].reshape(-1)[take]
+            out[key] = torch.where(real, flat, flat.new_full((), fill))[None]
+    positions = batch["position_ids"].reshape(3, -1)[:, take]
+    out["position_ids"] = _continue_positions(positions, real, padded)[:, None]
+    rows = torch.where(real, take // s, torch.full_like(take, -1))
+    pad = -src.numel() % (unit * multiple)
+    if pad:
+        out, padded = pad_segment(out, pad), padded + [pad]
+        rows = torch.cat([rows, torch.full((pad,), -1, dtype=torch.int64)])
+    out["attention_mask"] = torch.ones_like(out["input_ids"], dtype=torch.bool)
+    cu = torch.zeros(len(padded) + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(torch.tensor(padded, dtype=torch.int64), 0)
+    kwargs = dict(cu_seqlens_q=cu, cu_seqlens_kv=cu.clone(), max_seqlen_q=max(padded), max_seqlen_kv=max(padded))
+    return out, kwargs, rows
+
+
+def _pad_id(batch: dict):
+    """The id of unsupervised positions (``data.preprocess``: the label of every position the loss ignores)."""
+    unsupervised = batch["labels"][batch["loss_mask"] == 0]
+    return int(unsupervised[0]) if unsupervised.numel() else int(batch["labels"].reshape(-1)[-1])
+
+
+def _continue_positions(positions: torch.Tensor, real: torch.Tensor, lengths: list) -> torch.Tensor:
+    """``positions [3, T]`` with each document's pads (``~real``, after its tokens) at its last position + 1, 2, ..."""
+    out = positions.clone()
+    start = 0
+    for n in lengths:
+        doc = real[start:start + n]
+        k = int(doc.sum())
+        if k < n:
+            last = positions[:, start + k - 1:start + k]
+            out[:, start + k:start + n] = last + torch.arange(1, n - k + 1, dtype=positions.dtype)
+        start += n
+    return out

@@ -30,11 +30,13 @@ import torch.distributed as dist
 
 from mimo_sft.parallel import runtime  # first: importing mimo_sft.parallel makes megatron importable
 from mimo_sft.parallel.collectives import name_group
+from mimo_sft.parallel.groups import folded_grid
 from mimo_sft.parallel.megatron_patches import (guard_bridge_debug_logging, host_bridge_shapes,
                                                 start_pending_grad_reductions)
 from mimo_sft.model.token_positions import TokenPositions
 from mimo_sft.train.bridge import padded_bridges
-from mimo_sft.train.packing import pack_micro_batch
+from mimo_sft.model.context_parallel import ContextSplit
+from mimo_sft.train.packing import pack_documents, pack_micro_batch
 from mimo_sft.train.profile import phase
 
 from megatron.core.distributed.finalize_model_grads import finalize_model_grads  # noqa: E402
@@ -173,6 +175,9 @@ class StepRunner:
         cfg = model.config  # the language model's TransformerConfig (on every rank)
         # sequence parallelism splits the packed positions over the language TP ranks: pad to a multiple
         self.pack_multiple = cfg.tensor_model_parallel_size if cfg.sequence_parallel else 1
+        #: language context parallelism (model.context_parallel): the forward step splits every micro-batch
+        self.cp = cfg.context_parallel_size
+        self.cp_group = pstate.modules[LANGUAGE].pg_collection.cp if self.cp > 1 and LANGUAGE in self.mine else None
         cfg.no_sync_func = self._no_sync
         cfg.finalize_model_grads_func = self._finalize
         cfg.grad_scale_func = None
@@ -188,8 +193,12 @@ class StepRunner:
         else:
             guard_bridge_debug_logging()  # its debug strings would sync on every transfer
             host_bridge_shapes()  # and its shape exchange, per micro-batch: on the host instead
+            grids = dict(pstate.grids)
+            if grids[LANGUAGE].shape[grids[LANGUAGE].dim_names.index("cp")] > 1:
+                # megatron's bridge asserts cp = 1 and needs only the replicas: cp folded into tp
+                grids[LANGUAGE] = folded_grid(grids[LANGUAGE])
             self.communicator = _BridgeRanges(
-                pstate.grids,
+                grids,
                 {**{s.name: [LANGUAGE] for s in layout.encoders}, LANGUAGE: []},
                 cfg,
                 dim_mapping={"s": 0, "h": 2, "b": 1},
@@ -244,18 +253,23 @@ class StepRunner:
             bridge.prepare(batch)
         has_lang = LANGUAGE in self.mine
         has_enc = any(n != LANGUAGE for n in self.mine)
-        packing_kwargs = None
+        packing_kwargs = split = None
         token_sources = None
-        if self.n_sources and has_lang and "source_ids" in batch:  # each position's source, as the loss lays them
-            src = batch["source_ids"]
-            token_sources = (torch.repeat_interleave(src, batch["attention_mask"].sum(dim=1).long()) if self.packing
-                             else src[:, None].expand(batch["loss_mask"].shape).reshape(-1))
-        if self.packing and has_lang:  # every language stage packs the same rows the same way
-            # cu_seqlens stay on the host: every layer's rotary and attention read them there (no device sync)
-            batch, packing_kwargs = pack_micro_batch(batch, multiple=self.pack_multiple)
-        if token_sources is not None and token_sources.numel() < batch["loss_mask"].numel():  # packing's pad segment
-            token_sources = torch.cat([token_sources, token_sources.new_full(
-                (batch["loss_mask"].numel() - token_sources.numel(),), self.n_sources)])
+        if has_lang and self.cp > 1:  # one packed sequence, each cp rank its zigzag share (model.context_parallel)
+            batch, packing_kwargs, token_sources, split = self._split_for_cp(batch)
+        elif has_lang:
+            if self.n_sources and "source_ids" in batch:  # each position's source, as the loss lays them
+                src = batch["source_ids"]
+                token_sources = (torch.repeat_interleave(src, batch["attention_mask"].sum(dim=1).long())
+                                 if self.packing else src[:, None].expand(batch["loss_mask"].shape).reshape(-1))
+            if self.packing:  # every language stage packs the same rows the same way
+                # cu_seqlens stay on the host: every layer's rotary and attention read them there (no device sync)
+                batch, packing_kwargs = pack_micro_batch(batch, multiple=self.pack_multiple)
+            if token_sources is not None and token_sources.numel() < batch["loss_mask"].numel():  # the pad segment
+                token_sources = torch.cat([token_sources, token_sources.new_full(
+                    (batch["loss_mask"].numel() - token_sources.numel(),), self.n_sources)])
+        if hasattr(model, "set_context_split"):
+            model.set_context_split(split)
         host_grid = batch.get("image_grid_thw")
         if hasattr(model, "set_token_positions"):  # MIMO places the tokens from host indices (model.token_positions)
             model.set_token_positions(TokenPositions.of(batch["input_ids"], model.special_token_ids, runtime.device()))
@@ -272,6 +286,22 @@ class StepRunner:
         if loss_mask is None:
             loss_mask = batch["loss_mask"]
         return output, partial(_language_loss, loss_mask, token_sources=token_sources, n_sources=self.n_sources)
+
+    def _split_for_cp(self, batch: dict):
+        """``(packed batch, packing_kwargs, token sources of this rank's positions or None, ContextSplit)``: the
+        micro-batch as one sequence of documents padded to multiples of 2*cp (``train.packing.pack_documents``;
+        cu_seqlens stay on the host) and this rank's share of it, indexes built here on the host."""
+        batch, packing_kwargs, rows = pack_documents(batch, cp=self.cp, multiple=self.pack_multiple,
+                                                     keep_padding=not self.packing)
+        bounds = packing_kwargs["cu_seqlens_q"].tolist()
+        split = ContextSplit.build([e - b for b, e in zip(bounds, bounds[1:])], cp=self.cp,
+                                   rank=self.cp_group.rank(), group=self.cp_group, device=runtime.device())
+        token_sources = None
+        if self.n_sources and "source_ids" in batch:
+            src = batch["source_ids"]
+            sources = torch.where(rows >= 0, src[rows.clamp(min=0)], torch.full_like(rows, self.n_sources))
+            token_sources = sources[split.local_host]
+        return batch, packing_kwargs, token_sources, split
 
     def run(self, num_microbatches: int) -> StepOutput:
         self._global_tokens = None

@@ -54,7 +54,7 @@ class PendingRows:
             return
         rows, self.rows = self.rows, []
         stacked = torch.stack([r.sums for r in rows])
-        group = tr.pstate.modules[LANGUAGE].pg_collection.dp
+        group = tr.pstate.modules[LANGUAGE].pg_collection.dp_cp  # under cp each rank holds its positions' sums
         if group is not None and dist.get_world_size(group) > 1:
             dist.all_reduce(stacked, group=group)
         values = stacked.tolist()  # the interval's one host read

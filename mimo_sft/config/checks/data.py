@@ -73,12 +73,28 @@ def c19_packing(ctx):
     if m.attention_backend == "varlen" and m.dtype != "bf16":
         yield (f"--attention-backend varlen runs torch's variable-length flash kernel, which takes half precision "
                f"only: use --dtype bf16, or --attention-backend auto (it picks varlen where it runs)")
+    yield from _context_parallel(ctx)
     if not d.in_batch_packing:
         return
     if m.attention_backend == "local":
         yield (f"--in-batch-packing with --attention-backend {m.attention_backend}: megatron's local core attention "
                f"cannot keep packed samples apart; use --attention-backend auto (the default), or "
                f"--no-in-batch-packing to compute padded rows")
+
+
+def _context_parallel(ctx):
+    """Language context parallelism (``model.context_parallel``): our attention core only, and sequences long
+    enough to cut into 2*cp chunks."""
+    lang = next((s for s in ctx.specs if s.name == "language"), None)
+    if lang is None or lang.cp <= 1:
+        return
+    d, m = ctx.cfg.data, ctx.cfg.model
+    if m.attention_backend == "local":
+        yield (f"--attention-backend local with language.cp={lang.cp}: megatron's local core attention refuses "
+               f"context parallelism; use --attention-backend auto (the default), which runs it")
+    if d.seq_length < 2 * lang.cp:
+        yield (f"--seq-length={d.seq_length} is shorter than 2*cp={2 * lang.cp}: each document is cut into 2*cp "
+               f"chunks, one pair per cp rank; raise --seq-length or lower language.cp")
 
 
 def _mixture(d):

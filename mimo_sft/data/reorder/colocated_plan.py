@@ -53,7 +53,8 @@ VISION, LANGUAGE = "vision", "language"
 
 @dataclass(frozen=True)
 class ColocatedGrid:
-    """What the planner needs of a colocated layout: the DP sizes and the language TP size."""
+    """What the planner needs of a colocated layout: the DP sizes and the language TP size (tp x cp: the GPUs
+    that share one language slice's work)."""
 
     vision_dp: int
     language_dp: int
@@ -68,7 +69,9 @@ class ColocatedGrid:
     @classmethod
     def from_layout(cls, layout) -> "ColocatedGrid":
         (enc,) = layout.encoders
-        return cls(vision_dp=enc.dp, language_dp=layout.language.dp, language_tp=layout.language.tp)
+        # a language DP slice's work is shared by its tp x cp GPUs (context parallelism splits its positions)
+        return cls(vision_dp=enc.dp, language_dp=layout.language.dp,
+                   language_tp=layout.language.tp * layout.language.cp)
 
     @property
     def n_groups(self) -> int:

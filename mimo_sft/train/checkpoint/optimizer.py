@@ -92,8 +92,34 @@ def _optimizer_sharded_state_dict(ctx, *, is_loading: bool, sharding: str | None
             _zero_padding(sharded)
         sharded[_COMMON] = ShardedObject(f"optimizer.mimo.{name}.common", common, (1,), (0,),
                                          replica_id=_get_replica_id(info.pg_collection))
+        _count_cp_replicas(sharded, _get_replica_id(info.pg_collection), ctx.pstate.modules[name].pg_collection)
         sd[name] = sharded
     return sd
+
+
+#: the objects megatron's MIMO optimizer (and ours, the common state) marks with replica id ``(tp, pp, dp)``; their
+#: keys are the same on every rank of the module (the distributed optimizer's own objects number their replicas
+#: over its DP group, dp x cp, and a mixture-of-experts' expert shards have keys of their own)
+_MIMO_OBJECTS = ("param_state_sharding_type", ".param_groups", ".grad_scaler", ".common")
+
+
+def _count_cp_replicas(node, replica_id: tuple, pgc) -> None:
+    """Under context parallelism, the objects megatron's MIMO optimizer marks with replica id ``(tp, pp, dp)``
+    (``_get_replica_id``: its parameter groups, sharding type, the common state) are held by every cp rank of a
+    DP rank alike: number the replicas over dp x cp instead, so that one rank writes each."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    if pgc is None or pgc.cp.size() == 1:
+        return
+    if isinstance(node, ShardedObject):
+        if node.key.endswith(_MIMO_OBJECTS) and tuple(node.replica_id) == tuple(replica_id):
+            node.replica_id = (*replica_id[:2], pgc.dp_cp.rank())
+    elif isinstance(node, dict):
+        for value in node.values():
+            _count_cp_replicas(value, replica_id, pgc)
+    elif isinstance(node, (list, tuple)):
+        for value in node:
+            _count_cp_replicas(value, replica_id, pgc)
 
 
 def _zero_padding(node) -> None:
