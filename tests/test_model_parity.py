@@ -31,6 +31,7 @@ def test_check_model_matches_transformers(tmp_path, case):
     assert res["ok"], res
     assert res["max_rel_logit_diff"] <= TOL and res["loss_diff"] <= TOL
     assert res["batch_size"] >= 2 and res["num_images"] >= 2
+    assert "gdn_kernels" not in res  # (a Qwen3.5 report says which Gated DeltaNet kernels ran: test_qwen3_5)
 
 
 def test_parity_catches_a_layout_bug(tmp_path, monkeypatch):

@@ -59,6 +59,7 @@ def test_check_model_command_path(moe_dir):
 
     res = check_model(moe_dir)
     assert res["ok"] and res["family"] == "qwen3_5_moe", res
+    assert res["gdn_kernels"].startswith("Gated DeltaNet: mimo-sft's torch kernels")
 
 
 class _FusedExperts:
