@@ -225,6 +225,9 @@ def test_a_megatron_layer_built_on_fla_keeps_its_host_bounds_and_computes_as_the
         ref, _ = reference(x, None, packed_seq_params=_packed(cu))
     assert torch.equal(out, ref) and {c[0] for c in fake_fla.calls} == {"conv", "rule"}
     assert all(c[1] is cu for c in fake_fla.calls) and cu.device.type == "cpu"
+    # megatron's compiled helpers (bound for the fla path) ran with dynamo off: dynamo's caches remember that, and a
+    # later compiled run in this process (tests/test_qwen3_5_memory.py's measurements) would run them uncompiled
+    torch._dynamo.reset()
 
 
 def test_install_runs_megatrons_compiled_helpers_eagerly_without_a_gpu_and_can_restore_them():

@@ -75,7 +75,10 @@ def test_vision_block_bytes_at_real_width(q3_8b, q3_tiny):
         for recompute in (False, True):
             measured = sb.vision_block_saved(block, vcfg, patches, dtype=dtype, recompute=recompute)
             per = act.vision_block_input(v, b=b) if recompute else sum(act.vision_block_terms(v, b=b).values())
-            assert abs(per * patches - measured) <= 0.01 * measured, (hf_dir, recompute, measured, per * patches)
+            # one image whose patches fill their row (a multiple of 8): the plain view keeps a little less than
+            # the terms, which stay an upper bound (model.segments; memory.activations.vision_full_rows_saving)
+            saving = 0 if recompute else act.vision_full_rows_saving(v, b=b)
+            assert (per - saving) * patches <= measured <= per * patches, (hf_dir, recompute, measured, per * patches)
 
 
 @pytest.mark.parametrize("device", act.DEVICES)

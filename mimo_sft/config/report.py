@@ -48,7 +48,7 @@ def print_report(cfg: ExperimentConfig, result: CheckResult, console: Console, *
         if cp > 1:  # model.context_parallel
             packing += (f", context parallel {cp} (each document padded to a multiple of {2 * cp} and split over the cp "
                         f"ranks, zigzag)")
-        kernel = {"auto": "auto attention (torch's varlen kernel on a CUDA GPU in bf16, else sdpa)"}.get(
+        kernel = {"auto": "auto attention (varlen on a CUDA GPU in bf16, else sdpa)"}.get(
             cfg.model.attention_backend, f"{cfg.model.attention_backend} attention")
         console.print(f"data: {data_mode}; reordering: {reorder}; language: {packing}, {kernel}")
         if r.calibration:

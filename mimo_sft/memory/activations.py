@@ -282,6 +282,14 @@ def language_slot_bytes(d: TextDims, *, tp: int, b: int, layer_type: str = FULL_
     return 2 * b * (heads + kv) * d.head_dim + FP32 * heads
 
 
+def vision_full_rows_saving(v: VisionDims, *, b: int) -> float:
+    """At most the bytes per patch a block keeps *less* than ``vision_block_terms`` when every segment fills its
+    padded row (``model.segments``: a plain view, no index op): the output projection's input is then a view of
+    SDPA's own output (one ``b h`` fewer), and no index back is kept (up to ``SEGMENT_INDEX``). The forecast keeps
+    the terms: an upper bound for any image size."""
+    return float(b * v.hidden + SEGMENT_INDEX)
+
+
 def vision_padding_bytes(v: VisionDims, *, b: int, patches: int, slots: int) -> float:
     """What one vision block keeps for its attention's padding, beyond ``vision_block_terms`` x ``patches``, when
     its segments take ``slots`` padded slots: per padded slot its stacked q, k, v and output copies and

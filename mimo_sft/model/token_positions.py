@@ -107,7 +107,8 @@ class HostPositionsMixin:
             if rows.shape[0] != positions.counts[name]:
                 raise ValueError(f"Number of {name} tokens ({positions.counts[name]}) does not match number of "
                                  f"{name} embeddings ({rows.shape[0]})")
-            combined = combined.index_copy(0, positions.flat[name], rows.reshape(rows.shape[0], -1).to(combined.dtype))
+            rows = rows.reshape(rows.shape[0], combined.shape[-1])  # (zero rows too: a text-only micro-batch)
+            combined = combined.index_copy(0, positions.flat[name], rows.to(combined.dtype))
         return combined.view(batch, seq, -1).transpose(0, 1).contiguous()  # [S, B, H]
 
     def _attach_modality_split_sizes(self, output, input_ids, encoder_name):
