@@ -34,8 +34,8 @@ import gpu_check_report  # noqa: E402
 # --------------------------------------------------------------------------- the rehearsal (one run, many claims)
 
 
-@pytest.fixture(scope="module")
-def rehearsal(tmp_path_factory):
+@pytest.fixture(scope="session")  # once per worker: a module fixture is made again when the worker comes back to
+def rehearsal(tmp_path_factory):  # this module after another one (xdist's loadgroup interleaves them)
     out = tmp_path_factory.mktemp("gpu_check") / "out"
     env = dict(os.environ, GPU_CHECK_PYTHON=sys.executable)
     proc = subprocess.run(["bash", "scripts/gpu_check.sh", "--rehearse", str(out)], cwd=ROOT, env=env,
