@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 import traceback
 
 from mimo_sft.config.loader import load_config
@@ -70,10 +71,7 @@ def launch_checked(args: list[str], body, *, refuse_reused_output_dir: bool = Fa
         cfg, result = checked_config(args, world if launched_by_torchrun() else None,
                                      refuse_reused_output_dir=refuse_reused_output_dir)
     except UserError as e:
-        lines = "".join(f"error: {p}\n" for p in e.problems)
-        if rank == 0 and not record_error(rank, lines, 2):
-            sys.stderr.write(lines)
-            sys.stderr.flush()
+        _refuse(rank, e)
         return 2
     try:
         from mimo_sft.quiet import quiet_libraries
@@ -93,6 +91,26 @@ def launch_checked(args: list[str], body, *, refuse_reused_output_dir: bool = Fa
             _abort(f"error: [rank {rank}] stopped because another rank failed (see its error above)", 1)
         traceback.print_exc()
         _abort(f"error: [rank {rank}] internal error: {type(e).__name__}: {text.splitlines()[0] if text else ''}", 1)
+
+
+#: how long a rank other than 0 whose config was refused waits before it says so itself: every rank runs the
+#: same checks, so rank 0 normally fails too, prints the problems once and torchrun stops the rest meanwhile.
+#: Leaving at once instead lets torchrun kill rank 0 before its lines are written (the user sees only exit codes).
+REFUSAL_HOLD_S = 10.0
+
+
+def _refuse(rank: int, err: UserError) -> None:
+    """Report a refused config: once, by rank 0; by another rank only when rank 0 did not fail within
+    :data:`REFUSAL_HOLD_S` (a check that depends on the rank's node, such as a path it cannot read). Under
+    mimo-sft's launcher every rank records its lines and the parent prints the first."""
+    lines = "".join(f"error: {p}\n" for p in err.problems)
+    if record_error(rank, lines, 2):
+        return
+    if rank != 0:
+        time.sleep(REFUSAL_HOLD_S)  # torchrun ends this process here when rank 0 failed
+        lines = "".join(f"error: [rank {rank}] {p}\n" for p in err.problems)
+    sys.stderr.write(lines)
+    sys.stderr.flush()
 
 
 #: what gloo/NCCL report on the surviving ranks when a peer process has died
