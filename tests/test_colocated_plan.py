@@ -32,8 +32,8 @@ def _bimodal(rng: random.Random, n: int) -> list[float]:
 
 def _gpu_loads_from_read_plans(layout, mbs, patches, tokens, order, wv, wl) -> list[float]:
     """Independent of the planner's arithmetic: each GPU's load from what ``colocated_read_plan`` has
-    it read (the coarse shard of the ordered micro-batch), encode (its encoder slice) and compute (its
-    language slice, over the language tp x cp ranks)."""
+    it read (the coarse shard of the ordered micro-batch), encode (its encoder slice, over the tower's tp
+    replicas) and compute (its language slice, over the language tp x cp ranks)."""
     out = []
     for rank in range(layout.world_size):
         plan = colocated_read_plan(layout, rank, mbs)
@@ -41,7 +41,8 @@ def _gpu_loads_from_read_plans(layout, mbs, patches, tokens, order, wv, wl) -> l
         shard = [order[plan.dp_rank * shard_len + p] for p in range(shard_len)]
         enc, lang = shard[plan.encoder], shard[plan.language]
         share = layout.language.tp * layout.language.cp  # the GPUs that share a language slice's work
-        out.append(wv * sum(patches[i] for i in enc) + wl * sum(tokens[i] for i in lang) / share)
+        replicas = layout.encoders[0].tp  # the tower's replicas share its slice's images (train.tower_split)
+        out.append(wv * sum(patches[i] for i in enc) / replicas + wl * sum(tokens[i] for i in lang) / share)
     return out
 
 

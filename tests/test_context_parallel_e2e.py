@@ -238,19 +238,23 @@ def _forecast(cp: int) -> dict:
         args += ["--component", c]
     memory = check_config(load_config(args), for_run=True).memory
     (peak,) = memory["gpu_peaks"].values()
-    return {"peak": peak, **memory["modules"]["language"]["terms"]}
+    return {"peak": peak, **memory["modules"]["language"]["terms"],
+            "vision_activations": memory["modules"]["images"]["terms"]["activations"]}
 
 
 @pytest.mark.xdist_group("e2e_cp_long_clip")
 def test_a_long_clip_is_refused_at_cp1_and_trains_at_cp4_on_the_same_gpu_budget():
     """The forecast divides the language activations (and logits) by cp; a budget between the two forecasts
     refuses cp 1 before it trains (check 23) and lets cp 4 train the clip (64 frames sampled,
-    2,048 clip tokens, split over 4 ranks); the vision tower, replicated on its 4 tp ranks, is forecast whole on each."""
+    2,048 clip tokens, split over 4 ranks). The tower, replicated on its 4 tp ranks (the cp group's GPUs), encodes
+    the clip once between them: 8 of its 32 temporal patches each (``train.tower_split``), and its activations are
+    forecast at that share (plus one temporal patch)."""
     from e2e_runs import finetune
 
     one, four = _forecast(1), _forecast(4)
     assert four["activations"] <= 0.26 * one["activations"] and four["logits"] <= 0.26 * one["logits"], (one, four)
     assert four["peak"] < 0.9 * one["peak"], (one, four)
+    assert four["vision_activations"] <= (1 / 4 + 1 / 32) * one["vision_activations"] + 1, (one, four)
     budget = ["--gpu-memory-gb", f"{(one['peak'] * four['peak']) ** 0.5 / 1024 ** 3:.6f}"]
     refused = finetune("long_cp1", 1, [*LONG, *budget], components=LONG_CP[1], model=long_clip_model(),
                        data=long_clip_data(), check=False).proc
@@ -263,3 +267,4 @@ def test_a_long_clip_is_refused_at_cp1_and_trains_at_cp4_on_the_same_gpu_budget(
     # cp rank's language share is a quarter of the row's ~2,100 real tokens
     assert m["supervised_tokens"] > 0 and m["video_frames_decoded"] == 4 * 64, m
     assert sum(m["rank_tokens"]) > 2000 and len(set(m["rank_tokens"])) == 1, m["rank_tokens"]
+    assert m["rank_patches"] == [32 * 256 / 4] * 4, m["rank_patches"]  # each replica encoded a quarter of the clip

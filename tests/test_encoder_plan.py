@@ -45,3 +45,23 @@ def test_a_sample_of_several_pages_is_split_and_a_balanced_layout_stays():
     even = [[100.0, 50.0], [120.0, 30.0]]
     assert encoder_destinations(even) == [[0, 0], [1, 1]]  # 150 each as read: nothing moves
     assert encoder_destinations([[], []]) == [[], []] and encoder_destinations([[5.0]]) == [[0]]
+
+
+def test_a_clip_is_cut_into_its_temporal_patches_whose_rows_are_the_clips():
+    """``temporal_units``: an image stays one unit; a clip of T temporal patches (pixel grid ``(T*2, h, w)``)
+    becomes T units of ``(2, h, w)``, in order, whose pixel and output rows add up to the clip's; a rank holding
+    one long clip beside a text-only rank then shares it (the units plan like pages)."""
+    import torch
+
+    from mimo_sft.data.reorder.encoder_plan import temporal_units
+    from mimo_sft.model.pixels import model_grid_thw
+
+    grid = torch.tensor([[1, 8, 12], [8, 4, 6], [1, 2, 2], [2, 6, 4]])  # image, 4-patch clip, image, 1-patch clip
+    units = temporal_units(grid, 2)
+    assert units.tolist() == [[1, 8, 12], [2, 4, 6], [2, 4, 6], [2, 4, 6], [2, 4, 6], [1, 2, 2], [2, 6, 4]]
+    assert int(units.prod(dim=1).sum()) == int(grid.prod(dim=1).sum())  # pixel rows
+    assert int(model_grid_thw(units, 2).prod(dim=1).sum()) == int(model_grid_thw(grid, 2).prod(dim=1).sum())
+    assert temporal_units(torch.zeros((0, 3), dtype=torch.int64), 2).shape == (0, 3)
+    clip = [[float(p) for p in model_grid_thw(temporal_units(torch.tensor([[16, 8, 8]]), 2), 2).prod(dim=1).tolist()], []]
+    dest = encoder_destinations(clip)
+    assert tower_loads(clip, dest) == [256.0, 256.0] and sorted(dest[0]) == [0] * 4 + [1] * 4

@@ -226,6 +226,9 @@ def test_colocated_fan_out_matches_single_process(reference_variable):
     mixed image sizes, multi-image and text-only samples."""
     run = layout_run("co_fanout", 2, ["language=dp=2", "images=tp=2,dp=1"], extra=["--scalable-dp"])
     assert_same_step(reference_variable, run)
+    # the two replicas shared the micro-batch's images (train.tower_split), none encoded all of them
+    patches = metrics(run)[0]["rank_patches"]
+    assert len(patches) == 2 and min(patches) > 0 and max(patches) < sum(patches), patches
 
 
 def test_freeze_flags_keep_weights_fixed():

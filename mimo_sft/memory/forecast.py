@@ -249,7 +249,17 @@ def _vision_blocks(v: VisionDims, wl: Workload, *, b: int) -> list[tuple[int, fl
     return [(v.full_attention_blocks, full), (v.depth - v.full_attention_blocks, windowed)]
 
 
-def vision_forecast(cfg, layout, hf_config: dict, wl: Workload) -> ModuleForecast:
+def tower_share(patches: int, tp: int, unit_patches: int) -> float:
+    """The fraction of a micro-batch's patches one of ``tp`` tower replicas encodes (``train.tower_split``: each
+    takes contiguous units, an image or a clip's temporal patch, up to the nearest boundary of its share): at most
+    ``patches / tp`` plus one unit of at most ``unit_patches``."""
+    if tp <= 1 or patches <= 0:
+        return 1.0
+    return min(patches, -(-patches // tp) + max(unit_patches, 0)) / patches
+
+
+def vision_forecast(cfg, layout, hf_config: dict, wl: Workload, *, unit_patches: int | None = None) -> ModuleForecast:
+    """``unit_patches``: the largest image or clip temporal patch, in patches (None: a whole micro-batch's)."""
     m = cfg.model
     v = VisionDims.from_config(hf_config)
     lora = LoraSpec.from_model_config(m)
@@ -272,6 +282,8 @@ def vision_forecast(cfg, layout, hf_config: dict, wl: Workload) -> ModuleForecas
         stored, transient = sum(n * one for n, one in blocks), 0
     if merger_trains:
         stored += act.merger_terms(v, b=b) * patches
+    share = tower_share(patches, spec.tp, patches if unit_patches is None else unit_patches)
+    stored, transient = stored * share, transient * share  # a replica keeps its share's activations only
     terms["inputs"] = int(flight * act.vision_input_terms(v, b=b, tower_trains=tower_trains) * patches)
     terms["activations"] = int(flight * stored)
     terms["recompute"] = int(transient)
@@ -293,5 +305,9 @@ def forecast_memory(cfg, layout, hf_config: dict, *, workload: Workload | None =
                                          max_pixels=max_pixels_of(cfg, processor_max_pixels))
     modules = {LANGUAGE: language_forecast(cfg, layout, hf_config, wl, device)}
     if IMAGES in layout.names:
-        modules[IMAGES] = vision_forecast(cfg, layout, hf_config, wl)
+        unit = wl.unit_patches
+        if unit is None:  # an image at most --max-pixels, a clip's temporal patch at most --video-max-pixels
+            pixels = max(max_pixels_of(cfg, processor_max_pixels), cfg.data.video_max_pixels or 0)
+            unit = -(-pixels // VisionDims.from_config(hf_config).patch ** 2)
+        modules[IMAGES] = vision_forecast(cfg, layout, hf_config, wl, unit_patches=unit)
     return MemoryForecast(modules, layout.colocated, wl, device)

@@ -182,8 +182,9 @@ def data_workload(cfg, layout, hf_config: dict, counts: RowCounts):
         windowed, full = math.ceil(ratio_w * patches), math.ceil(ratio_f * patches)
     else:
         windowed, full = top("window_slots", b_vis), top("full_slots", b_vis)
+    units = [int((s.grids[:, 1] * s.grids[:, 2]).max()) for s in counts.sources if len(s.grids)]
     return Workload(language_tokens=tokens, image_patches=patches, image_tokens=top("image_tokens", b_lang),
-                    language_slots=slots, window_slots=windowed, image_slots=full,
+                    language_slots=slots, window_slots=windowed, image_slots=full, unit_patches=max(units, default=0),
                     source=f"this data: the largest micro-batch its {counts.rows:,} rows can form ({b_lang} rows, "
                            f"{tokens:,} tokens {shape} on one language rank; {b_vis} rows, {patches:,} patches on "
                            f"one vision rank; check-data's cost file)")

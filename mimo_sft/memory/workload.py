@@ -22,3 +22,6 @@ class Workload:
     language_slots: int | None = None
     window_slots: int | None = None
     image_slots: int | None = None
+    #: the largest image or clip temporal patch, in patches (``memory.from_data``): what a tower replica may take
+    #: beyond its even share (``train.tower_split``); None: bounded by --max-pixels
+    unit_patches: int | None = None

@@ -1,10 +1,12 @@
-"""``--encoder-balance``: images encoded on the least-loaded tower of the vision DP group, embeddings sent back.
+"""``--encoder-balance``: images (and a clip's temporal patches) encoded on the least-loaded tower of the vision DP
+group, embeddings sent back.
 
 On a colocated layout every GPU encodes its own slice's images. Sample placement (``--intra-microbatch-reorder``)
 balances whole samples; a sample of several large pages still lands on one tower. Here each vision DP rank's
 encoder forward (its instance's ``forward``, wrapped by :func:`install`) does, every micro-batch:
 
-1. gather every rank's image grids over the group's gloo copy (two small all-gathers: counts, then grids);
+1. gather every rank's image grids over the group's gloo copy (two small all-gathers: counts, then grids), and
+   cut each clip into its temporal patches (``encoder_plan.temporal_units``: one long clip spreads over towers);
 2. plan (``data.reorder.encoder_plan``, pure): every rank computes the same destinations;
 3. send the pixel rows of the images that move (one ragged ``all_to_all_single``; uint8 as the data path
    carries them), encode what arrived, and send each image's output rows back to its own rank (one more
@@ -26,7 +28,7 @@ from typing import Callable, NamedTuple
 import torch
 import torch.distributed as dist
 
-from mimo_sft.data.reorder.encoder_plan import encoder_destinations, spread, tower_loads
+from mimo_sft.data.reorder.encoder_plan import encoder_destinations, spread, temporal_units, tower_loads
 
 #: per micro-batch since the last :func:`take_step_figures`: (images moved, spread before, spread after)
 _SEEN: list[tuple[int, float | None, float | None]] = []
@@ -125,6 +127,7 @@ def balanced_forward(encode: Callable, pixel_values: torch.Tensor, image_grid_th
 
     grids, width, dtype = _gather_grids(image_grid_thw.cpu(), int(pixel_values.shape[1]) if pixel_values.dim() == 2 else 0,
                                         pixel_values.dtype, gloo)
+    grids = [temporal_units(g, temporal) for g in grids]  # a clip's temporal patches are units of their own
     me = dist.get_rank(gloo)
     costs = [[float(p) for p in model_grid_thw(g, temporal).prod(dim=1).tolist()] if g.numel() else [] for g in grids]
     dest = encoder_destinations(costs)

@@ -86,6 +86,9 @@ def build_model_and_optimizer(cfg: ExperimentConfig, layout: Layout, pstate: Par
         config_overrides={"calculate_per_token_loss": True, "attention_dropout": 0.0, "hidden_dropout": 0.0},
         max_seq_len=cfg.data.seq_length)
     set_pixel_norm(model, pixel_norm_from(cfg.model.hf_model, resolve_image_backend(cfg.data.image_backend)))
+    from mimo_sft.train.tower_split import install as split_tower, mark_partial_grads
+
+    split_tower(model, pstate, info)  # images tp > 1: the replicas share each micro-batch's images and clip frames
     if cfg.reorder.encoder_balance:  # images to the least-loaded tower, embeddings back (train.encoder_balance)
         from mimo_sft.train.encoder_balance import install
 
@@ -95,6 +98,7 @@ def build_model_and_optimizer(cfg: ExperimentConfig, layout: Layout, pstate: Par
     if lora is not None:  # adapters on top of the loaded weights, before DDP sees the parameters (model.lora)
         lang = pstate.modules[LANGUAGE]
         apply_lora(model, lora, seed=cfg.train.seed, dp_rank=lang.pg_collection.dp.rank() if lang.member else 0)
+    mark_partial_grads(model, pstate)  # the tower replicas' gradients are summed over images tp (train.tower_split)
     mark_vision_lr_params(model, family_adapter(info.model_type).projector_param)
     model.to(runtime.device())
     model.model_type = ModelType.encoder_or_decoder  # forward_backward_no_pipelining looks it up

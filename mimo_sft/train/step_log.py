@@ -143,13 +143,17 @@ def _device_sums(output, n_sources: int) -> torch.Tensor:
 
 
 def encoded_patches(tr, handed: float) -> float:
-    """The patches this rank's tower encoded this step: with ``--encoder-balance`` what the plan sent it, else the
-    slice it was handed."""
-    if not tr.cfg.reorder.encoder_balance:
-        return handed
-    from mimo_sft.train.encoder_balance import take_encoded_patches
+    """The patches this rank's tower encoded this step: with ``--encoder-balance`` what the plan sent it, with a
+    tower replicated over tp ranks its share (``train.tower_split``), else the slice it was handed."""
+    from mimo_sft.train import tower_split
 
-    encoded = take_encoded_patches()
+    split = tower_split.take_encoded_patches()
+    encoded = None
+    if tr.cfg.reorder.encoder_balance:
+        from mimo_sft.train.encoder_balance import take_encoded_patches
+
+        encoded = take_encoded_patches()
+    encoded = encoded if split is None else split  # the replicas share what the balance sent their tower
     return handed if encoded is None else encoded
 
 

@@ -2,10 +2,11 @@
 
 On a colocated layout every GPU runs both modules: it encodes the images of its encoder DP slice,
 then computes ``1 / language tp`` of its language DP rank's samples (the vision tower is not sharded:
-on several vision tp ranks it is replicated, ``config.families``). So what gates a step is the
-heaviest GPU's *sum* of the two, not either module's spread alone:
+on several vision tp ranks it is replicated, ``config.families``, and the replicas share the slice's images,
+``train.tower_split``). So what gates a step is the heaviest GPU's *sum* of the two, not either module's
+spread alone:
 
-    load(GPU) = encoder weight * patches(its vision slice)
+    load(GPU) = encoder weight * patches(its vision slice) / vision tp
               + language weight * real tokens(its language slice) / language tp
 
 DP sizes divide one another, so the canonical grid has ``G = max(dp)`` groups: the module with the
@@ -59,10 +60,12 @@ class ColocatedGrid:
     vision_dp: int
     language_dp: int
     language_tp: int = 1
+    #: the tower's replicas that share one vision slice's images (``train.tower_split``)
+    vision_tp: int = 1
 
     def __post_init__(self):
         lo, hi = sorted((self.vision_dp, self.language_dp))
-        if lo < 1 or hi % lo or self.language_tp < 1:
+        if lo < 1 or hi % lo or self.language_tp < 1 or self.vision_tp < 1:
             raise ValueError(f"vision dp {self.vision_dp} and language dp {self.language_dp} must divide one "
                              f"another (language tp {self.language_tp})")
 
@@ -71,7 +74,7 @@ class ColocatedGrid:
         (enc,) = layout.encoders
         # a language DP slice's work is shared by its tp x cp GPUs (context parallelism splits its positions)
         return cls(vision_dp=enc.dp, language_dp=layout.language.dp,
-                   language_tp=layout.language.tp * layout.language.cp)
+                   language_tp=layout.language.tp * layout.language.cp, vision_tp=enc.tp)
 
     @property
     def n_groups(self) -> int:
@@ -91,7 +94,7 @@ class ColocatedGrid:
 def sample_terms(patches: Sequence[float], tokens: Sequence[float], grid: ColocatedGrid, *,
                  encoder_cost_weight: float, language_cost_weight: float) -> tuple[np.ndarray, np.ndarray]:
     """Per sample, what it adds to a GPU of its vision slice and to a GPU of its language slice."""
-    vision = encoder_cost_weight * np.asarray(patches, dtype=np.float64).reshape(-1)
+    vision = (encoder_cost_weight / grid.vision_tp) * np.asarray(patches, dtype=np.float64).reshape(-1)
     language = (language_cost_weight / grid.language_tp) * np.asarray(tokens, dtype=np.float64).reshape(-1)
     if vision.shape != language.shape:
         raise ValueError(f"{vision.size} patch counts but {language.size} token counts")

@@ -6,7 +6,13 @@ vision DP group, and sends the embeddings (and their gradients) back to the GPU 
 sample (``train.encoder_balance``; measured in ``scripts/bench_encoder_balance.py``). Every rank of the group
 gathers every rank's image sizes and computes this plan itself, so they agree without a broadcast.
 
-The plan: images heaviest first (ties: lower rank, then lower index) onto the tower with the least load so far;
+A clip is split at its temporal-patch boundaries (:func:`temporal_units`): each temporal patch is a unit of its
+own, planned like an image, so one long clip is encoded by several towers (under language context parallelism,
+by the GPUs of its cp group and beyond) rather than by the one whose slice holds it. That is exact: Qwen-VL
+towers attend within one temporal patch (their ``cu_seqlens`` are per frame), merge 2x2 patches within it, and
+build each one's positions from its ``h, w`` alone, so a clip's output is its units' outputs back to back.
+
+The plan: units heaviest first (ties: lower rank, then lower index) onto the tower with the least load so far;
 among equally loaded towers the image's own comes first, then the lowest rank (an image stays home whenever
 that is as good). If that leaves the heaviest tower no lighter than the layout as read, nothing moves. A cost
 is an image's patches, as the reorder planner counts them. Only comparisons of sums of the same floats decide.
@@ -18,8 +24,23 @@ import math
 from typing import Sequence
 
 import numpy as np
+import torch
 
 from mimo_sft.data.reorder.load_bounds import load_spread
+
+
+def temporal_units(grid: torch.Tensor, temporal: int) -> torch.Tensor:
+    """A rank's carried pixel grid ``[n, 3]`` (host; a clip's first side is ``T * temporal`` frames,
+    ``model.pixels``) -> the grid of its units, in order: an image is one unit, a clip of ``T`` temporal patches
+    ``T`` units of pixel grid ``(temporal, h, w)``. The units' pixel rows and output rows, back to back, are the
+    items' (a clip's rows are temporal-patch major)."""
+    if grid.shape[0] == 0:
+        return grid
+    t = grid[:, 0]
+    repeats = torch.where(t > 1, t // temporal, torch.ones_like(t))
+    units = grid.repeat_interleave(repeats, dim=0)
+    units[:, 0] = torch.where(units[:, 0] > 1, torch.full_like(units[:, 0], temporal), units[:, 0])
+    return units
 
 
 def tower_loads(costs: Sequence[Sequence[float]], dest: Sequence[Sequence[int]] | None = None) -> list[float]:
