@@ -205,8 +205,14 @@ _LOCK = threading.Lock()
 _ZYGOTE: dict[int, Zygote | None] = {}  # pid -> this process's zygote (None: it failed to start)
 
 
+#: torchrun's per-rank variables: never the zygote's own, even when it starts inside a test that set one for
+#: itself (``monkeypatch.setenv("WORLD_SIZE", ...)``): a later run without them would then not match it
+LAUNCH_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
 def zygote_env() -> dict:
-    return {**os.environ, **RUN_ENV, **{k: os.environ.get(k, v) for k, v in CLI_ENV_DEFAULTS.items()}}
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_KEYS}
+    return {**env, **RUN_ENV, **{k: os.environ.get(k, v) for k, v in CLI_ENV_DEFAULTS.items()}}
 
 
 def zygote() -> Zygote | None:
