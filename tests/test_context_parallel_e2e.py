@@ -268,3 +268,4 @@ def test_a_long_clip_is_refused_at_cp1_and_trains_at_cp4_on_the_same_gpu_budget(
     assert m["supervised_tokens"] > 0 and m["video_frames_decoded"] == 4 * 64, m
     assert sum(m["rank_tokens"]) > 2000 and len(set(m["rank_tokens"])) == 1, m["rank_tokens"]
     assert m["rank_patches"] == [32 * 256 / 4] * 4, m["rank_patches"]  # each replica encoded a quarter of the clip
+

@@ -51,6 +51,10 @@ def _expert_run_findings(ctx, spec, language):
             yield (f"--moe-aux-loss-coeff={m.moe_aux_loss_coeff} with --recompute-granularity "
                    f"{m.recompute_granularity}: a recomputed layer would weigh its load-balancing loss by another "
                    f"micro-batch's tokens (train.expert_load); drop one of the two")
+        if m.moe_aux_loss_coeff > 0 and language.cp > 1:
+            yield (f"--moe-aux-loss-coeff={m.moe_aux_loss_coeff} with language.cp={language.cp}: mimo-sft's "
+                   f"load-balancing loss is computed on each rank's own positions, which under context parallelism "
+                   f"is not the sequence's loss (train.expert_load); set --moe-aux-loss-coeff 0 or cp=1")
     elif m.moe_aux_loss_coeff > 0:
         yield (f"--moe-aux-loss-coeff={m.moe_aux_loss_coeff} has no effect: {spec.name} is a dense model "
                f"(no router)", "note")
