@@ -269,3 +269,18 @@ def test_a_long_clip_is_refused_at_cp1_and_trains_at_cp4_on_the_same_gpu_budget(
     assert sum(m["rank_tokens"]) > 2000 and len(set(m["rank_tokens"])) == 1, m["rank_tokens"]
     assert m["rank_patches"] == [32 * 256 / 4] * 4, m["rank_patches"]  # each replica encoded a quarter of the clip
 
+
+
+@pytest.mark.xdist_group("e2e_cp_qwen3_vl_moe")
+def test_qwen3_vl_moe_load_balancing_loss_at_cp2_equals_one_process():
+    """--moe-aux-loss-coeff under cp: each cp rank routes its own positions, so the Switch loss's sums (slots and
+    probabilities per expert, tokens) are added over the cp group and each rank's part carries its tokens'
+    gradient (train.expert_load.cp_aux_loss). The cp 2 step (the routers' gradients included) and the reported
+    loss equal one packed process's; before, each rank took its own positions' loss and the gradient norm was 8x."""
+    aux = ["--moe-aux-loss-coeff", "0.1", *PACKED]
+    ref = layout_run("cp_moe_aux_ref", 1, SINGLE, video_data(), [*VIDEO, "--scalable-dp", *aux],
+                     model=tiny("qwen3_vl_moe"))
+    got = run("qwen3_vl_moe", "cp_moe_aux_cp2", 2, ("language=cp=2,ep=2,dp=1", "images=dp=2"), aux)
+    _exact(ref, got)
+    a, b = metrics(ref)[0]["moe_aux_loss"], metrics(got)[0]["moe_aux_loss"]
+    assert a >= 1.0 and abs(a - b) <= EXACT * a, (a, b)

@@ -118,6 +118,24 @@ def test_pack_micro_batch_keeps_every_real_position_in_order():
         pack_micro_batch(left_padded)
 
 
+@pytest.mark.parametrize("keep_padding", [False, True])
+def test_real_positions_mark_the_micro_batchs_tokens_in_the_cp_packing(keep_padding):
+    """``real_positions``: which positions of the cp packing (documents padded to multiples of 2 cp, rows whole with
+    ``keep_padding``) are real tokens: exactly the attention mask's, in order (the load-balancing loss under cp
+    counts these)."""
+    from mimo_sft.train.packing import pack_documents, real_positions
+
+    attn = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [0, 0, 0, 0, 0], [1, 0, 0, 0, 0]], dtype=torch.bool)
+    ids = torch.arange(20).reshape(4, 5) + 100
+    pos = torch.stack([ids, ids, ids])
+    batch = dict(input_ids=ids, labels=ids, loss_mask=attn.float(), attention_mask=attn, position_ids=pos)
+    packed, kw, rows = pack_documents(batch, cp=2, keep_padding=keep_padding)
+    real = real_positions(attn, rows, kw["cu_seqlens_q"])
+    assert real.dtype == torch.bool and real.shape == rows.shape
+    assert packed["input_ids"][0][real].tolist() == ids[attn].tolist()
+    assert int(real.sum()) == int(attn.sum()) and bool((rows[real] >= 0).all())
+
+
 def _loss_and_grads(model, info, batch, pos, *, packed: bool):
     from mimo_sft.model.family import modality_inputs_from_batch
     from mimo_sft.train.packing import pack_micro_batch

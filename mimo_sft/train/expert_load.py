@@ -68,6 +68,35 @@ def switch_aux_loss(logits: torch.Tensor, topk: int) -> torch.Tensor:
     return experts * (share * probs.mean(dim=0)).sum()
 
 
+def switch_aux_parts(logits: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(top-k slots per expert [E], summed softmax probability per expert [E])`` of these tokens: the two sums
+    the Switch loss is made of, so that ranks holding parts of one sequence can add them up (context
+    parallelism). The probabilities carry the graph; the slot counts none."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    experts = probs.shape[-1]
+    chosen = torch.topk(logits.float(), topk, dim=-1).indices
+    slots = torch.zeros(experts, dtype=torch.float32, device=logits.device).index_add_(
+        0, chosen.flatten(), torch.ones(chosen.numel(), dtype=torch.float32, device=logits.device))
+    return slots, probs.sum(dim=0)
+
+
+def cp_aux_loss(logits: torch.Tensor, topk: int, group) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(this rank's differentiable part, the sequence's Switch loss value)`` when the sequence's tokens are
+    spread over the ranks of ``group`` (context parallelism): the slot counts, token count and probability sums
+    are summed over the group (one all-reduce; the value only), and each rank's part is
+    ``E * sum_e f_e * P_e(own tokens) / N``, so the parts add up to the loss of the whole sequence and each rank's
+    gradient is the one-process gradient of its own tokens."""
+    slots, prob_sum = switch_aux_parts(logits, topk)
+    experts = slots.shape[0]
+    both = torch.cat([slots, prob_sum.detach(), slots.new_full((1,), float(logits.shape[0]))])
+    dist.all_reduce(both, group=group)
+    total_slots, total_probs, tokens = both[:experts], both[experts:2 * experts], both[2 * experts:].clamp(min=1.0)
+    share = total_slots / (tokens * topk)
+    part = experts * (share * prob_sum / tokens).sum()
+    value = experts * (share * total_probs / tokens).sum()
+    return part, value
+
+
 class ExpertLoad:
     """Counts tokens per expert for this rank's MoE layers; attaches the load-balancing loss when on."""
 
@@ -82,6 +111,9 @@ class ExpertLoad:
         self._attention = None
         #: supervised tokens of the micro-batch now running forward on this rank (``train.step`` sets it)
         self.micro_batch_tokens = 0.0
+        #: under context parallelism: the cp group, and which of this rank's positions are real tokens (host)
+        self._cp_group = None
+        self._cp_real: Optional[torch.Tensor] = None
         self.counts: Optional[torch.Tensor] = None
         self.aux_sum: Optional[torch.Tensor] = None
         self.records = [0] * num_layers
@@ -105,13 +137,21 @@ class ExpertLoad:
         self.micro_batch_tokens = float(mask.sum()) if mask is not None else 0.0
         self._attention = batch.get("attention_mask")
 
+    def see_cp(self, group, real: torch.Tensor) -> None:
+        """``train.step``'s split hook under context parallelism: this rank's positions that are real tokens (host
+        bool, in its local order) and the cp group whose ranks share the micro-batch's sequence."""
+        self._cp_group, self._cp_real = group, real
+
     def _real_rows(self, local_rows: int) -> torch.Tensor:
         """Which of the MoE layer's ``local_rows`` input rows are real tokens: the padded ``[S, B]`` order
         (megatron's sequence-first layout), or packed (real tokens first, then the tp-multiple padding),
         and under sequence parallelism this tp rank's slice of them."""
         full = local_rows * self.aux_share
         attention = self._attention
-        if attention is None:
+        if self._cp_real is not None:
+            assert self._cp_real.numel() == full, (self._cp_real.numel(), full)
+            real = self._cp_real
+        elif attention is None:
             real = torch.ones(full, dtype=torch.bool)
         elif attention.numel() == full:
             real = attention.bool().t().reshape(-1)
@@ -141,14 +181,18 @@ class ExpertLoad:
             hidden = inputs[0]
             rows = hidden.reshape(-1, hidden.shape[-1])
             real = self._real_rows(rows.shape[0])  # on the host: which rows are tokens is known there
-            if not bool(real.any()):
-                return None  # this sequence-parallel slice holds padding only
+            cp = self._cp_group
+            if not bool(real.any()) and cp is None:
+                return None  # this sequence-parallel slice holds padding only (a cp rank joins the sums anyway)
             picked = host_to(real.nonzero().reshape(-1), rows.device)  # one copy; no mask index (a device read)
             logits = torch.nn.functional.linear(rows.index_select(0, picked).float(), module.router.weight.float())
-            aux = switch_aux_loss(logits, self.topk)
+            if cp is None:
+                aux = value = switch_aux_loss(logits, self.topk)
+            else:  # the sequence's loss from the cp group's sums; this rank's part carries its tokens' gradient
+                aux, value = cp_aux_loss(logits, self.topk, cp)
             if self.aux_sum is None:
                 self.aux_sum = torch.zeros(self.num_layers, dtype=torch.float64, device=aux.device)
-            self.aux_sum[index] += aux.detach().double()
+            self.aux_sum[index] += value.detach().double()
             self.records[index] += 1
             weight = self.aux_coeff * self.micro_batch_tokens / self.aux_share
             out, bias = output if isinstance(output, tuple) else (output, None)

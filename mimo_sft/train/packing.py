@@ -153,3 +153,16 @@ def _continue_positions(positions: torch.Tensor, real: torch.Tensor, lengths: li
             out[:, start + k:start + n] = last + torch.arange(1, n - k + 1, dtype=positions.dtype)
         start += n
     return out
+
+
+def real_positions(mask: torch.Tensor, rows: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """Host bool ``[T]``: which positions of :func:`pack_documents`' sequence are real tokens of the micro-batch
+    whose ``attention_mask`` was ``mask [b, s]``. A document is its row's first positions in order (its real
+    tokens, or with ``keep_padding`` the whole row, whose pads are computed but are not tokens), then the pads
+    to a multiple of ``2 * cp`` (``rows`` -1)."""
+    s = mask.shape[1]
+    lengths = cu_seqlens.diff().to(torch.int64)
+    starts = torch.repeat_interleave(cu_seqlens[:-1].to(torch.int64), lengths)
+    offset = torch.arange(rows.numel(), dtype=torch.int64) - starts
+    flat = (rows.clamp(min=0) * s + offset.clamp(max=s - 1))
+    return (rows >= 0) & mask.reshape(-1)[flat]

@@ -36,7 +36,7 @@ from mimo_sft.parallel.megatron_patches import (guard_bridge_debug_logging, host
 from mimo_sft.model.token_positions import TokenPositions
 from mimo_sft.train.bridge import padded_bridges
 from mimo_sft.model.context_parallel import ContextSplit
-from mimo_sft.train.packing import pack_documents, pack_micro_batch
+from mimo_sft.train.packing import pack_documents, pack_micro_batch, real_positions
 from mimo_sft.train.profile import phase
 
 from megatron.core.distributed.finalize_model_grads import finalize_model_grads  # noqa: E402
@@ -184,6 +184,9 @@ class StepRunner:
         self._global_tokens = None
         #: called with each micro-batch (host tensors) before its forward (``train.expert_load``)
         self.micro_batch_hook = None
+        #: under context parallelism, called with the cp group and which of this rank's positions are real
+        #: tokens (host bool, local order) before the forward (``train.expert_load``'s load-balancing loss)
+        self.split_hook = None
         #: a mixture's source count (0: none): the schedule then also sums loss and tokens per source
         self.n_sources = 0
         self.source_sums = None  # [2, n_sources] of the last schedule (last language stage; device), else None
@@ -291,11 +294,14 @@ class StepRunner:
         """``(packed batch, packing_kwargs, token sources of this rank's positions or None, ContextSplit)``: the
         micro-batch as one sequence of documents padded to multiples of 2*cp (``train.packing.pack_documents``;
         cu_seqlens stay on the host) and this rank's share of it, indexes built here on the host."""
+        mask = batch["attention_mask"].bool()
         batch, packing_kwargs, rows = pack_documents(batch, cp=self.cp, multiple=self.pack_multiple,
                                                      keep_padding=not self.packing)
         bounds = packing_kwargs["cu_seqlens_q"].tolist()
         split = ContextSplit.build([e - b for b, e in zip(bounds, bounds[1:])], cp=self.cp,
                                    rank=self.cp_group.rank(), group=self.cp_group, device=runtime.device())
+        if self.split_hook is not None:
+            self.split_hook(self.cp_group, real_positions(mask, rows, packing_kwargs["cu_seqlens_q"])[split.local_host])
         token_sources = None
         if self.n_sources and "source_ids" in batch:
             src = batch["source_ids"]

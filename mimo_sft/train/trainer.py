@@ -194,6 +194,8 @@ class Trainer:
                                  packing=cfg.data.in_batch_packing)
         if self.expert_load is not None and self.expert_load.aux_coeff > 0:
             self.runner.micro_batch_hook = self.expert_load.see
+            if layout.language.cp > 1:  # the sequence's loss from the cp group's sums (train.expert_load)
+                self.runner.split_hook = self.expert_load.see_cp
         self.runner.n_sources = len(self.feed.mixture.names) if self.feed.mixture is not None else 0
         self.logger = MetricsLogger(self.output_dir, enabled=self.ctx.is_metrics_rank, total_steps=cfg.train.train_iters,
                                     log_interval=cfg.logging.log_interval, tensorboard=cfg.logging.tensorboard,
