@@ -281,6 +281,10 @@ def test_qwen3_vl_moe_load_balancing_loss_at_cp2_equals_one_process():
     ref = layout_run("cp_moe_aux_ref", 1, SINGLE, video_data(), [*VIDEO, "--scalable-dp", *aux],
                      model=tiny("qwen3_vl_moe"))
     got = run("qwen3_vl_moe", "cp_moe_aux_cp2", 2, ("language=cp=2,ep=2,dp=1", "images=dp=2"), aux)
-    _exact(ref, got)
-    a, b = metrics(ref)[0]["moe_aux_loss"], metrics(got)[0]["moe_aux_loss"]
-    assert a >= 1.0 and abs(a - b) <= EXACT * a, (a, b)
+    both = run("qwen3_vl_moe", "cp_moe_aux_tp2cp2", 4, ("language=tp=2,cp=2,ep=2,dp=1", "images=dp=4"), [*aux, *SP])
+    a = metrics(ref)[0]["moe_aux_loss"]
+    assert a >= 1.0
+    for run_dir in (got, both):  # cp, and sequence-parallel tp x cp: the sums over tp_cp
+        _exact(ref, run_dir)
+        b = metrics(run_dir)[0]["moe_aux_loss"]
+        assert abs(a - b) <= EXACT * a, (run_dir, a, b)

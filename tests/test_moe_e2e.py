@@ -158,6 +158,18 @@ def test_load_balancing_loss_is_off_by_default_and_reported_when_on(reference):
     assert head and all(torch.equal(a[k], b[k]) for k in head)  # above every router: untouched
 
 
+def test_load_balancing_loss_at_sequence_parallel_tp2_equals_one_process():
+    """With sequence parallelism each tp rank routes a slice of the positions: the loss's sums are added over tp,
+    so the step (the routers' gradients included) and the reported loss are one process's. Before, each slice
+    took its own Switch loss: the loss matched here but the gradient norm was 0.13% off."""
+    aux = ["--moe-aux-loss-coeff", "0.1"]
+    ref = run("moe_aux", 1, SINGLE, aux)  # shared with the test above
+    got = run("moe_aux_sp", 2, ["language=tp=2,dp=1", "images=dp=2"], ["--sequence-parallel", *aux])
+    assert_same_step(ref, got, weights_tol=WEIGHTS_TOL)
+    a, b = train_rows(ref)[0]["moe_aux_loss"], train_rows(got)[0]["moe_aux_loss"]
+    assert abs(a - b) <= 1e-6 * a, (a, b)
+
+
 @functools.lru_cache(maxsize=None)
 def tiny_qwen3_5_moe() -> str:
     from mimo_sft.testing.tiny_checkpoint import write_tiny_checkpoint

@@ -29,7 +29,11 @@ position, so with mimo-sft's division by supervised tokens it would weigh positi
 tokens times more (26x on the tests' data). Each micro-batch's weight is captured at its forward (the
 autograd node keeps it), so pipeline schedules with several micro-batches in flight stay exact; a
 recomputed MoE layer would read a later micro-batch's weight, so check 21 refuses recomputation with
-the loss on.
+the loss on. Where one sequence is spread over ranks -- sequence-parallel tp slices, context-parallel
+shares, or both -- the loss is still the whole sequence's: the slot counts, probability sums and token
+counts are added over those ranks (one all-reduce per layer and micro-batch), and each rank's part, whose
+parts add up to the loss, carries its own tokens' gradient (:func:`cp_aux_loss`; megatron sums the router's
+gradient over dp x cp and, for sequence parallelism, over tp).
 """
 
 from __future__ import annotations
@@ -101,18 +105,20 @@ class ExpertLoad:
     """Counts tokens per expert for this rank's MoE layers; attaches the load-balancing loss when on."""
 
     def __init__(self, language_model, *, num_layers: int, num_experts: int, topk: int, tp: int,
-                 sequence_parallel: bool, aux_coeff: float = 0.0, tp_rank: int = 0):
+                 sequence_parallel: bool, aux_coeff: float = 0.0, tp_rank: int = 0, seq_group=None):
         self.num_layers, self.num_experts, self.topk = num_layers, num_experts, topk
         self.duplicates = 1 if sequence_parallel else tp
-        #: the aux gradient's tp share: with sequence parallelism the router's gradient is summed over tp
+        #: sequence-parallel tp ranks each hold a slice of the positions (``_real_rows`` picks this rank's)
         self.aux_share = tp if sequence_parallel else 1
         self.aux_coeff = aux_coeff
         self.tp_rank = tp_rank
         self._attention = None
         #: supervised tokens of the micro-batch now running forward on this rank (``train.step`` sets it)
         self.micro_batch_tokens = 0.0
-        #: under context parallelism: the cp group, and which of this rank's positions are real tokens (host)
-        self._cp_group = None
+        #: the ranks a micro-batch's sequence is spread over (sequence-parallel tp, cp, or both): the loss's sums
+        #: are added over them (:func:`cp_aux_loss`); None: each rank holds whole sequences
+        self._seq_group = seq_group
+        #: under context parallelism: which of this rank's positions are real tokens (host; ``see_cp``)
         self._cp_real: Optional[torch.Tensor] = None
         self.counts: Optional[torch.Tensor] = None
         self.aux_sum: Optional[torch.Tensor] = None
@@ -139,8 +145,8 @@ class ExpertLoad:
 
     def see_cp(self, group, real: torch.Tensor) -> None:
         """``train.step``'s split hook under context parallelism: this rank's positions that are real tokens (host
-        bool, in its local order) and the cp group whose ranks share the micro-batch's sequence."""
-        self._cp_group, self._cp_real = group, real
+        bool, in its local order; ``group``, the cp group, is part of the sequence group given at construction)."""
+        self._cp_real = real
 
     def _real_rows(self, local_rows: int) -> torch.Tensor:
         """Which of the MoE layer's ``local_rows`` input rows are real tokens: the padded ``[S, B]`` order
@@ -181,20 +187,20 @@ class ExpertLoad:
             hidden = inputs[0]
             rows = hidden.reshape(-1, hidden.shape[-1])
             real = self._real_rows(rows.shape[0])  # on the host: which rows are tokens is known there
-            cp = self._cp_group
-            if not bool(real.any()) and cp is None:
-                return None  # this sequence-parallel slice holds padding only (a cp rank joins the sums anyway)
+            spread = self._seq_group
+            if not bool(real.any()) and spread is None:
+                return None  # no real token here (a rank of a spread sequence joins the sums anyway)
             picked = host_to(real.nonzero().reshape(-1), rows.device)  # one copy; no mask index (a device read)
             logits = torch.nn.functional.linear(rows.index_select(0, picked).float(), module.router.weight.float())
-            if cp is None:
+            if spread is None:
                 aux = value = switch_aux_loss(logits, self.topk)
-            else:  # the sequence's loss from the cp group's sums; this rank's part carries its tokens' gradient
-                aux, value = cp_aux_loss(logits, self.topk, cp)
+            else:  # the sequence's loss from the group's sums; this rank's part carries its own tokens' gradient
+                aux, value = cp_aux_loss(logits, self.topk, spread)
             if self.aux_sum is None:
                 self.aux_sum = torch.zeros(self.num_layers, dtype=torch.float64, device=aux.device)
             self.aux_sum[index] += value.detach().double()
             self.records[index] += 1
-            weight = self.aux_coeff * self.micro_batch_tokens / self.aux_share
+            weight = self.aux_coeff * self.micro_batch_tokens  # the parts add up to the sequence's loss
             out, bias = output if isinstance(output, tuple) else (output, None)
             out = _AttachAux.apply(out, aux, weight)
             return (out, bias) if isinstance(output, tuple) else out
@@ -237,11 +243,24 @@ def expert_load_for(cfg, ctx, layout) -> Optional[ExpertLoad]:
     if not experts:
         return None
     lm = ctx.model.language_model
+    sp = bool(lang_cfg.sequence_parallel) and layout.language.tp > 1
     return ExpertLoad(getattr(lm, "module", lm), num_layers=lang_cfg.num_layers, num_experts=experts,
                       topk=lang_cfg.moe_router_topk, tp=layout.language.tp,
                       sequence_parallel=bool(lang_cfg.sequence_parallel),
                       aux_coeff=float(cfg.model.moe_aux_loss_coeff or 0.0),
-                      tp_rank=lm_tp_rank(ctx, layout))
+                      tp_rank=lm_tp_rank(ctx, layout), seq_group=_sequence_group(ctx, sp, layout.language.cp))
+
+
+def _sequence_group(ctx, sp: bool, cp: int):
+    """The ranks one micro-batch's sequence is spread over on this rank's language stage: sequence-parallel tp,
+    cp, or both (None: whole sequences on each rank, or no language model here)."""
+    from mimo_sft.parallel.layout import LANGUAGE
+
+    groups = ctx.pstate.modules.get(LANGUAGE)
+    if groups is None or not groups.member:
+        return None
+    pgs = groups.pg_collection
+    return pgs.tp_cp if sp and cp > 1 else pgs.tp if sp else pgs.cp if cp > 1 else None
 
 
 def lm_tp_rank(ctx, layout) -> int:

@@ -51,11 +51,6 @@ def _expert_run_findings(ctx, spec, language):
             yield (f"--moe-aux-loss-coeff={m.moe_aux_loss_coeff} with --recompute-granularity "
                    f"{m.recompute_granularity}: a recomputed layer would weigh its load-balancing loss by another "
                    f"micro-batch's tokens (train.expert_load); drop one of the two")
-        if m.moe_aux_loss_coeff > 0 and language.cp > 1 and language.tp > 1:
-            yield (f"--moe-aux-loss-coeff={m.moe_aux_loss_coeff} with language.cp={language.cp} and "
-                   f"tp={language.tp}: mimo-sft sums the load-balancing loss over the cp group, not over "
-                   f"sequence-parallel tp slices as well (train.expert_load); set tp=1, cp=1 or "
-                   f"--moe-aux-loss-coeff 0")
     elif m.moe_aux_loss_coeff > 0:
         yield (f"--moe-aux-loss-coeff={m.moe_aux_loss_coeff} has no effect: {spec.name} is a dense model "
                f"(no router)", "note")
