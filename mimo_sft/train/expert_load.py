@@ -62,21 +62,19 @@ class _AttachAux(torch.autograd.Function):
 
 
 def switch_aux_loss(logits: torch.Tensor, topk: int) -> torch.Tensor:
-    """``E * sum_e f_e * P_e`` over these tokens (fp32 ``[tokens, E]`` logits)."""
+    """``E * sum_e f_e * P_e`` over these tokens (fp32 ``[tokens, E]`` logits; ``switch_aux_parts``' sums, with
+    torch's mean for ``P_e``: the rounding the single-process runs have always had)."""
     probs = torch.softmax(logits.float(), dim=-1)
-    experts = probs.shape[-1]
-    chosen = torch.topk(logits.float(), topk, dim=-1).indices
-    share = torch.zeros(experts, dtype=torch.float32, device=logits.device).index_add_(
-        0, chosen.flatten(), torch.ones(chosen.numel(), dtype=torch.float32, device=logits.device))
-    share = share / max(chosen.numel(), 1)
-    return experts * (share * probs.mean(dim=0)).sum()
+    slots, _ = switch_aux_parts(logits, topk, probs=probs)
+    return probs.shape[-1] * (slots / max(logits.shape[0] * topk, 1) * probs.mean(dim=0)).sum()
 
 
-def switch_aux_parts(logits: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+def switch_aux_parts(logits: torch.Tensor, topk: int, *, probs: torch.Tensor | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(top-k slots per expert [E], summed softmax probability per expert [E])`` of these tokens: the two sums
     the Switch loss is made of, so that ranks holding parts of one sequence can add them up (context
     parallelism). The probabilities carry the graph; the slot counts none."""
-    probs = torch.softmax(logits.float(), dim=-1)
+    probs = torch.softmax(logits.float(), dim=-1) if probs is None else probs
     experts = probs.shape[-1]
     chosen = torch.topk(logits.float(), topk, dim=-1).indices
     slots = torch.zeros(experts, dtype=torch.float32, device=logits.device).index_add_(
@@ -143,9 +141,9 @@ class ExpertLoad:
         self.micro_batch_tokens = float(mask.sum()) if mask is not None else 0.0
         self._attention = batch.get("attention_mask")
 
-    def see_cp(self, group, real: torch.Tensor) -> None:
+    def see_cp(self, real: torch.Tensor) -> None:
         """``train.step``'s split hook under context parallelism: this rank's positions that are real tokens (host
-        bool, in its local order; ``group``, the cp group, is part of the sequence group given at construction)."""
+        bool, in its local order)."""
         self._cp_real = real
 
     def _real_rows(self, local_rows: int) -> torch.Tensor:

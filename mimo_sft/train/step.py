@@ -184,8 +184,8 @@ class StepRunner:
         self._global_tokens = None
         #: called with each micro-batch (host tensors) before its forward (``train.expert_load``)
         self.micro_batch_hook = None
-        #: under context parallelism, called with the cp group and which of this rank's positions are real
-        #: tokens (host bool, local order) before the forward (``train.expert_load``'s load-balancing loss)
+        #: under context parallelism, called with which of this rank's positions are real tokens (host bool,
+        #: local order) before the forward (``train.expert_load``'s load-balancing loss)
         self.split_hook = None
         #: a mixture's source count (0: none): the schedule then also sums loss and tokens per source
         self.n_sources = 0
@@ -301,7 +301,7 @@ class StepRunner:
         split = ContextSplit.build([e - b for b, e in zip(bounds, bounds[1:])], cp=self.cp,
                                    rank=self.cp_group.rank(), group=self.cp_group, device=runtime.device())
         if self.split_hook is not None:
-            self.split_hook(self.cp_group, real_positions(mask, rows, packing_kwargs["cu_seqlens_q"])[split.local_host])
+            self.split_hook(real_positions(mask, rows, packing_kwargs["cu_seqlens_q"])[split.local_host])
         token_sources = None
         if self.n_sources and "source_ids" in batch:
             src = batch["source_ids"]
