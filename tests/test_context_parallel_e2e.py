@@ -271,6 +271,12 @@ def test_a_long_clip_is_refused_at_cp1_and_trains_at_cp4_on_the_same_gpu_budget(
 
 
 
+#: the load-balancing loss's gradient reaches the tower through the image tokens, from sums taken over the cp group
+#: in another order than one process's mean: the vision norms' small fp32 gradients moved by up to 1.03e-6 of
+#: their largest entry in one full-suite run (7.3e-11 of 7.1e-5); every other parameter is held to EXACT
+AUX_TOWER_NORMS = {"norm1.weight": 3e-6, "norm2.weight": 3e-6}
+
+
 @pytest.mark.xdist_group("e2e_cp_qwen3_vl_moe")
 def test_qwen3_vl_moe_load_balancing_loss_at_cp2_equals_one_process():
     """--moe-aux-loss-coeff under cp: each cp rank routes its own positions, so the Switch loss's sums (slots and
@@ -285,6 +291,6 @@ def test_qwen3_vl_moe_load_balancing_loss_at_cp2_equals_one_process():
     a = metrics(ref)[0]["moe_aux_loss"]
     assert a >= 1.0
     for run_dir in (got, both):  # cp, and sequence-parallel tp x cp: the sums over tp_cp
-        _exact(ref, run_dir)
+        _exact(ref, run_dir, loose=AUX_TOWER_NORMS)
         b = metrics(run_dir)[0]["moe_aux_loss"]
         assert abs(a - b) <= EXACT * a, (run_dir, a, b)
